@@ -1,0 +1,1 @@
+//! An embeddable, durable message broker with Azure Service Bus semantics.

@@ -1,0 +1,287 @@
+//! The [`Transport`] trait: what the processor needs from a broker.
+//!
+//! The vocabulary is the common ground of the brokers twice runs on:
+//!
+//! | twice         | Service Bus (peek-lock)  | NATS JetStream        | RabbitMQ (quorum queue)        |
+//! |---------------|--------------------------|-----------------------|--------------------------------|
+//! | `receive`     | receive with lock        | pull fetch            | basic.consume with prefetch    |
+//! | `complete`    | complete                 | `Ack`                 | basic.ack                      |
+//! | `abandon`     | abandon (count + 1)      | `Nak`                 | basic.nack requeue (count + 1) |
+//! | `dead_letter` | dead-letter              | `Term` (+ DLQ stream) | basic.reject → dead-letter exchange |
+//! | `defer`       | defer                    | —                     | —                              |
+//! | `release`     | release (no count)       | `Nak` with delay 0    | basic.nack requeue             |
+//! | `renew_lock`  | renew lock               | `InProgress`          | — (no lock expiry)             |
+//!
+//! A transport that lacks an operation returns [`TransportError::Unsupported`].
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::clock::Timestamp;
+use crate::ids::SessionId;
+use crate::message::{Properties, ReceivedMessage};
+
+/// An error from a transport.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The lock on the message is gone (expired, or the message was settled elsewhere): the
+    /// message may already be with another receiver.
+    #[error("the lock on the message was lost (it expired or the message was already settled)")]
+    LockLost,
+    /// The lock on the session is gone.
+    #[error("the session lock was lost")]
+    SessionLockLost,
+    /// The entity does not exist.
+    #[error("messaging entity {0:?} not found")]
+    EntityNotFound(String),
+    /// The transport does not offer this operation.
+    #[error("{0} is not supported by this transport")]
+    Unsupported(&'static str),
+    /// The caller passed something the broker rejects.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The connection is closed or the broker is shutting down.
+    #[error("the transport is closed")]
+    Closed,
+    /// Anything else, with the transport's own error inside.
+    #[error("transport error: {message}")]
+    Other {
+        /// What went wrong.
+        message: String,
+        /// Whether retrying the same call may succeed.
+        transient: bool,
+        /// The underlying error.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl TransportError {
+    /// Whether the lock on the message (or its session) is lost.
+    pub fn is_lock_lost(&self) -> bool {
+        matches!(self, Self::LockLost | Self::SessionLockLost)
+    }
+
+    /// Whether retrying the call may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Other { transient: true, .. })
+    }
+}
+
+/// What the processor needs to know about the entity it receives from, to check that the inbox
+/// keeps processed ids long enough.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EntityInfo {
+    /// The entity path, e.g. `orders` or `events/Subscriptions/billing`.
+    pub path: String,
+    /// How long a lock lasts before the message is delivered again.
+    pub lock_duration: Duration,
+    /// Deliveries before the message is dead-lettered; `None` when unlimited.
+    pub max_delivery_count: Option<u32>,
+    /// The duplicate-detection window, when duplicate detection is on.
+    pub duplicate_detection_window: Option<Duration>,
+    /// Whether messages must carry a session id.
+    pub requires_session: bool,
+}
+
+impl EntityInfo {
+    /// Entity info with the Service Bus defaults (lock 60 s, 10 deliveries, no duplicate
+    /// detection, no sessions).
+    pub fn new(path: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            lock_duration: Duration::from_secs(60),
+            max_delivery_count: Some(10),
+            duplicate_detection_window: None,
+            requires_session: false,
+        }
+    }
+}
+
+/// Why a message is dead-lettered.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct DeadLetterReason {
+    /// A short machine-readable reason, e.g. `DeserializationFailed`.
+    pub reason: String,
+    /// A human-readable description.
+    pub description: String,
+}
+
+impl DeadLetterReason {
+    /// A reason and its description.
+    pub fn new(reason: impl Into<String>, description: impl Into<String>) -> Self {
+        Self { reason: reason.into(), description: description.into() }
+    }
+}
+
+/// A message delivery that can be settled: the transport's handle plus the message.
+pub trait Delivery: Send + Sync + fmt::Debug + 'static {
+    /// The message.
+    fn message(&self) -> &ReceivedMessage;
+}
+
+impl Delivery for ReceivedMessage {
+    fn message(&self) -> &ReceivedMessage {
+        self
+    }
+}
+
+/// A receiver on one entity of a broker, with peek-lock settlement.
+///
+/// Implementations are cheap to share (`&self` everywhere) and safe to call from many tasks.
+pub trait Transport: Send + Sync + fmt::Debug + 'static {
+    /// The handle of one delivery.
+    type Delivery: Delivery;
+
+    /// The entity this transport receives from.
+    fn entity(&self) -> &EntityInfo;
+
+    /// Receives up to `max_messages` messages, each locked for this receiver. Waits up to
+    /// `max_wait` for the first one; returns an empty vector if none came.
+    ///
+    /// # Cancel safety
+    ///
+    /// Implementations must not lose messages when the future is dropped: a message locked
+    /// but not returned is released or comes back when its lock expires.
+    fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Vec<Self::Delivery>, TransportError>> + Send;
+
+    /// Completes the message: it is done and removed.
+    fn complete(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Abandons the message: it is unlocked for redelivery and its delivery count rises,
+    /// after merging `properties` into its application properties.
+    fn abandon(
+        &self,
+        delivery: &Self::Delivery,
+        properties: Properties,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Moves the message to the dead-letter queue with a reason.
+    fn dead_letter(
+        &self,
+        delivery: &Self::Delivery,
+        reason: DeadLetterReason,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Defers the message: it stays, receivable only by its sequence number.
+    fn defer(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Releases the lock without counting a delivery (the message was never handed to a
+    /// handler).
+    fn release(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Renews the lock; returns the new locked-until time.
+    fn renew_lock(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;
+}
+
+/// A transport whose entity has sessions: a receiver first locks a session, then receives that
+/// session's messages in order.
+pub trait SessionTransport: Transport {
+    /// A locked session.
+    type Session: SessionReceiver<Delivery = Self::Delivery>;
+
+    /// Locks the next session that has messages, waiting up to `max_wait` for one; `None` if
+    /// none became available.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a session locked but not returned is released.
+    fn accept_next_session(
+        &self,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Option<Self::Session>, TransportError>> + Send;
+
+    /// Locks the named session; fails if another receiver holds it.
+    fn accept_session(
+        &self,
+        session_id: &SessionId,
+    ) -> impl Future<Output = Result<Self::Session, TransportError>> + Send;
+}
+
+/// A session held by this receiver. Dropping it without [`SessionReceiver::close`] lets the
+/// session lock expire.
+pub trait SessionReceiver: Send + Sync + fmt::Debug + 'static {
+    /// The handle of one delivery.
+    type Delivery: Delivery;
+
+    /// The session id.
+    fn session_id(&self) -> &SessionId;
+
+    /// Until when the session lock holds, as of the last accept or renewal.
+    fn locked_until(&self) -> Timestamp;
+
+    /// Receives up to `max_messages` of this session's messages, in order.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Transport::receive`].
+    fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Vec<Self::Delivery>, TransportError>> + Send;
+
+    /// Completes a message of this session.
+    fn complete(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Abandons a message of this session.
+    fn abandon(
+        &self,
+        delivery: &Self::Delivery,
+        properties: Properties,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Dead-letters a message of this session.
+    fn dead_letter(
+        &self,
+        delivery: &Self::Delivery,
+        reason: DeadLetterReason,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Defers a message of this session.
+    fn defer(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Renews the session lock; returns the new locked-until time.
+    fn renew_session_lock(&self) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;
+
+    /// The session state, if any was set.
+    fn get_state(
+        &self,
+    ) -> impl Future<Output = Result<Option<bytes::Bytes>, TransportError>> + Send;
+
+    /// Sets (or with `None` clears) the session state.
+    fn set_state(
+        &self,
+        state: Option<bytes::Bytes>,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Releases the session lock; its unsettled messages become available again.
+    fn close(self) -> impl Future<Output = Result<(), TransportError>> + Send
+    where
+        Self: Sized;
+}
