@@ -1,0 +1,1 @@
+//! Inbox stores for twice on sqlx.

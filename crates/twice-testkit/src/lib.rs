@@ -1,0 +1,1 @@
+//! Test support shared by twice's crates: server harnesses and fixtures.
