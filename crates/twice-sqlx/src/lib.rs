@@ -1,1 +1,482 @@
-//! Inbox stores for twice on sqlx.
+//! Inbox stores for twice on sqlx: SQLite, PostgreSQL and MariaDB/MySQL, each behind a feature
+//! (`sqlite`, `postgres`, `mysql`).
+//!
+//! [`SqlxInbox<DB>`] implements [`twice::Inbox`] with `Tx = sqlx::Transaction<'static, DB>`:
+//! the processor begins a transaction on a connection of its own from the pool, claims
+//! `(consumer, message id)` in it as the first statement, and hands the handler
+//! `&mut Transaction` so the handler's queries join the claim. Dropping the transaction (a
+//! cancelled or panicking handler) rolls it back.
+//!
+//! # The inbox table
+//!
+//! One table per inbox (name set with [`InboxOptions::table`], default `twice_inbox`):
+//!
+//! | column            | meaning                                                        |
+//! |-------------------|----------------------------------------------------------------|
+//! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
+//! | `message_id`      | the message id                                                 |
+//! | `processed_at_ms` | when the claim was made, ms since the Unix epoch (indexed)     |
+//!
+//! The primary key is `(consumer, message_id)`. Migrations are embedded and run by
+//! `SqlxInbox::new` unless [`InboxOptions::migrate`] is off; applied versions are recorded in
+//! `<table>_migrations`.
+//!
+//! # The claim, per store
+//!
+//! | store      | claim statement                                     | a concurrent copy ...                                   |
+//! |------------|-----------------------------------------------------|---------------------------------------------------------|
+//! | PostgreSQL | `INSERT .. ON CONFLICT (consumer, message_id) DO NOTHING`, row count | waits on the key until the holder ends; then 0 rows (it committed) or 1 (it rolled back) |
+//! | MariaDB    | `INSERT IGNORE ..`, affected rows                   | waits on the key's record lock (any isolation level), same outcome |
+//! | SQLite     | `BEGIN IMMEDIATE`, then `INSERT .. ON CONFLICT DO NOTHING` | waits for the write lock at `BEGIN IMMEDIATE` (writers are serialised), up to the busy timeout |
+//!
+//! No claim raises an error on a duplicate, so the transaction is never poisoned (PostgreSQL
+//! aborts a transaction after a unique violation; catching 23505 and carrying on would make the
+//! commit fail). On a duplicate the store reads the winner's `processed_at_ms` to tell a
+//! concurrent copy from an old one.
+//!
+//! MariaDB notes. `INSERT IGNORE` turns more than duplicates into warnings (a value too long
+//! would be truncated, not refused), so ids and consumer names are checked against the column
+//! length (255 characters) before the claim. The columns use the binary `utf8mb4_bin`
+//! collation: with the default case-insensitive collation `ABC` and `abc` would be one id. When
+//! three or more copies wait on one key and the holder rolls back, InnoDB may pick one waiter as
+//! a deadlock victim (error 1213); the processor treats it as transient and abandons that copy,
+//! whose redelivery then finds the claim. `REPEATABLE READ` (the default) and `READ COMMITTED`
+//! behave the same for the claim: the wait is on a record lock, not on a snapshot, and the
+//! winner's time is read with a locking read.
+//!
+//! SQLite notes. Use WAL and a busy timeout (see [`sqlite::connect_options`]); every inbox
+//! transaction is a write transaction, so one runs at a time and a second copy waits at
+//! `BEGIN IMMEDIATE` until the first ends.
+//!
+//! # Key order
+//!
+//! The key is the sender's message id, so its order is the sender's choice. PostgreSQL and
+//! MariaDB keep the key in a B-tree (MariaDB clusters the whole row by it): random ids (Service
+//! Bus assigns random ones when the sender sets none) insert at random places, which on a table
+//! larger than memory costs page reads and full-page WAL images. Senders that can should use
+//! time-ordered ids ([`twice::MessageId::time_ordered`], a version 7 UUID) so that claims append
+//! at the end of the index. SQLite's table is `WITHOUT ROWID`, one B-tree on the key, which avoids
+//! a second tree for the rowid. `BENCHMARKS.md` beside this crate has the measurements.
+//!
+//! # Business keys
+//!
+//! Register the unique constraint (or unique index) that guards a business key with
+//! [`InboxOptions::business_key`]. When a handler's `?` raises its violation, the processor rolls
+//! back and completes the message, counted as a duplicate by business key. Detection uses the
+//! error code (PostgreSQL SQLSTATE `23505`, MariaDB/MySQL error 1062, SQLite extended code 2067
+//! or 1555) and then the constraint's name: PostgreSQL reports it in a field of its own;
+//! MariaDB/MySQL and SQLite report it only inside the error's text, so there the name (MariaDB:
+//! the key named at the end of the message; SQLite: the index's `table.column` list, resolved
+//! from the schema when the store is created) is matched against that text, and only after the
+//! code has said "unique violation".
+//!
+//! # Retention
+//!
+//! Claimed ids are kept for [`InboxOptions::retention`] (default 7 days) and purged in bounded
+//! batches by [`Purge::purge`] or [`run_purger`], oldest first, along the index on
+//! `processed_at_ms`; one purger at a time across instances (PostgreSQL: an advisory lock;
+//! MariaDB: `GET_LOCK`; SQLite: the write lock).
+//!
+//! # Example
+//!
+//! The seed's shipping handler, end to end: an `OrderPlaced` message sent twice (a sender-side
+//! duplicate with the same message id) through the embedded broker, one shipment in SQLite.
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use twice::{json_fn, Context, Message, Outcome, Processor, ProcessorOptions};
+//! use twice_broker::{config::QueueProperties, Broker, BrokerOptions};
+//! use twice_sqlx::{InboxOptions, SqlxInbox};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct OrderPlaced {
+//!     order_id: i64,
+//! }
+//!
+//! // The database: the shop's own table, and the inbox next to it.
+//! let dir = tempfile::tempdir()?;
+//! let pool = sqlx::SqlitePool::connect_with(twice_sqlx::sqlite::connect_options(
+//!     dir.path().join("shop.db"),
+//! ))
+//! .await?;
+//! sqlx::query("CREATE TABLE shipments (order_id INTEGER NOT NULL)").execute(&pool).await?;
+//! sqlx::query("CREATE UNIQUE INDEX shipments_order_id ON shipments (order_id)")
+//!     .execute(&pool)
+//!     .await?;
+//! let inbox = SqlxInbox::new(
+//!     pool.clone(),
+//!     InboxOptions::new().business_key("shipments_order_id"),
+//! )
+//! .await?;
+//!
+//! // The handler: its insert joins the transaction that claimed the message.
+//! let handler = json_fn(
+//!     |ctx: Context<'_>, order: OrderPlaced, tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>| {
+//!         Box::pin(async move {
+//!             let _payment_key = ctx.idempotency_key("charge"); // for a payment API
+//!             sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)")
+//!                 .bind(order.order_id)
+//!                 .execute(&mut **tx)
+//!                 .await?;
+//!             Ok(Outcome::Complete)
+//!         })
+//!     },
+//! );
+//!
+//! // The broker: one queue, and the same message sent twice.
+//! let broker = Broker::open(BrokerOptions::in_memory()).await?;
+//! broker.create_queue("orders", QueueProperties::default()).await?;
+//! for _ in 0..2 {
+//!     let order = Message::new(r#"{"order_id":42}"#).with_message_id("order-42-placed");
+//!     broker.send("orders", order).await?;
+//! }
+//!
+//! // Run until both copies are settled.
+//! let processor = Processor::new(
+//!     broker.receiver("orders").await?,
+//!     inbox,
+//!     handler,
+//!     ProcessorOptions::new().consumer("shipping").max_concurrent_calls(2),
+//! );
+//! let counters = processor.counters();
+//! let settled = {
+//!     let counters = counters.clone();
+//!     async move {
+//!         while counters.snapshot().completed < 2 {
+//!             tokio::task::yield_now().await;
+//!         }
+//!     }
+//! };
+//! processor.run(settled).await?;
+//!
+//! let shipped: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM shipments").fetch_one(&pool).await?;
+//! assert_eq!(shipped, 1);
+//! let c = counters.snapshot();
+//! assert_eq!(c.duplicates_already_processed + c.duplicates_concurrent_copy, 1);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "sqlite"))]
+//! # fn main() {}
+//! ```
+
+// Without a store feature the shared helpers have no caller; the crate is useless then, but it
+// must still build warning-free.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{Database, Pool};
+use twice::{MessageId, SharedClock, Timestamp};
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// The longest consumer name or message id the MariaDB/MySQL store accepts (its column length);
+/// the other stores accept the same, so a consumer can move between stores.
+pub const MAX_KEY_CHARS: usize = 255;
+
+/// An error from an inbox store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The table name is not a plain identifier.
+    #[error(
+        "invalid inbox table name {0:?}: use 1 to 48 ASCII letters, digits and underscores, not \
+         starting with a digit"
+    )]
+    InvalidTableName(String),
+    /// A consumer name or message id is longer than [`MAX_KEY_CHARS`].
+    #[error("{what} is {len} characters long; the inbox key allows at most {MAX_KEY_CHARS}")]
+    KeyTooLong {
+        /// `consumer` or `message id`.
+        what: &'static str,
+        /// Its length in characters.
+        len: usize,
+    },
+    /// A registered business key names no unique index (SQLite resolves names at start).
+    #[error("business key {0:?} names no unique index in the database")]
+    BusinessKeyNotFound(String),
+    /// The database failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Options of an inbox store.
+#[derive(Clone, Debug)]
+pub struct InboxOptions {
+    table: String,
+    retention: Option<Duration>,
+    migrate: bool,
+    business_keys: Vec<String>,
+    purge_batch_size: u32,
+}
+
+impl Default for InboxOptions {
+    fn default() -> Self {
+        Self {
+            table: "twice_inbox".to_owned(),
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            migrate: true,
+            business_keys: Vec::new(),
+            purge_batch_size: 1000,
+        }
+    }
+}
+
+impl InboxOptions {
+    /// The defaults: table `twice_inbox`, retention 7 days (the longest Service Bus
+    /// duplicate-detection window), migrations on, no business keys, purge batches of 1000.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The inbox table name (a plain identifier).
+    #[must_use]
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The inbox table name.
+    pub fn get_table(&self) -> &str {
+        &self.table
+    }
+
+    /// How long claimed ids are kept; `None` keeps them forever.
+    #[must_use]
+    pub fn retention(mut self, retention: Option<Duration>) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// How long claimed ids are kept.
+    pub fn get_retention(&self) -> Option<Duration> {
+        self.retention
+    }
+
+    /// Whether `SqlxInbox::new` runs the embedded migrations (default on).
+    #[must_use]
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// Whether migrations run on start.
+    pub fn get_migrate(&self) -> bool {
+        self.migrate
+    }
+
+    /// Registers a unique constraint or unique index, by name, as a business key: its
+    /// violation means "already processed under another message id".
+    #[must_use]
+    pub fn business_key(mut self, constraint: impl Into<String>) -> Self {
+        self.business_keys.push(constraint.into());
+        self
+    }
+
+    /// The registered business keys.
+    pub fn get_business_keys(&self) -> &[String] {
+        &self.business_keys
+    }
+
+    /// How many rows one purge statement deletes at most (default 1000; at least 1).
+    #[must_use]
+    pub fn purge_batch_size(mut self, n: u32) -> Self {
+        self.purge_batch_size = n.max(1);
+        self
+    }
+
+    /// How many rows one purge statement deletes at most.
+    pub fn get_purge_batch_size(&self) -> u32 {
+        self.purge_batch_size
+    }
+}
+
+/// An inbox on a sqlx pool; see the [crate docs](crate).
+pub struct SqlxInbox<DB: Database> {
+    pool: Pool<DB>,
+    options: InboxOptions,
+    /// Resolved business keys: (registered name, what the store's error text names).
+    business_keys: Vec<(String, String)>,
+}
+
+impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxInbox")
+            .field("database", &DB::NAME)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A database twice has an inbox store for: `Postgres`, `MySql` or `Sqlite` (sealed).
+pub trait Backend: Database + sealed::Sealed {
+    /// Runs the migrations (unless turned off) and resolves the business keys.
+    #[doc(hidden)]
+    fn prepare(inbox: &mut SqlxInbox<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+impl<DB: Backend> SqlxInbox<DB> {
+    /// An inbox on `pool`; runs the embedded migrations unless [`InboxOptions::migrate`] is
+    /// off.
+    ///
+    /// # Errors
+    ///
+    /// An invalid table name, a failed migration, or (SQLite) a business key that names no
+    /// unique index.
+    pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
+        validate_table(&options.table)?;
+        let mut inbox = Self { pool, options, business_keys: Vec::new() };
+        DB::prepare(&mut inbox).await?;
+        Ok(inbox)
+    }
+}
+
+impl<DB: Database> SqlxInbox<DB> {
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The options.
+    pub fn options(&self) -> &InboxOptions {
+        &self.options
+    }
+
+    fn table(&self) -> &str {
+        &self.options.table
+    }
+}
+
+/// Checks that a table name is a plain identifier, so it can be spliced into SQL.
+fn validate_table(table: &str) -> Result<(), StoreError> {
+    let ok = !table.is_empty()
+        && table.len() <= 48
+        && table.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !table.as_bytes()[0].is_ascii_digit();
+    if ok { Ok(()) } else { Err(StoreError::InvalidTableName(table.to_owned())) }
+}
+
+/// Checks the key parts against [`MAX_KEY_CHARS`].
+fn validate_key(consumer: &str, message_id: &MessageId) -> Result<(), StoreError> {
+    for (what, s) in [("consumer", consumer), ("message id", message_id.as_str())] {
+        let len = s.chars().count();
+        if len > MAX_KEY_CHARS {
+            return Err(StoreError::KeyTooLong { what, len });
+        }
+    }
+    Ok(())
+}
+
+/// The first `sqlx::Error` in an error's chain (through [`StoreError`] too).
+fn find_sqlx_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a sqlx::Error> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(s) = e.downcast_ref::<sqlx::Error>() {
+            return Some(s);
+        }
+        if let Some(StoreError::Database(s)) = e.downcast_ref::<StoreError>() {
+            return Some(s);
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// Whether a non-database sqlx error is worth retrying.
+fn is_transient_sqlx(error: &sqlx::Error) -> bool {
+    matches!(
+        error,
+        sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::WorkerCrashed
+    )
+}
+
+fn millis(now: Timestamp) -> i64 {
+    now.as_millis()
+}
+
+/// Purging claimed ids older than the retention.
+pub trait Purge: Send + Sync {
+    /// Deletes ids claimed before `now - retention`, in batches, unless another purger holds
+    /// the purge lock; returns how many rows were deleted.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: each batch is its own transaction; a cancelled batch rolls back.
+    fn purge(&self, now: Timestamp) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// Purges `store` every `interval` until `shutdown` resolves. Errors are logged and the next
+/// round tries again.
+///
+/// # Cancel safety
+///
+/// Cancel safe.
+pub async fn run_purger<P: Purge>(
+    store: &P,
+    clock: &SharedClock,
+    interval: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let purged = tokio::select! {
+            biased;
+            () = &mut shutdown => return,
+            r = store.purge(clock.now()) => r,
+        };
+        match purged {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(rows = n, "purged processed message ids"),
+            Err(e) => tracing::warn!("purging processed message ids failed: {e}"),
+        }
+        tokio::select! {
+            biased;
+            () = &mut shutdown => return,
+            () = clock.sleep(interval) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        assert!(validate_table("twice_inbox").is_ok());
+        assert!(validate_table("Inbox2").is_ok());
+        for bad in ["", "1inbox", "inbox; DROP TABLE x", "a.b", "inbox-1", &"x".repeat(49)] {
+            assert!(validate_table(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn long_keys_are_refused() {
+        let long = MessageId::new("é".repeat(256));
+        assert!(matches!(
+            validate_key("c", &long),
+            Err(StoreError::KeyTooLong { what: "message id", len: 256 })
+        ));
+        assert!(validate_key("c", &MessageId::new("é".repeat(255))).is_ok());
+    }
+}

@@ -270,6 +270,27 @@ impl Clock for ManualClock {
     }
 }
 
+/// Measures elapsed real time, for metrics only (claim latency, benchmarks).
+///
+/// Decisions (lock expiry, renewal, retention) never use it: they read a [`Clock`], which tests
+/// move by hand. A stopwatch keeps running in real time under a [`ManualClock`], which is what a
+/// latency measurement needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Stopwatch(std::time::Instant);
+
+impl Stopwatch {
+    /// Starts measuring.
+    #[allow(clippy::disallowed_methods)] // reason: a monotonic clock for metrics, never for decisions
+    pub fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// The real time since [`Stopwatch::start`].
+    pub fn elapsed(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

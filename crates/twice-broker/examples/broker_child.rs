@@ -1,0 +1,129 @@
+//! A broker process for the crash and memory tests of twice-broker (not a user-facing tool).
+//!
+//! `broker_child load <dir> <senders> <prefix>`: sends to queue `load` from concurrent senders
+//! until killed, printing `<message id> <sequence number>` for every acknowledged send (ids
+//! start with `prefix`).
+//!
+//! `broker_child fill <dir> <count>`: queues `count` messages of 1 KiB, then prints
+//! `rss_kib <n>` (the process's resident memory) and `elapsed_ms <n>`.
+//!
+//! `broker_child reopen <dir>`: opens the directory, prints `active <n>`, `rss_kib <n>` and
+//! `elapsed_ms <n>`.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use twice::Message;
+use twice::clock::Stopwatch;
+use twice_broker::config::QueueProperties;
+use twice_broker::{Broker, BrokerOptions, Error};
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn open_queue(dir: &str, queue: &str) -> Result<Broker, Error> {
+    let broker = Broker::open(BrokerOptions::durable(dir)).await?;
+    match broker.create_queue(queue, QueueProperties::default()).await {
+        Ok(()) | Err(Error::EntityAlreadyExists(_)) => Ok(broker),
+        Err(e) => Err(e),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
+    match arg(1)?.as_str() {
+        "load" => {
+            let broker = open_queue(&arg(2)?, "load").await?;
+            let senders: usize = arg(3)?.parse()?;
+            let prefix = arg(4)?;
+            let out = Arc::new(Mutex::new(std::io::stdout()));
+            let mut tasks = Vec::new();
+            for s in 0..senders {
+                let (broker, out, prefix) = (broker.clone(), out.clone(), prefix.clone());
+                tasks.push(tokio::spawn(async move {
+                    for n in 0u64.. {
+                        let id = format!("{prefix}-s{s}-{n}");
+                        let m = Message::new(vec![b'x'; 512]).with_message_id(id.as_str());
+                        let Ok(outcome) = broker.send("load", m).await else { return };
+                        let seq = outcome.sequence_number().map_or(-1, |s| s.get());
+                        // One line per acknowledgement, flushed at once: the parent kills
+                        // this process at any moment and trusts every line it read.
+                        let mut out = out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        let _ = writeln!(out, "{id} {seq}");
+                        let _ = out.flush();
+                    }
+                }));
+            }
+            // A receiver that locks and abandons keeps lock and delivery-count records in
+            // the log too.
+            let receiver = broker.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let Ok(got) = receiver.receive("load", 8, Duration::from_millis(50)).await
+                    else {
+                        return;
+                    };
+                    for m in got {
+                        if let Some(t) = m.lock_token {
+                            let _ = receiver.abandon(t, Default::default()).await;
+                        }
+                    }
+                }
+            }));
+            for t in tasks {
+                t.await?;
+            }
+        }
+        "fill" => {
+            let watch = Stopwatch::start();
+            let broker = open_queue(&arg(2)?, "fill").await?;
+            let count: usize = arg(3)?.parse()?;
+            let tasks: Vec<_> = (0..4)
+                .map(|t| {
+                    let broker = broker.clone();
+                    tokio::spawn(async move {
+                        let mut i = t * 100;
+                        while i < count {
+                            let batch: Vec<Message> = (i..count.min(i + 100))
+                                .map(|n| {
+                                    Message::new(vec![b'm'; 1024]).with_message_id(format!("m{n}"))
+                                })
+                                .collect();
+                            broker.send_batch("fill", batch).await?;
+                            i += 400;
+                        }
+                        Ok::<(), Error>(())
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await??;
+            }
+            let counts = broker.counts("fill").await?;
+            println!("active {}", counts.active);
+            println!("rss_kib {}", rss_kib());
+            println!("elapsed_ms {}", watch.elapsed().as_millis());
+            broker.shutdown().await;
+        }
+        "reopen" => {
+            let watch = Stopwatch::start();
+            let broker = open_queue(&arg(2)?, "fill").await?;
+            let counts = broker.counts("fill").await?;
+            println!("active {}", counts.active);
+            println!("rss_kib {}", rss_kib());
+            println!("elapsed_ms {}", watch.elapsed().as_millis());
+            broker.shutdown().await;
+        }
+        other => return Err(format!("unknown mode {other}").into()),
+    }
+    Ok(())
+}

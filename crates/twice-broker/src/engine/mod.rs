@@ -1,0 +1,1377 @@
+//! The broker engine: a pure state machine with Azure Service Bus semantics.
+//!
+//! **API in one paragraph.** [`Engine`] owns every entity, message and lock; it does no I/O and
+//! reads no clock: every call that depends on time takes `now`. Resolve a path once with
+//! [`Engine::resolve`] and pass the [`EntityRef`] to [`Engine::send`] / [`Engine::schedule`],
+//! [`Engine::receive`] (peek-lock or receive-and-delete, up to N, parking a [`WaiterId`] when
+//! nothing is there), and settle by [`LockToken`] with [`Engine::complete`] / `abandon` /
+//! `dead_letter` / `defer` / `release` / `renew_lock`. Sessions: [`Engine::accept_session`]
+//! returns an [`AcceptedSession`] whose [`SessionLock`] is used for `receive_session`,
+//! `renew_session_lock`, `release_session` and session state. After any batch of calls the
+//! runtime drains [`Engine::take_records`] (write, fsync once, then reply),
+//! [`Engine::take_ready`] / [`Engine::take_ready_sessions`] (parked waiters that were served),
+//! and sleeps until [`Engine::next_deadline`] to call [`Engine::tick`]. A [`Delivery`] carries
+//! the message in memory or the [`Location`] of the record holding it;
+//! [`received_message`] turns it into a [`twice::ReceivedMessage`]. Durability goes through
+//! [`Record`]s: [`Engine::set_location`] once a record carrying a body is written,
+//! [`Engine::replay`] + [`Engine::finish_recovery`] at start, and for compaction
+//! [`Engine::checkpoint_records`], [`Engine::segment_refs`], [`Engine::live_in_segment`] and
+//! [`Engine::relocate`]. Entities come from [`Engine::create_entity`],
+//! [`Engine::update_entity`], [`Engine::apply_definitions`] (a configuration file) and
+//! [`Engine::delete_entity`]; [`Engine::counts`] and [`Engine::counters`] are O(1).
+//!
+//! # The delivery count
+//!
+//! [`twice::ReceivedMessage::delivery_count`] is 1-based: a message's first delivery carries 1.
+//! The count rises by one when a peek-lock delivery ends without settling the message: an
+//! abandon, a lock that expired, a session lock that was lost or released with the message
+//! still locked, and a restart that found the message locked. It does not rise on `release`
+//! (the message never reached a handler), on `defer`, nor on receive-and-delete. When the count
+//! of the next delivery would exceed the entity's `MaxDeliveryCount`, the message goes to the
+//! dead-letter queue instead, with `DeadLetterReason` `MaxDeliveryCountExceeded` (it keeps that
+//! count there). The Service Bus AMQP header `delivery-count` is 0-based: it carries the count
+//! minus one.
+//!
+//! # Recovery
+//!
+//! Every change is a [`Record`]; replaying the log in order rebuilds entities, messages,
+//! delivery counts, states, session states and duplicate-detection ids. Locks are not
+//! recorded as tokens: a record says a message was locked, so after a restart
+//! [`Engine::finish_recovery`] makes every message that was locked at the crash available
+//! again (deferred ones stay deferred) with its delivery count raised by one, dead-lettering
+//! it when that exceeds `MaxDeliveryCount`, and writes records for that. Session locks are not
+//! durable either. A record that settles, locks or moves a message the engine does not have is
+//! ignored: its message was written in a segment that compaction removed after the message
+//! left. Any other inconsistency (a message for an unknown entity, a message placed twice, a
+//! lock on a message in the wrong state) is [`Error::Corrupt`]. The records of one send batch
+//! are all-or-nothing: a batch cut short at the end of the log was never acknowledged and is
+//! dropped.
+//!
+//! # Choices where Service Bus leaves room
+//!
+//! - Sequence numbers count per queue or topic; a topic's subscriptions share its numbers,
+//!   and a dead-lettered message keeps its number in the dead-letter queue. Auto-forwarding and
+//!   resubmitting give a new number in the receiving entity.
+//! - A message matching several rules of one subscription is copied to it once.
+//! - Scheduled messages stay in the queue or topic they were sent to until their time (so
+//!   they are cancelled by that entity's sequence number), then are forwarded or fanned out.
+//!   `schedule` is not subject to duplicate detection (it must return a number per message);
+//!   a `send` with a future `scheduled_enqueue_time` is.
+//! - A locked message whose time to live passes stays with its receiver, who may still
+//!   complete it; it expires when its lock ends.
+//! - Releasing a session (or losing its lock) counts a delivery for each message still locked
+//!   in it, as an abandon would. Renewing the lock of a session message renews the session.
+//!   Accept-next takes the free session whose oldest available message is oldest.
+//! - Resubmitting a dead-lettered message clears its dead-letter fields, keeps the properties
+//!   changed by abandon, and starts its delivery count again at 1.
+//! - A message reaching a session-enabled subscription (or a forwarding target) without a
+//!   session id is dead-lettered there with reason `Session ID is null`; sent directly to a
+//!   session-enabled queue it is rejected. A `ForwardTo` naming an entity that does not exist
+//!   when a message arrives leaves the message where it is.
+//!
+//! Old segments must be deleted oldest first: a segment may go when it and every older one
+//! hold no live message (`segment_refs == 0`, after relocating what was live), since later
+//! records (a raised delivery count, a deferral) only make sense on top of earlier ones.
+
+mod apply;
+mod internals;
+mod record;
+mod route;
+mod seqmap;
+mod state;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use twice::{
+    EntityInfo, LockToken, Message, MessageState, Properties, ReceivedMessage, SequenceNumber,
+    SessionId, Timestamp, Value,
+};
+
+pub(crate) use record::{BodyKey, EntityId, Extra, PlacedState, Placement, Record, StoreKey};
+
+use self::internals::{
+    check_id, check_immutable, check_max, non_empty, placement_of, unlocked_state,
+};
+use self::route::{Item, Router};
+use self::state::{Aux, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
+use crate::config::EntityDefinition;
+use crate::error::Error;
+
+/// Service Bus's largest batch, in messages.
+pub(crate) const MAX_BATCH_MESSAGES: usize = 4500;
+/// The default largest message (and batch), in bytes: Service Bus standard tier, 256 KiB.
+pub(crate) const DEFAULT_MAX_MESSAGE_SIZE: usize = 256 * 1024;
+/// The longest message id, session id or partition key.
+pub(crate) const MAX_ID_LEN: usize = 128;
+/// How many times a message may be auto-forwarded before it is dead-lettered with
+/// `MaxTransferHopCountExceeded`.
+pub(crate) const MAX_TRANSFER_HOPS: u32 = 4;
+
+/// The suffix of a dead-letter queue's path (matched case-insensitively).
+pub(crate) const DEAD_LETTER_SUFFIX: &str = "/$DeadLetterQueue";
+
+/// Where a record is in the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) struct Location {
+    /// The segment file.
+    pub(crate) segment: u32,
+    /// The byte offset of the record in the segment.
+    pub(crate) offset: u64,
+    /// The record's length in bytes.
+    pub(crate) len: u32,
+}
+
+/// Settings of an [`Engine`].
+#[derive(Clone, Debug)]
+pub(crate) struct EngineOptions {
+    /// Whether the engine keeps [`Record`]s for [`Engine::take_records`]. Off in memory mode,
+    /// where nothing is written.
+    pub(crate) durable: bool,
+    /// The largest message, and the largest batch, in bytes (see [`message_size`]).
+    pub(crate) max_message_size: usize,
+    /// Seed of the lock tokens, session locks and assigned message ids. Must differ between
+    /// runs of the same log, so that a token from before a restart never matches a new lock.
+    pub(crate) seed: u64,
+}
+
+impl Default for EngineOptions {
+    /// Durable, 256 KiB messages, a random seed.
+    fn default() -> Self {
+        Self {
+            durable: true,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            seed: uuid::Uuid::new_v4().as_u64_pair().0,
+        }
+    }
+}
+
+/// A resolved entity path: a queue, topic or subscription, or a dead-letter queue. Cheap to
+/// copy; cache it. It stays valid until the entity is deleted (a re-created entity of the same
+/// name is a new one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct EntityRef {
+    slot: u32,
+    id: EntityId,
+    dead_letter: bool,
+}
+
+impl EntityRef {
+    /// Whether this is a `$DeadLetterQueue`.
+    pub(crate) fn is_dead_letter(&self) -> bool {
+        self.dead_letter
+    }
+
+    fn six(self) -> StoreIx {
+        StoreIx::new(self.slot, self.dead_letter)
+    }
+}
+
+/// Chosen by the runtime for each parked receive or accept-session request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct WaiterId(pub(crate) u64);
+
+/// The lock on an accepted session; names the session in every session call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct SessionLock(u64);
+
+/// How a receive locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReceiveMode {
+    /// Lock each message until it is settled or its lock expires.
+    PeekLock,
+    /// Remove each message as it is delivered.
+    ReceiveAndDelete,
+}
+
+/// The result of sending one message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SendOutcome {
+    /// Accepted with this sequence number (of the queue or topic it was sent to).
+    Enqueued(SequenceNumber),
+    /// Its message id was accepted within the duplicate-detection window: acknowledged as a
+    /// success and dropped.
+    Duplicate,
+}
+
+/// Where a delivered message's body is.
+#[derive(Clone, Debug)]
+pub(crate) enum Body {
+    /// In memory.
+    Memory(Arc<Message>),
+    /// In the record at this location ([`Record::message`] of it).
+    Stored(Location),
+}
+
+/// What the broker set on a delivered message.
+#[derive(Clone, Debug)]
+pub(crate) struct DeliveryMeta {
+    pub(crate) sequence_number: SequenceNumber,
+    pub(crate) enqueued_time: Timestamp,
+    pub(crate) expires_at: Option<Timestamp>,
+    pub(crate) lock_token: Option<LockToken>,
+    pub(crate) locked_until: Option<Timestamp>,
+    pub(crate) delivery_count: u32,
+    pub(crate) state: MessageState,
+    /// Properties modified by abandon/defer/dead-letter, and the dead-letter fields.
+    pub(crate) extra: Option<Arc<Extra>>,
+}
+
+/// One delivered (or peeked) message.
+#[derive(Clone, Debug)]
+pub(crate) struct Delivery {
+    pub(crate) body: Body,
+    pub(crate) meta: DeliveryMeta,
+}
+
+/// A session locked by a receiver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AcceptedSession {
+    pub(crate) lock: SessionLock,
+    pub(crate) session_id: SessionId,
+    pub(crate) locked_until: Timestamp,
+}
+
+/// Runtime counts of an entity (Service Bus `CountDetails`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct EntityCounts {
+    /// Available plus locked messages (Service Bus `ActiveMessageCount`).
+    pub(crate) active: u64,
+    /// Messages locked by a receiver (peek-lock, including locked deferred ones).
+    pub(crate) locked: u64,
+    /// Deferred messages (including locked ones).
+    pub(crate) deferred: u64,
+    /// Scheduled messages.
+    pub(crate) scheduled: u64,
+    /// Messages in the dead-letter queue.
+    pub(crate) dead_letter: u64,
+}
+
+/// Monotone counters of an entity or of the whole engine, since the engine started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub(crate) sent: u64,
+    pub(crate) duplicates: u64,
+    pub(crate) received: u64,
+    pub(crate) completed: u64,
+    pub(crate) abandoned: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) lock_lost: u64,
+    pub(crate) expired: u64,
+}
+
+/// A live stored message of a segment being compacted ([`Engine::live_in_segment`]).
+#[derive(Clone, Debug)]
+pub(crate) struct MessageRef {
+    /// Where its body is now.
+    pub(crate) location: Location,
+    body: BodyKey,
+    placements: Vec<(StoreIx, i64)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Lock {
+    six: StoreIx,
+    seq: i64,
+    until: Timestamp,
+    session: Option<SessionLock>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum WaitKind {
+    Receive,
+    Session(SessionLock),
+    Accept,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Waiter {
+    kind: WaitKind,
+    six: StoreIx,
+    mode: ReceiveMode,
+    max: usize,
+}
+
+/// The broker's state machine. See the module documentation.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    opts: EngineOptions,
+    /// Entities by slot; a deleted entity leaves `None` (slots are not reused).
+    entities: Vec<Option<Entity>>,
+    /// Lower-case path → slot.
+    by_path: HashMap<String, u32>,
+    by_id: FastMap<EntityId, u32>,
+    next_entity_id: u64,
+    aux: Aux,
+    locks: FastMap<LockToken, Lock>,
+    lock_timers: std::collections::BTreeSet<(Timestamp, LockToken)>,
+    session_locks: FastMap<SessionLock, (StoreIx, u32)>,
+    session_timers: std::collections::BTreeSet<(Timestamp, SessionLock)>,
+    /// (end of the oldest window, slot) per entity with duplicate-detection history.
+    dedup_timers: std::collections::BTreeSet<(Timestamp, u32)>,
+    waiters: FastMap<WaiterId, Waiter>,
+    ready: Vec<(WaiterId, Vec<Delivery>)>,
+    ready_sessions: Vec<(WaiterId, Option<AcceptedSession>)>,
+    records: Vec<Record>,
+    /// Records of a send batch being replayed, applied when its last record arrives.
+    pending_batch: Vec<(Record, Location)>,
+    rng: u64,
+    totals: Counters,
+}
+
+impl Engine {
+    /// An engine with no entities.
+    pub(crate) fn new(options: EngineOptions) -> Self {
+        let rng = options.seed;
+        Self {
+            opts: options,
+            entities: Vec::new(),
+            by_path: HashMap::new(),
+            by_id: FastMap::default(),
+            next_entity_id: 1,
+            aux: Aux::default(),
+            locks: FastMap::default(),
+            lock_timers: Default::default(),
+            session_locks: FastMap::default(),
+            session_timers: Default::default(),
+            dedup_timers: Default::default(),
+            waiters: FastMap::default(),
+            ready: Vec::new(),
+            ready_sessions: Vec::new(),
+            records: Vec::new(),
+            pending_batch: Vec::new(),
+            rng,
+            totals: Counters::default(),
+        }
+    }
+
+    // ----- entities -----------------------------------------------------------------------
+
+    /// Resolves `queue`, `topic`, `topic/Subscriptions/sub`, and any of these followed by
+    /// `/$DeadLetterQueue` (case-insensitive, as every entity path).
+    pub(crate) fn resolve(&self, path: &str) -> Result<EntityRef, Error> {
+        let lower = path.to_ascii_lowercase();
+        let dlq_suffix = DEAD_LETTER_SUFFIX.to_ascii_lowercase();
+        let (base, dead_letter) = match lower.strip_suffix(&dlq_suffix) {
+            Some(base) => (base, true),
+            None => (lower.as_str(), false),
+        };
+        let slot = *self.by_path.get(base).ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
+        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
+        if dead_letter && e.is_topic() {
+            return Err(Error::EntityNotFound(path.to_owned()));
+        }
+        Ok(EntityRef { slot, id: e.id, dead_letter })
+    }
+
+    /// Creates an entity; a subscription's topic must exist.
+    pub(crate) fn create_entity(
+        &mut self,
+        now: Timestamp,
+        definition: EntityDefinition,
+    ) -> Result<EntityRef, Error> {
+        self.tick(now);
+        self.check_definition(&definition, &[])?;
+        let path = definition.path();
+        if self.by_path.contains_key(&path.to_ascii_lowercase()) {
+            return Err(Error::EntityAlreadyExists(path));
+        }
+        let id = EntityId(self.next_entity_id);
+        self.emit(Record::Entity { id, definition: Box::new(definition), next_sequence: 1 })?;
+        self.resolve(&path)
+    }
+
+    /// Changes the properties (and a subscription's rules) of an existing entity.
+    /// `RequiresDuplicateDetection` and `RequiresSession` cannot change.
+    pub(crate) fn update_entity(
+        &mut self,
+        now: Timestamp,
+        definition: EntityDefinition,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_definition(&definition, &[])?;
+        let path = definition.path();
+        let slot = *self
+            .by_path
+            .get(&path.to_ascii_lowercase())
+            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        check_immutable(e, &definition)?;
+        let (id, next_sequence) = (e.id, e.next_seq);
+        self.emit(Record::Entity { id, definition: Box::new(definition), next_sequence })
+    }
+
+    /// Creates the entities that do not exist and updates those that do, all or nothing
+    /// (how a configuration file is applied).
+    pub(crate) fn apply_definitions(
+        &mut self,
+        now: Timestamp,
+        definitions: &[EntityDefinition],
+    ) -> Result<(), Error> {
+        self.tick(now);
+        for (i, d) in definitions.iter().enumerate() {
+            self.check_definition(d, &definitions[..i])?;
+            let key = d.path().to_ascii_lowercase();
+            if let Some(earlier) =
+                definitions[..i].iter().find(|e| e.path().to_ascii_lowercase() == key)
+            {
+                return Err(Error::EntityAlreadyExists(earlier.path()));
+            }
+            if let Some(e) = self.by_path.get(&key).and_then(|&s| self.ent(s)) {
+                check_immutable(e, d)?;
+            }
+        }
+        for d in definitions {
+            let path = d.path();
+            match self.by_path.get(&path.to_ascii_lowercase()).and_then(|&s| self.ent(s)) {
+                Some(e) => {
+                    let (id, next_sequence) = (e.id, e.next_seq);
+                    self.emit(Record::Entity {
+                        id,
+                        definition: Box::new(d.clone()),
+                        next_sequence,
+                    })?;
+                }
+                None => {
+                    let id = EntityId(self.next_entity_id);
+                    self.emit(Record::Entity {
+                        id,
+                        definition: Box::new(d.clone()),
+                        next_sequence: 1,
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes an entity with its messages (a topic with its subscriptions). Parked receivers
+    /// on it are served with nothing.
+    pub(crate) fn delete_entity(&mut self, now: Timestamp, entity: EntityRef) -> Result<(), Error> {
+        self.tick(now);
+        let e = self.entity(entity)?;
+        let mut ids = Vec::new();
+        if let Kind::Topic { subs, .. } = &e.kind {
+            ids.extend(subs.iter().filter_map(|&s| self.ent(s)).map(|s| s.id));
+        }
+        ids.push(e.id);
+        for id in ids {
+            self.emit(Record::EntityDeleted { id })?;
+        }
+        Ok(())
+    }
+
+    /// The definition of an entity as it is now.
+    pub(crate) fn definition(&self, entity: EntityRef) -> Result<EntityDefinition, Error> {
+        let e = self.entity(entity)?;
+        Ok(self.definition_of(e))
+    }
+
+    /// What a processor needs to know about the entity.
+    pub(crate) fn entity_info(&self, entity: EntityRef) -> Result<EntityInfo, Error> {
+        let e = self.entity(entity)?;
+        let mut path = e.path.clone();
+        if entity.dead_letter {
+            path.push_str(DEAD_LETTER_SUFFIX);
+        }
+        let mut info = EntityInfo::new(path);
+        info.lock_duration = e.lock_duration();
+        info.max_delivery_count =
+            (!entity.dead_letter && !e.is_topic()).then(|| e.max_delivery_count());
+        info.duplicate_detection_window = e.dedup_window();
+        info.requires_session = !entity.dead_letter && e.requires_session();
+        Ok(info)
+    }
+
+    /// Every entity with its path, in creation order.
+    pub(crate) fn entities(&self) -> Vec<(EntityRef, String)> {
+        self.entities
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, e)| {
+                let e = e.as_ref()?;
+                let slot = u32::try_from(slot).ok()?;
+                Some((EntityRef { slot, id: e.id, dead_letter: false }, e.path.clone()))
+            })
+            .collect()
+    }
+
+    /// Runtime counts of an entity (of a topic: its scheduled messages). O(1).
+    pub(crate) fn counts(&self, entity: EntityRef) -> Result<EntityCounts, Error> {
+        let e = self.entity(entity)?;
+        let c = e.main.counts;
+        Ok(EntityCounts {
+            active: c.active,
+            locked: c.locked,
+            deferred: c.deferred,
+            scheduled: c.scheduled,
+            dead_letter: e.dlq.msgs.len() as u64,
+        })
+    }
+
+    /// Monotone counters of an entity since the engine started.
+    pub(crate) fn counters(&self, entity: EntityRef) -> Result<Counters, Error> {
+        Ok(self.entity(entity)?.counters)
+    }
+
+    /// Monotone counters of the whole engine since it started.
+    pub(crate) fn total_counters(&self) -> Counters {
+        self.totals
+    }
+
+    // ----- send -----------------------------------------------------------------------------
+
+    /// Sends a batch to a queue or topic, all or nothing: every message is checked first
+    /// (size, batch size, ids, session id on a session queue), then each is enqueued (or
+    /// scheduled, if its `scheduled_enqueue_time` is in the future). A message without a
+    /// message id gets a random one (32 hex digits).
+    ///
+    /// Batch rules (Service Bus): at most 4500 messages, and the batch's total size at most
+    /// the maximum message size.
+    pub(crate) fn send(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        mut messages: Vec<Message>,
+    ) -> Result<Vec<SendOutcome>, Error> {
+        self.tick(now);
+        let slot = self.send_target(entity)?;
+        self.validate_batch(slot, &messages)?;
+        for m in &mut messages {
+            if m.message_id.is_none() {
+                m.message_id = Some(self.random_message_id());
+            }
+        }
+        let out = self.enqueue(now, slot, messages, true)?;
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Schedules messages for `at`; returns their sequence numbers (to cancel them).
+    pub(crate) fn schedule(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        mut messages: Vec<Message>,
+        at: Timestamp,
+    ) -> Result<Vec<SequenceNumber>, Error> {
+        self.tick(now);
+        let slot = self.send_target(entity)?;
+        self.validate_batch(slot, &messages)?;
+        for m in &mut messages {
+            m.scheduled_enqueue_time = Some(at);
+            if m.message_id.is_none() {
+                m.message_id = Some(self.random_message_id());
+            }
+        }
+        // Scheduling is not subject to duplicate detection: the caller needs a sequence number
+        // for every message.
+        let out = self.enqueue(now, slot, messages, false)?;
+        self.pump(now);
+        Ok(out
+            .into_iter()
+            .filter_map(|o| match o {
+                SendOutcome::Enqueued(s) => Some(s),
+                SendOutcome::Duplicate => None,
+            })
+            .collect())
+    }
+
+    /// Cancels scheduled messages of a queue or topic, all or nothing.
+    pub(crate) fn cancel_scheduled(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        sequence_numbers: &[SequenceNumber],
+    ) -> Result<(), Error> {
+        self.tick(now);
+        let slot = self.send_target(entity)?;
+        let six = StoreIx::new(slot, false);
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
+        let mut seqs = Vec::with_capacity(sequence_numbers.len());
+        for s in sequence_numbers {
+            let seq = s.get();
+            match store.msgs.get(seq) {
+                Some(m) if m.state == St::Scheduled && !seqs.contains(&seq) => seqs.push(seq),
+                _ => return Err(Error::MessageNotFound(seq)),
+            }
+        }
+        if !seqs.is_empty() {
+            let key = self.key(six)?;
+            self.emit(Record::Removed { store: key, sequences: seqs })?;
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    // ----- receive --------------------------------------------------------------------------
+
+    /// Receives up to `max` available messages of a queue or subscription (or a dead-letter
+    /// queue), oldest first. When there are none and `waiter` is given, the waiter is parked:
+    /// the next arrival serves it through [`Engine::take_ready`] (in the order waiters
+    /// parked), until [`Engine::cancel_waiter`].
+    pub(crate) fn receive(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        mode: ReceiveMode,
+        max: usize,
+        waiter: Option<WaiterId>,
+    ) -> Result<Vec<Delivery>, Error> {
+        self.tick(now);
+        let six = self.receive_store(entity)?;
+        check_max(max)?;
+        self.check_waiter(waiter)?;
+        if self.store(six).is_some_and(|s| s.sessions.is_some()) {
+            let e = self.entity(entity)?;
+            return Err(Error::SessionRequired(e.path.clone()));
+        }
+        let out = self.take_from(now, six, NO_SESSION, mode, max, None)?;
+        if out.is_empty() {
+            if let Some(w) = waiter {
+                self.park(w, Waiter { kind: WaitKind::Receive, six, mode, max });
+            }
+        }
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Receives deferred messages by sequence number, all or nothing. On a session entity the
+    /// caller must hold the messages' session.
+    pub(crate) fn receive_deferred(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        sequence_numbers: &[SequenceNumber],
+        mode: ReceiveMode,
+        session: Option<SessionLock>,
+    ) -> Result<Vec<Delivery>, Error> {
+        self.tick(now);
+        let six = self.receive_store(entity)?;
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
+        let held = match (&store.sessions, session) {
+            (Some(_), Some(lock)) => match self.session_locks.get(&lock) {
+                Some(&(s6, sid)) if s6 == six => Some((lock, sid)),
+                _ => return Err(Error::SessionLockLost),
+            },
+            (Some(_), None) => {
+                return Err(Error::SessionRequired(self.entity(entity)?.path.clone()));
+            }
+            (None, Some(_)) => {
+                return Err(Error::SessionsNotEnabled(self.entity(entity)?.path.clone()));
+            }
+            (None, None) => None,
+        };
+        let mut seqs = Vec::with_capacity(sequence_numbers.len());
+        for s in sequence_numbers {
+            let seq = s.get();
+            match store.msgs.get(seq) {
+                Some(m)
+                    if m.state == St::Deferred
+                        && !seqs.contains(&seq)
+                        && held.is_none_or(|(_, sid)| m.session == sid) =>
+                {
+                    seqs.push(seq);
+                }
+                _ => return Err(Error::MessageNotFound(seq)),
+            }
+        }
+        let out = self.deliver(now, six, seqs, mode, held.map(|(l, _)| l))?;
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Browses messages from a sequence number on, without locking: available, locked,
+    /// deferred and scheduled ones (not expired ones). On a session entity, `session` limits
+    /// it to one session (that filter scans the store).
+    pub(crate) fn peek(
+        &self,
+        now: Timestamp,
+        entity: EntityRef,
+        from: SequenceNumber,
+        max: usize,
+        session: Option<&SessionId>,
+    ) -> Result<Vec<Delivery>, Error> {
+        let six = self.receive_store(entity)?;
+        check_max(max)?;
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
+        let sid = match session {
+            None => None,
+            Some(s) => match self.aux.names.lookup(s) {
+                Some(sid) => Some(sid),
+                None => return Ok(Vec::new()),
+            },
+        };
+        Ok(store
+            .msgs
+            .range_from(from.get())
+            .filter(|(_, m)| m.expires > now && sid.is_none_or(|sid| m.session == sid))
+            .take(max)
+            .map(|(seq, m)| self.delivery(seq, m, None))
+            .collect())
+    }
+
+    /// Parked waiters that were served since the last call, with their messages (empty when
+    /// their entity or session went away).
+    pub(crate) fn take_ready(&mut self) -> Vec<(WaiterId, Vec<Delivery>)> {
+        std::mem::take(&mut self.ready)
+    }
+
+    /// Parked accept-next-session waiters that got a session (`None`: their entity went
+    /// away).
+    pub(crate) fn take_ready_sessions(&mut self) -> Vec<(WaiterId, Option<AcceptedSession>)> {
+        std::mem::take(&mut self.ready_sessions)
+    }
+
+    /// Unparks a waiter (its timeout fired or its caller left); false if it was not parked.
+    pub(crate) fn cancel_waiter(&mut self, waiter: WaiterId) -> bool {
+        let Some(w) = self.waiters.remove(&waiter) else { return false };
+        let Some(store) = self.store_mut(w.six) else { return true };
+        match w.kind {
+            WaitKind::Receive => store.waiters.retain(|&x| x != waiter),
+            WaitKind::Accept => store.accept_waiters.retain(|&x| x != waiter),
+            WaitKind::Session(lock) => {
+                if let Some(&(_, sid)) = self.session_locks.get(&lock) {
+                    if let Some(s) = self
+                        .store_mut(w.six)
+                        .and_then(|s| s.sessions.as_mut())
+                        .and_then(|ss| ss.table.get_mut(&sid))
+                    {
+                        s.waiters.retain(|&x| x != waiter);
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    // ----- settle ---------------------------------------------------------------------------
+
+    /// Completes locked messages, all or nothing: any unknown or expired token fails the call
+    /// with [`Error::MessageLockLost`] and changes nothing.
+    pub(crate) fn complete(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        let mut groups: Vec<(StoreIx, Vec<i64>)> = Vec::new();
+        for t in tokens {
+            let Some(lock) = self.remove_lock(t) else { continue };
+            match groups.iter_mut().find(|(six, _)| *six == lock.six) {
+                Some((_, seqs)) => seqs.push(lock.seq),
+                None => groups.push((lock.six, vec![lock.seq])),
+            }
+        }
+        for (six, seqs) in groups {
+            let n = seqs.len() as u64;
+            let key = self.key(six)?;
+            self.emit(Record::Removed { store: key, sequences: seqs })?;
+            self.count(six.slot(), |c| c.completed += n);
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Abandons a locked message: it becomes available again with its delivery count raised
+    /// (dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
+    /// its application properties.
+    pub(crate) fn abandon(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        self.count(lock.six.slot(), |c| c.abandoned += 1);
+        self.unlock_counted(now, lock.six, lock.seq, non_empty(properties))?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Moves a locked message to its dead-letter queue (or its `ForwardDeadLetteredMessagesTo`
+    /// entity) with a reason and description, merging `properties`. A message in a dead-letter
+    /// queue cannot be dead-lettered again.
+    pub(crate) fn dead_letter(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        reason: Option<String>,
+        description: Option<String>,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let six = self.locks.get(&token).map(|l| l.six).ok_or(Error::MessageLockLost)?;
+        if six.is_dlq() {
+            return Err(Error::InvalidOperation(
+                "a message in a dead-letter queue cannot be dead-lettered again".to_owned(),
+            ));
+        }
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        let dc = self.meta(six, lock.seq).map_or(1, |m| m.delivery_count);
+        self.dead_letter_move(now, six, lock.seq, dc, reason, description, non_empty(properties))?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Defers a locked message: it stays, receivable only by sequence number
+    /// ([`Engine::receive_deferred`]). The delivery count does not change.
+    pub(crate) fn defer(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        let Some(meta) = self.meta(lock.six, lock.seq) else { return Ok(()) };
+        let dc = meta.delivery_count;
+        let key = self.key(lock.six)?;
+        self.emit(Record::Updated {
+            store: key,
+            sequence: lock.seq,
+            delivery_count: dc,
+            state: PlacedState::Deferred,
+            properties: non_empty(properties),
+        })?;
+        self.expire_if_due(now, lock.six, lock.seq)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Unlocks messages without counting a delivery (they never reached a handler), all or
+    /// nothing.
+    pub(crate) fn release(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        for t in tokens {
+            let Some(lock) = self.remove_lock(t) else { continue };
+            let Some(meta) = self.meta(lock.six, lock.seq) else { continue };
+            let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
+            let key = self.key(lock.six)?;
+            self.emit(Record::Updated {
+                store: key,
+                sequence: lock.seq,
+                delivery_count: dc,
+                state,
+                properties: None,
+            })?;
+            self.expire_if_due(now, lock.six, lock.seq)?;
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Renews locks, all or nothing; returns each new locked-until. A session message's lock
+    /// is its session's: renewing it renews the session lock.
+    pub(crate) fn renew_lock(
+        &mut self,
+        now: Timestamp,
+        tokens: &[LockToken],
+    ) -> Result<Vec<Timestamp>, Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let Some(lock) = self.locks.get(t).copied() else { continue };
+            let until = match lock.session {
+                Some(sl) => self.renew_session_lock(now, sl)?,
+                None => {
+                    let d = self.ent(lock.six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
+                    let until = now + d;
+                    self.lock_timers.remove(&(lock.until, *t));
+                    self.lock_timers.insert((until, *t));
+                    if let Some(l) = self.locks.get_mut(t) {
+                        l.until = until;
+                    }
+                    until
+                }
+            };
+            out.push(until);
+        }
+        Ok(out)
+    }
+
+    /// Moves dead-lettered messages back to their queue or subscription, all or nothing: each
+    /// gets a new sequence number, its dead-letter fields cleared and its delivery count reset.
+    pub(crate) fn resubmit(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        sequence_numbers: &[SequenceNumber],
+    ) -> Result<Vec<SequenceNumber>, Error> {
+        self.tick(now);
+        if !entity.dead_letter {
+            return Err(Error::InvalidOperation(
+                "only messages in a dead-letter queue can be resubmitted".to_owned(),
+            ));
+        }
+        let six = self.receive_store(entity)?;
+        let mut router = Router::new(now);
+        let mut moves = Vec::with_capacity(sequence_numbers.len());
+        for s in sequence_numbers {
+            let seq = s.get();
+            let meta = match self.meta(six, seq) {
+                Some(m) if matches!(m.state, St::Available | St::Deferred) => m,
+                _ => return Err(Error::MessageNotFound(seq)),
+            };
+            if moves.iter().any(|(q, _, _)| *q == seq) {
+                return Err(Error::MessageNotFound(seq));
+            }
+            let mut extra = meta.extra.as_deref().cloned().unwrap_or_default();
+            extra.dead_letter_reason = None;
+            extra.dead_letter_description = None;
+            extra.dead_letter_source = None;
+            let message = self.aux.bodies.message(meta.body);
+            let ttl =
+                extra.time_to_live.take().or_else(|| message.as_ref().and_then(|m| m.time_to_live));
+            let item = Item {
+                ttl,
+                message,
+                has_session: meta.session != NO_SESSION,
+                delivery_count: 1,
+                extra: (!extra.is_empty()).then_some(extra),
+                enqueued: None,
+            };
+            let mut to = Vec::new();
+            let new_seq = self.route_resubmit(&mut router, six.slot(), &item, &mut to)?;
+            moves.push((seq, new_seq, to));
+        }
+        let key = self.key(six)?;
+        let mut out = Vec::with_capacity(moves.len());
+        for (seq, new_seq, to) in moves {
+            self.emit(Record::Moved { from: key, sequence: seq, to })?;
+            out.push(SequenceNumber::new(new_seq));
+        }
+        self.pump(now);
+        Ok(out)
+    }
+
+    // ----- sessions -------------------------------------------------------------------------
+
+    /// Locks a session of a session-enabled queue or subscription: the named one (failing with
+    /// [`Error::SessionCannotBeLocked`] if another receiver holds it), or the next one with an
+    /// available message. When there is none and `waiter` is given, the waiter is parked and
+    /// served through [`Engine::take_ready_sessions`].
+    pub(crate) fn accept_session(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        session: Option<SessionId>,
+        waiter: Option<WaiterId>,
+    ) -> Result<Option<AcceptedSession>, Error> {
+        self.tick(now);
+        let six = self.receive_store(entity)?;
+        self.check_waiter(waiter)?;
+        let e = self.entity(entity)?;
+        if entity.dead_letter || !e.requires_session() {
+            return Err(Error::SessionsNotEnabled(e.path.clone()));
+        }
+        let out = match session {
+            Some(id) => {
+                check_id("session id", id.as_str())?;
+                let sid = self.aux.names.intern(&id);
+                let held = self
+                    .store(six)
+                    .and_then(|s| s.sessions.as_ref())
+                    .and_then(|ss| ss.table.get(&sid))
+                    .is_some_and(|s| s.holder.is_some());
+                if held {
+                    return Err(Error::SessionCannotBeLocked(id.to_string()));
+                }
+                let accepted = self.lock_session(now, six, sid);
+                self.aux.names.release_unused(sid);
+                accepted
+            }
+            None => {
+                let next = self
+                    .store(six)
+                    .and_then(|s| s.sessions.as_ref())
+                    .and_then(|ss| ss.ready.first().map(|&(_, sid)| sid));
+                match next {
+                    Some(sid) => self.lock_session(now, six, sid),
+                    None => {
+                        if let Some(w) = waiter {
+                            self.park(
+                                w,
+                                Waiter {
+                                    kind: WaitKind::Accept,
+                                    six,
+                                    mode: ReceiveMode::PeekLock,
+                                    max: 1,
+                                },
+                            );
+                        }
+                        None
+                    }
+                }
+            }
+        };
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Receives up to `max` messages of a held session, in order; parks `waiter` when there
+    /// are none.
+    pub(crate) fn receive_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        mode: ReceiveMode,
+        max: usize,
+        waiter: Option<WaiterId>,
+    ) -> Result<Vec<Delivery>, Error> {
+        self.tick(now);
+        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        check_max(max)?;
+        self.check_waiter(waiter)?;
+        let out = self.take_from(now, six, sid, mode, max, Some(lock))?;
+        if out.is_empty() {
+            if let Some(w) = waiter {
+                self.park(w, Waiter { kind: WaitKind::Session(lock), six, mode, max });
+            }
+        }
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Renews a session lock for another `LockDuration`; returns the new locked-until.
+    pub(crate) fn renew_session_lock(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+    ) -> Result<Timestamp, Error> {
+        self.tick(now);
+        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        let until = now + self.ent(six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
+        let Some(s) = self.session_mut(six, sid) else { return Err(Error::SessionLockLost) };
+        let old = std::mem::replace(&mut s.locked_until, until);
+        let tokens = s.locks.clone();
+        self.session_timers.remove(&(old, lock));
+        self.session_timers.insert((until, lock));
+        for t in tokens {
+            if let Some(l) = self.locks.get_mut(&t) {
+                l.until = until;
+            }
+        }
+        Ok(until)
+    }
+
+    /// Releases a held session: it is free for other receivers, and its messages still locked
+    /// become available with their delivery count raised.
+    pub(crate) fn release_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        if !self.session_locks.contains_key(&lock) {
+            return Err(Error::SessionLockLost);
+        }
+        self.free_session(now, lock)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// The state of a held session.
+    pub(crate) fn session_state(&self, lock: SessionLock) -> Result<Option<Bytes>, Error> {
+        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        Ok(self
+            .store(six)
+            .and_then(|s| s.sessions.as_ref())
+            .and_then(|ss| ss.table.get(&sid))
+            .and_then(|s| s.state.clone()))
+    }
+
+    /// Sets (or with `None` clears) the state of a held session; it is persisted.
+    pub(crate) fn set_session_state(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        state: Option<Bytes>,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        if let Some(s) = &state {
+            if s.len() > self.opts.max_message_size {
+                return Err(Error::MessageSizeExceeded {
+                    size: s.len(),
+                    limit: self.opts.max_message_size,
+                });
+            }
+        }
+        let session = self.aux.names.name(sid).cloned().ok_or(Error::SessionLockLost)?;
+        let entity = self.key(six)?.entity;
+        self.emit(Record::SessionState { entity, session, state })
+    }
+
+    // ----- time -----------------------------------------------------------------------------
+
+    /// The earliest time at which [`Engine::tick`] has something to do.
+    pub(crate) fn next_deadline(&self) -> Option<Timestamp> {
+        [
+            self.lock_timers.first().map(|t| t.0),
+            self.session_timers.first().map(|t| t.0),
+            self.aux.ttl_timers.first().map(|t| t.0),
+            self.aux.sched_timers.first().map(|t| t.0),
+            self.dedup_timers.first().map(|t| t.0),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Processes everything due at `now`: scheduled messages, expired locks and session locks,
+    /// expired messages, and the duplicate-detection purge. Every other call does this first,
+    /// so a late tick never lets an expired lock settle or an expired message be delivered.
+    pub(crate) fn tick(&mut self, now: Timestamp) {
+        if self.next_deadline().is_some_and(|d| d <= now) {
+            // Errors here are internal inconsistencies of records the engine itself built; the
+            // timers are popped before acting, so a failure cannot loop.
+            let _ = self.run_timers(now);
+        }
+        self.pump(now);
+    }
+
+    // ----- durability -----------------------------------------------------------------------
+
+    /// The records of every change since the last call, in order. Write them, sync once, and
+    /// only then release the replies of the calls that made them.
+    pub(crate) fn take_records(&mut self) -> Vec<Record> {
+        std::mem::take(&mut self.records)
+    }
+
+    /// Tells the engine where a record carrying a body ([`Record::body_key`]) was written: the
+    /// engine drops its in-memory copy and delivers the location from now on.
+    pub(crate) fn set_location(&mut self, body: BodyKey, location: Location) {
+        self.aux.bodies.set_location(body.index, body.generation, location);
+    }
+
+    /// Applies one record of the log during recovery, in log order.
+    pub(crate) fn replay(&mut self, record: Record, location: Location) -> Result<(), Error> {
+        let batch_part = matches!(record, Record::Sent { .. });
+        if !self.pending_batch.is_empty() && !batch_part {
+            return Err(Error::Corrupt("a send batch is interrupted by another record".to_owned()));
+        }
+        if let Record::Sent { more: true, .. } = record {
+            self.pending_batch.push((record, location));
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.pending_batch);
+        for (mut r, loc) in batch {
+            self.apply(&mut r, Some(loc))?;
+        }
+        let mut record = record;
+        self.apply(&mut record, Some(location))
+    }
+
+    /// Ends recovery: drops a send batch cut short at the end of the log, makes the messages
+    /// that were locked at the crash available again with their delivery count raised (see
+    /// the module documentation), and processes what is due at `now`.
+    pub(crate) fn finish_recovery(&mut self, now: Timestamp) -> Result<(), Error> {
+        self.pending_batch.clear();
+        let mut locked = Vec::new();
+        for (slot, e) in self.entities.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let Ok(slot) = u32::try_from(slot) else { continue };
+            for dead_letter in [false, true] {
+                let six = StoreIx::new(slot, dead_letter);
+                locked.extend(
+                    e.store(dead_letter)
+                        .msgs
+                        .iter()
+                        .filter(|(_, m)| m.is_locked())
+                        .map(|(s, _)| (six, s)),
+                );
+            }
+        }
+        for (six, seq) in locked {
+            self.unlock_counted(now, six, seq, None)?;
+        }
+        self.run_timers(now)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Records restating all small state: entities (properties, rules, next sequence numbers),
+    /// session states, and duplicate-detection ids still in their window. Written at the start
+    /// of every segment; replaying them overwrites, and twice is harmless.
+    pub(crate) fn checkpoint_records(&self) -> Vec<Record> {
+        let mut out = Vec::new();
+        for e in self.entities.iter().flatten() {
+            out.push(Record::Entity {
+                id: e.id,
+                definition: Box::new(self.definition_of(e)),
+                next_sequence: e.next_seq,
+            });
+        }
+        for e in self.entities.iter().flatten() {
+            if let Some(ss) = &e.main.sessions {
+                let mut states: Vec<_> = ss
+                    .table
+                    .iter()
+                    .filter_map(|(&sid, s)| {
+                        Some((self.aux.names.name(sid)?.clone(), s.state.clone()?))
+                    })
+                    .collect();
+                states.sort_by(|a, b| a.0.cmp(&b.0));
+                for (session, state) in states {
+                    out.push(Record::SessionState { entity: e.id, session, state: Some(state) });
+                }
+            }
+            let ids: Vec<_> = e
+                .dedup
+                .order
+                .iter()
+                .filter(|(t, id)| e.dedup.ids.get(id) == Some(t))
+                .map(|(t, id)| (id.clone(), *t))
+                .collect();
+            for chunk in ids.chunks(1024) {
+                out.push(Record::DuplicateIds { entity: e.id, ids: chunk.to_vec() });
+            }
+        }
+        out
+    }
+
+    /// Live messages whose body is stored in `segment`. O(1).
+    pub(crate) fn segment_refs(&self, segment: u32) -> usize {
+        self.aux.bodies.seg_refs.get(&segment).copied().unwrap_or(0)
+    }
+
+    /// The live messages stored in `segment`, in log order, for compaction: read each body
+    /// and pass it to [`Engine::relocate`]. This scans every message (compaction is rare).
+    pub(crate) fn live_in_segment(&self, segment: u32) -> Vec<MessageRef> {
+        let mut by_body: HashMap<u32, usize> = HashMap::new();
+        let mut out: Vec<MessageRef> = Vec::new();
+        for (slot, e) in self.entities.iter().enumerate() {
+            let (Some(e), Ok(slot)) = (e, u32::try_from(slot)) else { continue };
+            for dead_letter in [false, true] {
+                let six = StoreIx::new(slot, dead_letter);
+                for (seq, m) in e.store(dead_letter).msgs.iter() {
+                    let Some(loc) = self.aux.bodies.location(m.body) else { continue };
+                    if loc.segment != segment {
+                        continue;
+                    }
+                    let i = *by_body.entry(m.body).or_insert_with(|| {
+                        out.push(MessageRef {
+                            location: loc,
+                            body: BodyKey {
+                                index: m.body,
+                                generation: self.aux.bodies.generation(m.body),
+                            },
+                            placements: Vec::new(),
+                        });
+                        out.len() - 1
+                    });
+                    out[i].placements.push((six, seq));
+                }
+            }
+        }
+        out.sort_by_key(|r| r.location.offset);
+        out
+    }
+
+    /// Emits a [`Record::Snapshot`] of a live message from [`Engine::live_in_segment`] so that
+    /// its old segment can go; `message` is its body as read from there. Does nothing if the
+    /// message changed since (it is no longer live, or was moved or copied): call
+    /// `live_in_segment` again.
+    pub(crate) fn relocate(&mut self, msg: &MessageRef, message: Arc<Message>) {
+        let b = msg.body;
+        if self.aux.bodies.generation(b.index) != b.generation
+            || self.aux.bodies.location(b.index) != Some(msg.location)
+        {
+            return;
+        }
+        let mut placements = Vec::with_capacity(msg.placements.len());
+        for &(six, seq) in &msg.placements {
+            let (Some(m), Ok(key)) = (self.meta(six, seq), self.key(six)) else { continue };
+            if m.body == b.index {
+                placements.push(placement_of(key, seq, m));
+            }
+        }
+        if placements.is_empty() || placements.len() != self.aux.bodies.refs(b.index) as usize {
+            return;
+        }
+        self.aux.bodies.keep_if_pinned(b.index, &message);
+        let rec = Record::Snapshot { message: record::StoredMessage(message), placements, body: b };
+        if self.opts.durable {
+            self.records.push(rec);
+        }
+    }
+}
+
+/// The size a message counts for against the size limit: its body, its header strings, and
+/// its application property names and values.
+pub(crate) fn message_size(m: &Message) -> usize {
+    let strings = [
+        m.message_id.as_ref().map(|i| i.as_str().len()),
+        m.session_id.as_ref().map(|i| i.as_str().len()),
+        m.correlation_id.as_ref().map(String::len),
+        m.subject.as_ref().map(String::len),
+        m.content_type.as_ref().map(String::len),
+        m.to.as_ref().map(String::len),
+        m.reply_to.as_ref().map(String::len),
+        m.reply_to_session_id.as_ref().map(String::len),
+        m.partition_key.as_ref().map(String::len),
+    ];
+    let props: usize = m.application_properties.iter().map(|(k, v)| k.len() + value_size(v)).sum();
+    m.body.len() + strings.into_iter().flatten().sum::<usize>() + props
+}
+
+fn value_size(v: &Value) -> usize {
+    match v {
+        Value::Null | Value::Bool(_) | Value::Ubyte(_) | Value::Byte(_) => 1,
+        Value::Ushort(_) | Value::Short(_) => 2,
+        Value::Uint(_) | Value::Int(_) | Value::Float(_) | Value::Char(_) => 4,
+        Value::Uuid(_) => 16,
+        Value::Binary(b) => b.len(),
+        Value::String(s) | Value::Symbol(s) => s.len(),
+        _ => 8,
+    }
+}
+
+/// A delivered message as the `twice` vocabulary has it: the stored message with the
+/// broker-set fields, and the properties changed by abandon, defer or dead-letter merged into
+/// its application properties. As in Service Bus, a dead-lettered message also carries its
+/// reason and description as the application properties `DeadLetterReason` and
+/// `DeadLetterErrorDescription` (which is where the AMQP wire has them).
+pub(crate) fn received_message(message: &Message, meta: &DeliveryMeta) -> ReceivedMessage {
+    let mut m = message.clone();
+    let mut r_extra = None;
+    if let Some(extra) = &meta.extra {
+        let props = &mut m.application_properties;
+        props.extend(extra.properties.iter().map(|(k, v)| (k.clone(), v.clone())));
+        if let Some(reason) = &extra.dead_letter_reason {
+            props.insert("DeadLetterReason".to_owned(), Value::String(reason.clone()));
+        }
+        if let Some(description) = &extra.dead_letter_description {
+            props.insert(
+                "DeadLetterErrorDescription".to_owned(),
+                Value::String(description.clone()),
+            );
+        }
+        r_extra = Some(extra);
+    }
+    let mut r = ReceivedMessage::new(m, meta.sequence_number, meta.enqueued_time);
+    r.expires_at = meta.expires_at;
+    r.lock_token = meta.lock_token;
+    r.locked_until = meta.locked_until;
+    r.delivery_count = meta.delivery_count;
+    r.state = meta.state;
+    if let Some(extra) = r_extra {
+        r.dead_letter_reason = extra.dead_letter_reason.clone();
+        r.dead_letter_error_description = extra.dead_letter_description.clone();
+        r.dead_letter_source = extra.dead_letter_source.clone();
+    }
+    r
+}

@@ -1,0 +1,1175 @@
+//! The seeded model test: random operations by several receivers against the engine and a
+//! reference model written from the rules (not from the engine), compared after every step.
+//!
+//! Steps: send (batches, duplicates, time to live, scheduled), receive (peek-lock and
+//! receive-and-delete, main and dead-letter queues), complete, abandon, dead-letter, defer,
+//! release, renew, receive deferred, cancel scheduled, resubmit, session accept (named and
+//! next) / receive / renew / release / state, time advance (lock, session lock and TTL
+//! expiry), log rotation with checkpoints, compaction of the oldest segment, and restart
+//! (replay of the remaining log into a fresh engine, then recovery).
+//!
+//! After every step: every store's content (peeked) equals the model's, message by message
+//! with delivery count and state; the runtime counts match; delivery counts never go down.
+//! Deliveries are checked against the model's prediction, which is how "no message held by two
+//! live locks", "a session is never held twice" and "FIFO within a session" are checked: the
+//! engine may only deliver what the model says is available, in sequence order.
+//!
+//! `TWICE_MODEL_SEEDS=n` runs n seeds (default 200), `TWICE_MODEL_STEPS=n` makes each seed
+//! run n steps (default 1000, which keeps the default run near 10 s in a debug build on two
+//! cores), and `TWICE_MODEL_SEED=s` runs one seed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use twice::{LockToken, Message, MessageState, Properties, SequenceNumber, SessionId, Timestamp};
+
+use super::super::state::{Meta, St};
+use crate::config::{EntityDefinition, QueueProperties};
+use crate::engine::{
+    Body, Delivery, Engine, EngineOptions, EntityRef, Location, ReceiveMode, Record, SendOutcome,
+    SessionLock,
+};
+use crate::error::Error;
+
+const LOCK: Duration = Duration::from_secs(10);
+const MAX_DC: u32 = 3;
+const DEDUP: Duration = Duration::from_secs(30);
+const S_TTL: Duration = Duration::from_secs(40);
+const RECEIVERS: usize = 3;
+const SESSIONS: [&str; 3] = ["a", "b", "c"];
+/// Steps per seed by default; `TWICE_MODEL_STEPS` changes it.
+const STEPS: usize = 1000;
+
+#[test]
+fn model() {
+    let seeds: Vec<u64> = match std::env::var("TWICE_MODEL_SEED") {
+        Ok(s) => vec![s.parse().expect("TWICE_MODEL_SEED is a number")],
+        Err(_) => {
+            let n =
+                std::env::var("TWICE_MODEL_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+            (1..=n).collect()
+        }
+    };
+    let steps =
+        std::env::var("TWICE_MODEL_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(STEPS);
+    // Seeds are independent: spread them over the cores.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4);
+    let failed = std::sync::Mutex::new(None);
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (seeds, failed) = (&seeds, &failed);
+            scope.spawn(move || {
+                for &seed in seeds.iter().skip(t).step_by(threads) {
+                    if failed.lock().is_ok_and(|f| f.is_some()) {
+                        return;
+                    }
+                    if let Err(panic) = std::panic::catch_unwind(|| Sim::new(seed).run(steps)) {
+                        if let Ok(mut f) = failed.lock() {
+                            f.get_or_insert((seed, panic));
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    if let Some((seed, panic)) = failed.into_inner().ok().flatten() {
+        eprintln!("model test failed with seed {seed}: rerun with TWICE_MODEL_SEED={seed}");
+        std::panic::resume_unwind(panic);
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        usize::try_from(self.next() % n as u64).unwrap_or(0)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> Option<&'a T> {
+        if items.is_empty() { None } else { items.get(self.below(items.len())) }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ent {
+    Q,
+    S,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MState {
+    Active,
+    Locked { token: LockToken, until: Timestamp },
+    Deferred,
+    DeferredLocked { token: LockToken, until: Timestamp },
+    Scheduled,
+    Gone,
+}
+
+#[derive(Clone, Debug)]
+struct MMsg {
+    id: String,
+    ent: Ent,
+    dlq: bool,
+    seq: i64,
+    session: Option<String>,
+    state: MState,
+    dc: u32,
+    ttl: Option<Duration>,
+    expires: Option<Timestamp>,
+    /// When a scheduled message becomes active.
+    at: Option<Timestamp>,
+    /// The highest delivery count the engine showed for it.
+    seen_dc: u32,
+}
+
+impl MMsg {
+    fn token(&self) -> Option<LockToken> {
+        match self.state {
+            MState::Locked { token, .. } | MState::DeferredLocked { token, .. } => Some(token),
+            _ => None,
+        }
+    }
+
+    fn expired(&self, now: Timestamp) -> bool {
+        self.expires.is_some_and(|e| e <= now)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Holder {
+    lock: SessionLock,
+    until: Timestamp,
+}
+
+/// The reference model.
+#[derive(Default)]
+struct Model {
+    msgs: Vec<MMsg>,
+    next_seq: [i64; 2],
+    dedup: HashMap<String, Timestamp>,
+    holders: HashMap<String, Holder>,
+    states: HashMap<String, Bytes>,
+}
+
+impl Model {
+    fn idx(e: Ent) -> usize {
+        match e {
+            Ent::Q => 0,
+            Ent::S => 1,
+        }
+    }
+
+    fn alloc(&mut self, e: Ent) -> i64 {
+        let n = &mut self.next_seq[Self::idx(e)];
+        *n += 1;
+        *n
+    }
+
+    fn find(&self, e: Ent, dlq: bool, seq: i64) -> Option<usize> {
+        self.msgs
+            .iter()
+            .position(|m| m.ent == e && m.dlq == dlq && m.seq == seq && m.state != MState::Gone)
+    }
+
+    fn by_token(&self, t: LockToken) -> Option<usize> {
+        self.msgs.iter().position(|m| m.token() == Some(t))
+    }
+
+    /// The message ends a delivery without settling: count, dead-letter past the maximum,
+    /// expire if its time passed.
+    fn unlock_counted(&mut self, i: usize, now: Timestamp) {
+        let m = &mut self.msgs[i];
+        m.dc += 1;
+        let deferred = matches!(m.state, MState::DeferredLocked { .. });
+        if !m.dlq && m.dc > MAX_DC {
+            m.state = MState::Active;
+            self.dead_letter(i);
+            return;
+        }
+        m.state = if deferred { MState::Deferred } else { MState::Active };
+        self.expire_if_due(i, now);
+    }
+
+    /// A dead-lettered message is active in its dead-letter queue, which applies no TTL.
+    fn dead_letter(&mut self, i: usize) {
+        let m = &mut self.msgs[i];
+        m.dlq = true;
+        m.expires = None;
+        m.state = MState::Active;
+    }
+
+    fn expire_if_due(&mut self, i: usize, now: Timestamp) {
+        let m = &mut self.msgs[i];
+        if m.dlq || !m.expired(now) || !matches!(m.state, MState::Active | MState::Deferred) {
+            return;
+        }
+        match m.ent {
+            // Queue q dead-letters expired messages; queue s drops them.
+            Ent::Q => self.dead_letter(i),
+            Ent::S => m.state = MState::Gone,
+        }
+    }
+
+    fn lose_session(&mut self, session: &str, now: Timestamp) {
+        self.holders.remove(session);
+        let locked: Vec<usize> = (0..self.msgs.len())
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.ent == Ent::S
+                    && !m.dlq
+                    && m.session.as_deref() == Some(session)
+                    && m.token().is_some()
+            })
+            .collect();
+        for i in locked {
+            self.unlock_counted(i, now);
+        }
+    }
+
+    fn advance(&mut self, now: Timestamp) {
+        // Scheduled messages whose time came become active first, as in the engine.
+        for m in &mut self.msgs {
+            if m.state == MState::Scheduled && m.at.is_some_and(|at| at <= now) {
+                m.state = MState::Active;
+            }
+        }
+        for i in 0..self.msgs.len() {
+            if let MState::Locked { until, .. } | MState::DeferredLocked { until, .. } =
+                self.msgs[i].state
+            {
+                let session_msg = self.msgs[i].ent == Ent::S && !self.msgs[i].dlq;
+                if !session_msg && until <= now {
+                    self.unlock_counted(i, now);
+                }
+            }
+        }
+        let lost: Vec<String> =
+            self.holders.iter().filter(|(_, h)| h.until <= now).map(|(s, _)| s.clone()).collect();
+        for s in lost {
+            self.lose_session(&s, now);
+        }
+        for i in 0..self.msgs.len() {
+            self.expire_if_due(i, now);
+        }
+        self.dedup.retain(|_, end| *end > now);
+    }
+
+    fn restart(&mut self, now: Timestamp) {
+        self.holders.clear();
+        for i in 0..self.msgs.len() {
+            if self.msgs[i].token().is_some() {
+                self.unlock_counted(i, now);
+            }
+        }
+    }
+
+    /// Available messages of a store (of a session), in order.
+    fn available(&self, e: Ent, dlq: bool, session: Option<&str>, now: Timestamp) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..self.msgs.len())
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.ent == e
+                    && m.dlq == dlq
+                    && m.state == MState::Active
+                    && !m.expired(now)
+                    && (session.is_none() || m.session.as_deref() == session)
+            })
+            .collect();
+        v.sort_by_key(|&i| self.msgs[i].seq);
+        v
+    }
+}
+
+#[derive(Default)]
+struct Receiver {
+    tokens: Vec<LockToken>,
+    session: Option<(String, SessionLock)>,
+}
+
+struct Segment {
+    id: u32,
+    records: Vec<Record>,
+}
+
+struct Sim {
+    seed: u64,
+    rng: Rng,
+    engine: Engine,
+    segments: Vec<Segment>,
+    now: Timestamp,
+    model: Model,
+    receivers: Vec<Receiver>,
+    ids: Vec<String>,
+    next_id: u64,
+    json: bool,
+    step: usize,
+    trace: Vec<String>,
+    /// Resolved entities (replay recreates them with the same ids, so they survive restarts).
+    refs: [Option<EntityRef>; 4],
+}
+
+impl Sim {
+    fn new(seed: u64) -> Self {
+        let now = Timestamp::from_millis(1_893_456_000_000);
+        let mut engine =
+            Engine::new(EngineOptions { seed: seed * 1000, ..EngineOptions::default() });
+        let q = QueueProperties::default()
+            .with_lock_duration(LOCK)
+            .with_max_delivery_count(MAX_DC)
+            .with_duplicate_detection(DEDUP)
+            .with_dead_lettering_on_message_expiration(true);
+        let s = QueueProperties::default()
+            .with_lock_duration(LOCK)
+            .with_max_delivery_count(MAX_DC)
+            .with_default_message_time_to_live(S_TTL)
+            .with_requires_session(true);
+        engine.create_entity(now, EntityDefinition::queue("q", q)).expect("create q");
+        engine.create_entity(now, EntityDefinition::queue("s", s)).expect("create s");
+        let mut sim = Self {
+            seed,
+            rng: Rng(seed),
+            engine,
+            segments: vec![Segment { id: 0, records: Vec::new() }],
+            now,
+            model: Model::default(),
+            receivers: (0..RECEIVERS).map(|_| Receiver::default()).collect(),
+            ids: Vec::new(),
+            next_id: 0,
+            json: seed % 10 == 1,
+            step: 0,
+            trace: Vec::new(),
+            refs: [None; 4],
+        };
+        for (i, (e, dlq)) in [(Ent::Q, false), (Ent::Q, true), (Ent::S, false), (Ent::S, true)]
+            .into_iter()
+            .enumerate()
+        {
+            sim.refs[i] = Some(sim.ent_ref(e, dlq));
+        }
+        sim.sync();
+        sim
+    }
+
+    fn fail(&self, what: &str) -> ! {
+        let tail: Vec<_> = self.trace.iter().rev().take(16).rev().cloned().collect();
+        panic!("seed {} step {}: {what}\nlast steps:\n{}", self.seed, self.step, tail.join("\n"));
+    }
+
+    fn ent_ref(&self, e: Ent, dlq: bool) -> EntityRef {
+        if let Some(r) = self.refs[usize::from(e == Ent::S) * 2 + usize::from(dlq)] {
+            return r;
+        }
+        let path = match (e, dlq) {
+            (Ent::Q, false) => "q",
+            (Ent::Q, true) => "q/$DeadLetterQueue",
+            (Ent::S, false) => "s",
+            (Ent::S, true) => "s/$DeadLetterQueue",
+        };
+        self.engine.resolve(path).unwrap_or_else(|e| self.fail(&format!("resolve {path}: {e}")))
+    }
+
+    fn sync(&mut self) {
+        for r in self.engine.take_records() {
+            let key = r.body_key();
+            // Every record goes through the log's encoding (postcard), and for one seed in ten
+            // through JSON too, so the records hold no type a format cannot carry.
+            let bytes =
+                postcard::to_allocvec(&r).unwrap_or_else(|e| self.fail(&format!("encode: {e}")));
+            let r: Record =
+                postcard::from_bytes(&bytes).unwrap_or_else(|e| self.fail(&format!("decode: {e}")));
+            let r = if self.json {
+                let s = serde_json::to_string(&r)
+                    .unwrap_or_else(|e| self.fail(&format!("encode: {e}")));
+                serde_json::from_str(&s).unwrap_or_else(|e| self.fail(&format!("decode: {e}")))
+            } else {
+                r
+            };
+            let Some(seg) = self.segments.last_mut() else { self.fail("no segment") };
+            let loc = Location { segment: seg.id, offset: seg.records.len() as u64, len: 0 };
+            if let Some(key) = key {
+                self.engine.set_location(key, loc);
+            }
+            seg.records.push(r);
+        }
+    }
+
+    fn message_of(&self, d: &Delivery) -> Arc<Message> {
+        match &d.body {
+            Body::Memory(m) => Arc::clone(m),
+            Body::Stored(loc) => self
+                .segments
+                .iter()
+                .find(|s| s.id == loc.segment)
+                .and_then(|s| s.records.get(usize::try_from(loc.offset).ok()?))
+                .and_then(Record::message)
+                .cloned()
+                .unwrap_or_else(|| self.fail(&format!("body at {loc:?} is gone"))),
+        }
+    }
+
+    fn run(mut self, steps: usize) {
+        for step in 0..steps {
+            self.step = step;
+            if self.trace.len() > 64 {
+                self.trace.drain(..32);
+            }
+            self.one_step();
+            self.sync();
+            // Keep the log short, as a runtime does: rotate full segments, compact old ones.
+            if self.segments.last().is_some_and(|s| s.records.len() > 64) {
+                self.rotate();
+            }
+            while self.segments.len() > 3 {
+                self.compact();
+            }
+            self.check();
+            self.model.msgs.retain(|m| m.state != MState::Gone);
+        }
+    }
+
+    fn live(&self, e: Ent) -> usize {
+        self.model.msgs.iter().filter(|m| m.ent == e && m.state != MState::Gone).count()
+    }
+
+    fn one_step(&mut self) {
+        let r = self.rng.below(RECEIVERS);
+        match self.rng.below(100) {
+            0..=14 if self.live(Ent::Q) < 30 => self.send(Ent::Q),
+            15..=22 if self.live(Ent::S) < 20 => self.send(Ent::S),
+            0..=22 => self.advance(),
+            23..=32 => self.receive(r, Ent::Q, false),
+            33..=35 => self.receive(r, Ent::Q, true),
+            36..=37 => self.receive(r, Ent::S, true),
+            38 => self.receive(r, Ent::S, false),
+            39..=48 => self.settle(r),
+            49..=51 => self.receive_deferred(r),
+            52..=57 => self.accept(r),
+            58..=65 => self.session_receive(r),
+            66..=68 => self.session_other(r),
+            69 => self.cancel(),
+            70..=71 => self.resubmit(),
+            72..=89 => self.advance(),
+            90..=93 => self.rotate(),
+            94..=98 => self.compact(),
+            _ => self.restart(),
+        }
+    }
+
+    fn new_id(&mut self) -> String {
+        self.next_id += 1;
+        let id = format!("m{}", self.next_id);
+        self.ids.push(id.clone());
+        id
+    }
+
+    fn send(&mut self, e: Ent) {
+        let n = 1 + self.rng.below(3);
+        let mut msgs = Vec::new();
+        let mut plan = Vec::new();
+        for _ in 0..n {
+            let id = if e == Ent::Q && self.rng.chance(20) && !self.ids.is_empty() {
+                self.rng.pick(&self.ids).cloned().unwrap_or_default()
+            } else {
+                self.new_id()
+            };
+            let ttl = self.rng.chance(30).then(|| Duration::from_secs(5 + self.rng.next() % 26));
+            let at = self
+                .rng
+                .chance(15)
+                .then(|| self.now + Duration::from_secs(1 + self.rng.next() % 20));
+            let session =
+                (e == Ent::S).then(|| SESSIONS[self.rng.below(SESSIONS.len())].to_owned());
+            let mut m = Message::new(Bytes::from(id.clone())).with_message_id(id.as_str());
+            m.time_to_live = ttl;
+            m.scheduled_enqueue_time = at;
+            m.session_id = session.clone().map(SessionId::new);
+            msgs.push(m);
+            plan.push((id, ttl, at, session));
+        }
+        let target = self.ent_ref(e, false);
+        self.trace.push(format!("send {e:?} {:?}", plan.iter().map(|p| &p.0).collect::<Vec<_>>()));
+        let out = self
+            .engine
+            .send(self.now, target, msgs)
+            .unwrap_or_else(|err| self.fail(&format!("send: {err}")));
+        for ((id, ttl, at, session), outcome) in plan.into_iter().zip(out) {
+            let dup = e == Ent::Q && self.model.dedup.get(&id).is_some_and(|&end| end > self.now);
+            match (dup, outcome) {
+                (true, SendOutcome::Duplicate) => continue,
+                (false, SendOutcome::Enqueued(seq)) => {
+                    let want = self.model.alloc(e);
+                    if seq.get() != want {
+                        self.fail(&format!("send {id}: sequence {seq}, model {want}"));
+                    }
+                    if e == Ent::Q {
+                        self.model.dedup.insert(id.clone(), self.now + DEDUP);
+                    }
+                    let enqueued = at.unwrap_or(self.now);
+                    let ttl_here = match e {
+                        Ent::Q => ttl,
+                        Ent::S => Some(ttl.map_or(S_TTL, |t| t.min(S_TTL))),
+                    };
+                    self.model.msgs.push(MMsg {
+                        id,
+                        ent: e,
+                        dlq: false,
+                        seq: want,
+                        session,
+                        state: if at.is_some() { MState::Scheduled } else { MState::Active },
+                        dc: 1,
+                        ttl,
+                        expires: ttl_here.map(|t| enqueued + t),
+                        at,
+                        seen_dc: 1,
+                    });
+                }
+                (dup, got) => self.fail(&format!("send {id}: got {got:?}, model duplicate={dup}")),
+            }
+        }
+    }
+
+    /// Checks deliveries against the model's prediction and applies them.
+    fn take(
+        &mut self,
+        r: usize,
+        expect: Vec<usize>,
+        got: &[Delivery],
+        mode: ReceiveMode,
+        session_until: Option<Timestamp>,
+    ) {
+        let got_ids: Vec<(String, i64, u32)> = got
+            .iter()
+            .map(|d| {
+                let m = self.message_of(d);
+                (
+                    m.message_id.clone().map(|i| i.into_string()).unwrap_or_default(),
+                    d.meta.sequence_number.get(),
+                    d.meta.delivery_count,
+                )
+            })
+            .collect();
+        let want: Vec<(String, i64, u32)> = expect
+            .iter()
+            .map(|&i| {
+                (self.model.msgs[i].id.clone(), self.model.msgs[i].seq, self.model.msgs[i].dc)
+            })
+            .collect();
+        if got_ids != want {
+            self.fail(&format!("delivered {got_ids:?}, model says {want:?}"));
+        }
+        for (d, i) in got.iter().zip(expect) {
+            match mode {
+                ReceiveMode::ReceiveAndDelete => self.model.msgs[i].state = MState::Gone,
+                ReceiveMode::PeekLock => {
+                    let Some(token) = d.meta.lock_token else {
+                        self.fail("peek-lock delivery without a lock")
+                    };
+                    let until = session_until.unwrap_or(self.now + LOCK);
+                    if d.meta.locked_until != Some(until) {
+                        self.fail(&format!(
+                            "locked until {:?}, model {until:?}",
+                            d.meta.locked_until
+                        ));
+                    }
+                    let m = &mut self.model.msgs[i];
+                    m.state = match m.state {
+                        MState::Deferred => MState::DeferredLocked { token, until },
+                        _ => MState::Locked { token, until },
+                    };
+                    let tokens = &mut self.receivers[r].tokens;
+                    tokens.push(token);
+                    if tokens.len() > 8 {
+                        tokens.remove(0);
+                    }
+                }
+            }
+        }
+    }
+
+    fn receive(&mut self, r: usize, e: Ent, dlq: bool) {
+        let n = 1 + self.rng.below(3);
+        let mode =
+            if self.rng.chance(10) { ReceiveMode::ReceiveAndDelete } else { ReceiveMode::PeekLock };
+        let target = self.ent_ref(e, dlq);
+        self.trace.push(format!("r{r} receive {e:?} dlq={dlq} n={n} {mode:?}"));
+        let got = self.engine.receive(self.now, target, mode, n, None);
+        if e == Ent::S && !dlq {
+            if !matches!(got, Err(Error::SessionRequired(_))) {
+                self.fail(&format!("non-session receive on a session queue: {got:?}"));
+            }
+            return;
+        }
+        let got = got.unwrap_or_else(|err| self.fail(&format!("receive: {err}")));
+        let mut expect = self.model.available(e, dlq, None, self.now);
+        expect.truncate(n);
+        self.take(r, expect, &got, mode, None);
+    }
+
+    fn settle(&mut self, r: usize) {
+        let Some(&token) = self.rng.pick(&self.receivers[r].tokens) else { return };
+        let target = self.model.by_token(token);
+        let op = self.rng.below(6);
+        self.trace.push(format!(
+            "r{r} settle op={op} {token} -> {:?}",
+            target.map(|i| &self.model.msgs[i].id)
+        ));
+        let now = self.now;
+        let result = match op {
+            0 => self.engine.complete(now, &[token]).map(|()| None),
+            1 => self.engine.abandon(now, token, Properties::new()).map(|()| None),
+            2 => self
+                .engine
+                .dead_letter(now, token, Some("Bad".to_owned()), None, Properties::new())
+                .map(|()| None),
+            3 => self.engine.defer(now, token, Properties::new()).map(|()| None),
+            4 => self.engine.release(now, &[token]).map(|()| None),
+            _ => self.engine.renew_lock(now, &[token]).map(|v| v.first().copied()),
+        };
+        let Some(i) = target else {
+            if !matches!(result, Err(Error::MessageLockLost)) {
+                self.fail(&format!("settle with a dead token: {result:?}"));
+            }
+            return;
+        };
+        if op == 2 && self.model.msgs[i].dlq {
+            if !matches!(result, Err(Error::InvalidOperation(_))) {
+                self.fail(&format!("dead-letter in the dead-letter queue: {result:?}"));
+            }
+            return;
+        }
+        let until = match result {
+            Ok(until) => until,
+            Err(err) => self.fail(&format!("settle op {op}: {err}")),
+        };
+        let deferred = matches!(self.model.msgs[i].state, MState::DeferredLocked { .. });
+        match op {
+            0 => self.model.msgs[i].state = MState::Gone,
+            1 => self.model.unlock_counted(i, now),
+            2 => self.model.dead_letter(i),
+            3 => {
+                self.model.msgs[i].state = MState::Deferred;
+                self.model.expire_if_due(i, now);
+            }
+            4 => {
+                self.model.msgs[i].state = if deferred { MState::Deferred } else { MState::Active };
+                self.model.expire_if_due(i, now);
+            }
+            _ => {
+                let want = now + LOCK;
+                if until != Some(want) {
+                    self.fail(&format!("renewed until {until:?}, model {want:?}"));
+                }
+                let m = &mut self.model.msgs[i];
+                let session = (m.ent == Ent::S && !m.dlq).then(|| m.session.clone()).flatten();
+                match session {
+                    Some(s) => self.renew_session_in_model(&s, want),
+                    None => {
+                        if let MState::Locked { until, .. } | MState::DeferredLocked { until, .. } =
+                            &mut m.state
+                        {
+                            *until = want;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn renew_session_in_model(&mut self, session: &str, until: Timestamp) {
+        if let Some(h) = self.model.holders.get_mut(session) {
+            h.until = until;
+        }
+        for m in &mut self.model.msgs {
+            if m.ent == Ent::S && !m.dlq && m.session.as_deref() == Some(session) {
+                if let MState::Locked { until: u, .. } | MState::DeferredLocked { until: u, .. } =
+                    &mut m.state
+                {
+                    *u = until;
+                }
+            }
+        }
+    }
+
+    fn receive_deferred(&mut self, r: usize) {
+        let deferred: Vec<i64> = self
+            .model
+            .msgs
+            .iter()
+            .filter(|m| m.ent == Ent::Q && !m.dlq && m.state == MState::Deferred)
+            .map(|m| m.seq)
+            .collect();
+        let seq = match self.rng.pick(&deferred) {
+            Some(&s) if self.rng.chance(80) => s,
+            _ => 1 + i64::try_from(self.rng.below(40)).unwrap_or(0),
+        };
+        let target = self.ent_ref(Ent::Q, false);
+        self.trace.push(format!("r{r} receive deferred {seq}"));
+        let got = self.engine.receive_deferred(
+            self.now,
+            target,
+            &[SequenceNumber::new(seq)],
+            ReceiveMode::PeekLock,
+            None,
+        );
+        match self.model.find(Ent::Q, false, seq) {
+            Some(i)
+                if self.model.msgs[i].state == MState::Deferred
+                    && !self.model.msgs[i].expired(self.now) =>
+            {
+                let got = got.unwrap_or_else(|err| self.fail(&format!("receive deferred: {err}")));
+                self.take(r, vec![i], &got, ReceiveMode::PeekLock, None);
+            }
+            _ => {
+                if !matches!(got, Err(Error::MessageNotFound(s)) if s == seq) {
+                    self.fail(&format!("receive deferred {seq}: {got:?}"));
+                }
+            }
+        }
+    }
+
+    fn held(&self, r: usize) -> Option<(String, SessionLock, bool)> {
+        let (s, lock) = self.receivers[r].session.clone()?;
+        let live = self.model.holders.get(&s).is_some_and(|h| h.lock == lock);
+        Some((s, lock, live))
+    }
+
+    fn accept(&mut self, r: usize) {
+        if self.held(r).is_some_and(|h| h.2) {
+            return;
+        }
+        let target = self.ent_ref(Ent::S, false);
+        let named =
+            self.rng.chance(50).then(|| SESSIONS[self.rng.below(SESSIONS.len())].to_owned());
+        self.trace.push(format!("r{r} accept {named:?}"));
+        let got =
+            self.engine.accept_session(self.now, target, named.clone().map(SessionId::new), None);
+        let expect = match &named {
+            Some(s) if self.model.holders.contains_key(s) => {
+                if !matches!(&got, Err(Error::SessionCannotBeLocked(x)) if x == s) {
+                    self.fail(&format!("accept of a held session {s}: {got:?}"));
+                }
+                return;
+            }
+            Some(s) => Some(s.clone()),
+            None => {
+                // The free session whose oldest available message is oldest.
+                let free =
+                    self.model.available(Ent::S, false, None, self.now).into_iter().find(|&i| {
+                        let s = self.model.msgs[i].session.clone().unwrap_or_default();
+                        !self.model.holders.contains_key(&s)
+                    });
+                free.and_then(|i| self.model.msgs[i].session.clone())
+            }
+        };
+        let got = got.unwrap_or_else(|err| self.fail(&format!("accept: {err}")));
+        match (expect, got) {
+            (None, None) => {}
+            (Some(s), Some(acc)) if acc.session_id.as_str() == s => {
+                let until = self.now + LOCK;
+                if acc.locked_until != until {
+                    self.fail("session locked-until");
+                }
+                self.model.holders.insert(s.clone(), Holder { lock: acc.lock, until });
+                self.receivers[r].session = Some((s, acc.lock));
+            }
+            (want, got) => {
+                let st = self.engine.store(self.ent_ref(Ent::S, false).six()).unwrap();
+                let ss = st.sessions.as_ref().unwrap();
+                let dump: Vec<_> = ss
+                    .table
+                    .iter()
+                    .map(|(sid, x)| {
+                        (
+                            self.engine.aux.names.name(*sid).cloned(),
+                            x.avail.iter().collect::<Vec<_>>(),
+                            x.holder,
+                            x.refs,
+                        )
+                    })
+                    .collect();
+                self.fail(&format!("accepted {got:?}, model {want:?}; ready {:?} sessions {dump:?} avail-model {:?}", ss.ready, self.model.available(Ent::S, false, None, self.now).iter().map(|&i| (&self.model.msgs[i].id, self.model.msgs[i].seq, &self.model.msgs[i].session)).collect::<Vec<_>>()))
+            }
+        }
+    }
+
+    fn session_receive(&mut self, r: usize) {
+        let Some((s, lock, live)) = self.held(r) else { return self.accept(r) };
+        let n = 1 + self.rng.below(3);
+        let mode =
+            if self.rng.chance(10) { ReceiveMode::ReceiveAndDelete } else { ReceiveMode::PeekLock };
+        self.trace.push(format!("r{r} session receive {s} n={n} {mode:?} live={live}"));
+        let got = self.engine.receive_session(self.now, lock, mode, n, None);
+        if !live {
+            if !matches!(got, Err(Error::SessionLockLost)) {
+                self.fail(&format!("receive on a lost session: {got:?}"));
+            }
+            self.receivers[r].session = None;
+            return;
+        }
+        let got = got.unwrap_or_else(|err| self.fail(&format!("session receive: {err}")));
+        let mut expect = self.model.available(Ent::S, false, Some(&s), self.now);
+        expect.truncate(n);
+        let until = self.model.holders.get(&s).map(|h| h.until);
+        self.take(r, expect, &got, mode, until);
+    }
+
+    fn session_other(&mut self, r: usize) {
+        let Some((s, lock, live)) = self.held(r) else { return };
+        let op = self.rng.below(4);
+        self.trace.push(format!("r{r} session op={op} {s} live={live}"));
+        let now = self.now;
+        let result = match op {
+            0 => self.engine.release_session(now, lock).map(|()| None),
+            1 => self.engine.renew_session_lock(now, lock).map(Some),
+            2 => {
+                let state =
+                    self.rng.chance(70).then(|| Bytes::from(format!("st{}", self.rng.below(100))));
+                let r = self.engine.set_session_state(now, lock, state.clone());
+                if r.is_ok() {
+                    match state {
+                        Some(b) => self.model.states.insert(s.clone(), b),
+                        None => self.model.states.remove(&s),
+                    };
+                }
+                r.map(|()| None)
+            }
+            _ => {
+                let got = self.engine.session_state(lock);
+                if let Ok(got) = &got {
+                    if got.as_ref() != self.model.states.get(&s) {
+                        self.fail(&format!(
+                            "session state {got:?}, model {:?}",
+                            self.model.states.get(&s)
+                        ));
+                    }
+                }
+                got.map(|_| None)
+            }
+        };
+        if !live {
+            if !matches!(result, Err(Error::SessionLockLost)) {
+                self.fail(&format!("session op on a lost session: {result:?}"));
+            }
+            self.receivers[r].session = None;
+            return;
+        }
+        let result = result.unwrap_or_else(|err| self.fail(&format!("session op {op}: {err}")));
+        match op {
+            0 => {
+                self.model.lose_session(&s, now);
+                self.receivers[r].session = None;
+            }
+            1 => {
+                if result != Some(now + LOCK) {
+                    self.fail("renewed session until");
+                }
+                self.renew_session_in_model(&s, now + LOCK);
+            }
+            _ => {}
+        }
+    }
+
+    fn cancel(&mut self) {
+        let scheduled: Vec<i64> = self
+            .model
+            .msgs
+            .iter()
+            .filter(|m| m.ent == Ent::Q && m.state == MState::Scheduled)
+            .map(|m| m.seq)
+            .collect();
+        let seq = match self.rng.pick(&scheduled) {
+            Some(&s) => s,
+            None => 1 + i64::try_from(self.rng.below(40)).unwrap_or(0),
+        };
+        let target = self.ent_ref(Ent::Q, false);
+        self.trace.push(format!("cancel {seq}"));
+        let got = self.engine.cancel_scheduled(self.now, target, &[SequenceNumber::new(seq)]);
+        match self.model.find(Ent::Q, false, seq) {
+            Some(i) if self.model.msgs[i].state == MState::Scheduled => {
+                got.unwrap_or_else(|err| self.fail(&format!("cancel: {err}")));
+                self.model.msgs[i].state = MState::Gone;
+            }
+            _ => {
+                if !matches!(got, Err(Error::MessageNotFound(_))) {
+                    self.fail(&format!("cancel {seq}: {got:?}"));
+                }
+            }
+        }
+    }
+
+    fn resubmit(&mut self) {
+        let dead: Vec<i64> = self
+            .model
+            .msgs
+            .iter()
+            .filter(|m| {
+                m.ent == Ent::Q && m.dlq && matches!(m.state, MState::Active | MState::Deferred)
+            })
+            .map(|m| m.seq)
+            .collect();
+        let Some(&seq) = self.rng.pick(&dead) else { return };
+        let target = self.ent_ref(Ent::Q, true);
+        self.trace.push(format!("resubmit {seq}"));
+        let got = self
+            .engine
+            .resubmit(self.now, target, &[SequenceNumber::new(seq)])
+            .unwrap_or_else(|err| self.fail(&format!("resubmit: {err}")));
+        let Some(i) = self.model.find(Ent::Q, true, seq) else {
+            self.fail("model lost a dead letter")
+        };
+        let new_seq = self.model.alloc(Ent::Q);
+        if got != [SequenceNumber::new(new_seq)] {
+            self.fail(&format!("resubmitted as {got:?}, model {new_seq}"));
+        }
+        let now = self.now;
+        let m = &mut self.model.msgs[i];
+        m.dlq = false;
+        m.seq = new_seq;
+        m.dc = 1;
+        m.seen_dc = 1;
+        m.state = MState::Active;
+        m.expires = m.ttl.map(|t| now + t);
+    }
+
+    fn advance(&mut self) {
+        let d = if self.rng.chance(20) {
+            Duration::from_millis(100 + self.rng.next() % 900)
+        } else {
+            Duration::from_secs(1 + self.rng.next() % 15)
+        };
+        self.now = self.now + d;
+        self.trace.push(format!("advance {d:?}"));
+        self.engine.tick(self.now);
+        self.model.advance(self.now);
+        let next = self.engine.next_deadline();
+        if next.is_some_and(|t| t <= self.now) {
+            self.fail(&format!("a deadline {next:?} is due after tick"));
+        }
+    }
+
+    fn rotate(&mut self) {
+        self.trace.push("rotate".to_owned());
+        let id = self.segments.last().map_or(0, |s| s.id + 1);
+        let records = self.engine.checkpoint_records();
+        self.segments.push(Segment { id, records });
+    }
+
+    fn compact(&mut self) {
+        if self.segments.len() < 2 {
+            return;
+        }
+        let oldest = self.segments[0].id;
+        let live = self.engine.live_in_segment(oldest);
+        self.trace.push(format!("compact segment {oldest}: {} live", live.len()));
+        for r in &live {
+            let msg = self.segments[0]
+                .records
+                .get(usize::try_from(r.location.offset).unwrap_or(usize::MAX))
+                .and_then(Record::message)
+                .cloned()
+                .unwrap_or_else(|| self.fail("a live message's record is missing"));
+            self.engine.relocate(r, msg);
+        }
+        self.sync();
+        if self.engine.segment_refs(oldest) != 0 {
+            self.fail("relocation left live messages in the oldest segment");
+        }
+        self.segments.remove(0);
+    }
+
+    fn restart(&mut self) {
+        self.trace.push("restart".to_owned());
+        self.sync();
+        let mut engine =
+            Engine::new(EngineOptions { seed: self.rng.next(), ..EngineOptions::default() });
+        for seg in &self.segments {
+            for (i, r) in seg.records.iter().enumerate() {
+                let loc = Location { segment: seg.id, offset: i as u64, len: 0 };
+                if let Err(e) = engine.replay(r.clone(), loc) {
+                    self.fail(&format!("replay of segment {} record {i}: {e}", seg.id));
+                }
+            }
+        }
+        if let Err(e) = engine.finish_recovery(self.now) {
+            self.fail(&format!("recovery: {e}"));
+        }
+        self.engine = engine;
+        self.model.restart(self.now);
+        self.model.advance(self.now);
+    }
+
+    /// Whether a body's message id is `id`.
+    fn id_is(&self, body: u32, id: &str) -> bool {
+        match self.engine.aux.bodies.location(body) {
+            Some(loc) => self
+                .segments
+                .iter()
+                .find(|s| s.id == loc.segment)
+                .and_then(|s| s.records.get(usize::try_from(loc.offset).ok()?))
+                .and_then(Record::message)
+                .is_some_and(|m| m.message_id.as_ref().is_some_and(|i| i.as_str() == id)),
+            None => self.id_of_body(body) == id,
+        }
+    }
+
+    /// The message id of a stored body.
+    fn id_of_body(&self, body: u32) -> String {
+        let d = self.engine.aux.bodies.body(body);
+        let m: &Message = match &d {
+            Body::Memory(m) => m,
+            Body::Stored(loc) => self
+                .segments
+                .iter()
+                .find(|s| s.id == loc.segment)
+                .and_then(|s| s.records.get(usize::try_from(loc.offset).ok()?))
+                .and_then(Record::message)
+                .map_or_else(|| self.fail(&format!("body at {loc:?} is gone")), |m| &**m),
+        };
+        m.message_id.as_ref().map_or_else(String::new, |i| i.as_str().to_owned())
+    }
+
+    fn check(&mut self) {
+        for (e, dlq) in [(Ent::Q, false), (Ent::Q, true), (Ent::S, false), (Ent::S, true)] {
+            let target = self.ent_ref(e, dlq);
+            // The store as the engine holds it (peek builds the same view; reading it
+            // directly keeps the check cheap enough to run after every step).
+            let store = self.engine.store(target.six()).unwrap_or_else(|| self.fail("store gone"));
+            let peeked: Vec<(i64, &Meta)> =
+                store.msgs.iter().filter(|(_, m)| m.expires > self.now).collect();
+            let mut want: Vec<&MMsg> = self
+                .model
+                .msgs
+                .iter()
+                .filter(|m| {
+                    m.ent == e && m.dlq == dlq && m.state != MState::Gone && !m.expired(self.now)
+                })
+                .collect();
+            want.sort_by_key(|m| m.seq);
+            let state_of = |m: &MMsg| match m.state {
+                MState::Deferred | MState::DeferredLocked { .. } => MessageState::Deferred,
+                MState::Scheduled => MessageState::Scheduled,
+                _ => MessageState::Active,
+            };
+            let engine_state = |m: &Meta| match m.state {
+                St::Deferred | St::DeferredLocked => MessageState::Deferred,
+                St::Scheduled => MessageState::Scheduled,
+                St::Available | St::Locked => MessageState::Active,
+            };
+            let same = peeked.len() == want.len()
+                && peeked.iter().zip(&want).all(|((seq, d), m)| {
+                    *seq == m.seq
+                        && d.delivery_count == m.dc
+                        && engine_state(d) == state_of(m)
+                        && self.id_is(d.body, &m.id)
+                });
+            if !same {
+                let got: Vec<_> = peeked
+                    .iter()
+                    .map(|(seq, d)| {
+                        (self.id_of_body(d.body), *seq, d.delivery_count, engine_state(d))
+                    })
+                    .collect();
+                let want: Vec<_> =
+                    want.iter().map(|m| (m.id.clone(), m.seq, m.dc, state_of(m))).collect();
+                let only_engine: Vec<_> = got.iter().filter(|g| !want.contains(g)).collect();
+                let only_model: Vec<_> = want.iter().filter(|w| !got.contains(w)).collect();
+                let related: Vec<_> = self
+                    .model
+                    .msgs
+                    .iter()
+                    .filter(|m| only_engine.iter().chain(&only_model).any(|x| x.0 == m.id))
+                    .collect();
+                self.fail(&format!(
+                    "{e:?} dlq={dlq}: only in the engine {only_engine:?}, only in the model {only_model:?}\n\
+                     model entries: {related:?}\n engine {got:?}\n model  {want:?}"
+                ));
+            }
+            if !dlq {
+                let c = self
+                    .engine
+                    .counts(target)
+                    .unwrap_or_else(|err| self.fail(&format!("counts: {err}")));
+                let (mut active, mut locked, mut deferred, mut scheduled, mut dead) =
+                    (0, 0, 0, 0, 0);
+                for m in self.model.msgs.iter().filter(|m| m.ent == e && m.state != MState::Gone) {
+                    if m.dlq {
+                        dead += 1;
+                        continue;
+                    }
+                    match m.state {
+                        MState::Active => active += 1,
+                        MState::Locked { .. } => {
+                            active += 1;
+                            locked += 1;
+                        }
+                        MState::Deferred => deferred += 1,
+                        MState::DeferredLocked { .. } => {
+                            deferred += 1;
+                            locked += 1;
+                        }
+                        MState::Scheduled => scheduled += 1,
+                        MState::Gone => {}
+                    }
+                }
+                let want = (active, locked, deferred, scheduled, dead);
+                let got = (c.active, c.locked, c.deferred, c.scheduled, c.dead_letter);
+                if got != want {
+                    self.fail(&format!("{e:?} counts {got:?}, model {want:?}"));
+                }
+            }
+        }
+        // No message is held by two live locks, and every lock holds a locked message.
+        let mut held = std::collections::HashSet::new();
+        for lock in self.engine.locks.values() {
+            if !held.insert((lock.six, lock.seq)) {
+                self.fail(&format!("message {} has two live locks", lock.seq));
+            }
+            if !self.engine.meta(lock.six, lock.seq).is_some_and(Meta::is_locked) {
+                self.fail(&format!("lock on message {} which is not locked", lock.seq));
+            }
+        }
+        // No session is held twice: one lock per session, and the session names its holder.
+        let mut sessions = std::collections::HashSet::new();
+        for (lock, &(six, sid)) in &self.engine.session_locks {
+            if !sessions.insert((six, sid)) {
+                self.fail(&format!("session {sid} is held twice"));
+            }
+            let holder = self
+                .engine
+                .store(six)
+                .and_then(|st| st.sessions.as_ref())
+                .and_then(|ss| ss.table.get(&sid))
+                .and_then(|x| x.holder);
+            if holder != Some(*lock) {
+                self.fail(&format!("session {sid} is held by {holder:?}, not by {lock:?}"));
+            }
+        }
+        // Delivery counts never go down (a resubmitted message starts again at 1). The engine's
+        // counts equal the model's (checked above), so this holds for both.
+        if let Some(m) =
+            self.model.msgs.iter().find(|m| m.state != MState::Gone && m.dc < m.seen_dc)
+        {
+            let msg = format!("delivery count of {} went from {} to {}", m.id, m.seen_dc, m.dc);
+            self.fail(&msg);
+        }
+        for m in &mut self.model.msgs {
+            m.seen_dc = m.dc;
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! The broker's error type.
+
+use std::path::PathBuf;
+
+use twice::TransportError;
+
+/// An error from the broker.
+///
+/// A call that fails with an error changed nothing, except where a variant says otherwise.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No entity has this path.
+    #[error("messaging entity {0:?} not found")]
+    EntityNotFound(String),
+    /// An entity with this path exists already.
+    #[error("messaging entity {0:?} already exists")]
+    EntityAlreadyExists(String),
+    /// The path is not a valid entity name.
+    #[error("invalid entity name {name:?}: {reason}")]
+    InvalidEntityName {
+        /// The rejected name.
+        name: String,
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+    /// An entity property is out of its range or otherwise invalid.
+    #[error("invalid property {property}: {reason}")]
+    InvalidProperty {
+        /// The Service Bus name of the property, e.g. `LockDuration`.
+        property: &'static str,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// The property can only be chosen when the entity is created.
+    #[error("{property} of {entity:?} cannot be changed after the entity is created")]
+    ImmutableProperty {
+        /// The entity path.
+        entity: String,
+        /// The Service Bus name of the property.
+        property: &'static str,
+    },
+    /// The feature exists in Service Bus but not (yet) in this broker.
+    #[error("{0} are not supported yet")]
+    NotSupported(&'static str),
+    /// The lock token is unknown or its lock expired: the message may be with another receiver.
+    #[error("the lock on the message was lost (it expired, or the message was settled already)")]
+    MessageLockLost,
+    /// The session lock is unknown or expired.
+    #[error("the session lock was lost")]
+    SessionLockLost,
+    /// Another receiver holds the session.
+    #[error("session {0:?} is locked by another receiver")]
+    SessionCannotBeLocked(String),
+    /// A message sent to a session-enabled entity has no session id.
+    #[error("entity {0:?} requires sessions: the message must have a session id")]
+    SessionIdRequired(String),
+    /// A receive without a session on a session-enabled entity.
+    #[error("entity {0:?} requires sessions: accept a session to receive")]
+    SessionRequired(String),
+    /// A session operation on an entity without sessions.
+    #[error("entity {0:?} does not use sessions")]
+    SessionsNotEnabled(String),
+    /// No message with this sequence number is in the state the call needs.
+    #[error("message with sequence number {0} not found")]
+    MessageNotFound(i64),
+    /// The message (or a batch) is larger than the broker accepts.
+    #[error("message size of {size} bytes exceeds the limit of {limit} bytes")]
+    MessageSizeExceeded {
+        /// The size of the rejected message or batch.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// An argument is out of range (a count of zero, a batch with too many messages...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The operation does not apply to this entity or message (sending to a subscription,
+    /// dead-lettering a dead-lettered message...).
+    #[error("invalid operation: {0}")]
+    InvalidOperation(String),
+    /// A configuration file is invalid; `path` says where (e.g.
+    /// `UserConfig.Namespaces[0].Queues[2].Properties.LockDuration`).
+    #[error("{path}: {message}")]
+    Config {
+        /// The JSON path of the offending value.
+        path: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A configuration file could not be read.
+    #[error("cannot read {path}: {source}")]
+    ConfigIo {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stored state is inconsistent (a record that does not fit what came before it).
+    #[error("corrupt broker state: {0}")]
+    Corrupt(String),
+    /// Reading or writing the broker's data failed.
+    #[error("broker storage error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The broker is shut down.
+    #[error("the broker is closed")]
+    Closed,
+    /// A log record is damaged where a crash cannot have torn it (its checksum fails, or it is
+    /// cut short, before other valid records): acknowledged data is damaged, so the broker
+    /// refuses to open rather than skip it.
+    #[error("corrupt log record in segment {segment} at byte offset {offset}")]
+    CorruptLog {
+        /// The segment id (the number in the segment's file name).
+        segment: u64,
+        /// The byte offset of the damaged record in the segment file.
+        offset: u64,
+    },
+    /// Another broker (in this or another process) has the data directory open.
+    #[error("the data directory {0} is already in use by another broker")]
+    DirectoryInUse(PathBuf),
+}
+
+impl Error {
+    /// Whether the error means the message lock or session lock is gone.
+    pub fn is_lock_lost(&self) -> bool {
+        matches!(self, Self::MessageLockLost | Self::SessionLockLost)
+    }
+
+    /// Whether the error means an entity or message does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::EntityNotFound(_) | Self::MessageNotFound(_))
+    }
+}
+
+impl From<Error> for TransportError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::MessageLockLost => TransportError::LockLost,
+            Error::SessionLockLost => TransportError::SessionLockLost,
+            Error::EntityNotFound(path) => TransportError::EntityNotFound(path),
+            Error::NotSupported(what) => TransportError::Unsupported(what),
+            Error::Closed => TransportError::Closed,
+            Error::Io(source) => TransportError::Other {
+                message: "broker storage error".to_owned(),
+                transient: false,
+                source: Some(Box::new(source)),
+            },
+            other => TransportError::Invalid(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The in-process [`twice::Transport`]: how the idempotent processor receives from this
+//! broker without a network in between.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use twice::{
+    DeadLetterReason, EntityInfo, LockToken, Properties, ReceivedMessage, SessionId,
+    SessionReceiver, SessionTransport, Timestamp, Transport, TransportError,
+};
+
+use crate::broker::{Broker, Session};
+
+/// A receiver on one entity of a [`Broker`], with peek-lock settlement. Cheap to clone.
+///
+/// Get one with [`Broker::receiver`]. On a session-enabled entity, receive through
+/// [`SessionTransport::accept_next_session`] or [`SessionTransport::accept_session`].
+#[derive(Clone, Debug)]
+pub struct Receiver {
+    broker: Broker,
+    info: EntityInfo,
+}
+
+impl Receiver {
+    pub(crate) fn new(broker: Broker, info: EntityInfo) -> Self {
+        Self { broker, info }
+    }
+
+    /// The broker this receiver talks to.
+    pub fn broker(&self) -> &Broker {
+        &self.broker
+    }
+}
+
+fn token(d: &ReceivedMessage) -> Result<LockToken, TransportError> {
+    // A message received without a lock cannot be settled: there is nothing to hold.
+    d.lock_token.ok_or(TransportError::LockLost)
+}
+
+impl Transport for Receiver {
+    type Delivery = ReceivedMessage;
+
+    fn entity(&self) -> &EntityInfo {
+        &self.info
+    }
+
+    /// # Cancel safety
+    ///
+    /// Cancel safe: messages locked for a receive whose future was dropped are released
+    /// without counting a delivery.
+    async fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+        Ok(self.broker.receive(&self.info.path, max_messages, max_wait).await?)
+    }
+
+    async fn complete(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
+        Ok(self.broker.complete(token(delivery)?).await?)
+    }
+
+    async fn abandon(
+        &self,
+        delivery: &ReceivedMessage,
+        properties: Properties,
+    ) -> Result<(), TransportError> {
+        Ok(self.broker.abandon(token(delivery)?, properties).await?)
+    }
+
+    async fn dead_letter(
+        &self,
+        delivery: &ReceivedMessage,
+        reason: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        Ok(self.broker.dead_letter(token(delivery)?, reason, Properties::new()).await?)
+    }
+
+    async fn defer(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
+        Ok(self.broker.defer(token(delivery)?, Properties::new()).await?)
+    }
+
+    async fn release(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
+        Ok(self.broker.release(token(delivery)?).await?)
+    }
+
+    async fn renew_lock(&self, delivery: &ReceivedMessage) -> Result<Timestamp, TransportError> {
+        Ok(self.broker.renew_lock(token(delivery)?).await?)
+    }
+}
+
+impl SessionTransport for Receiver {
+    type Session = Session;
+
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a session locked for an accept whose future was dropped is released.
+    async fn accept_next_session(
+        &self,
+        max_wait: Duration,
+    ) -> Result<Option<Session>, TransportError> {
+        Ok(self.broker.accept_next_session(&self.info.path, max_wait).await?)
+    }
+
+    async fn accept_session(&self, session_id: &SessionId) -> Result<Session, TransportError> {
+        Ok(self.broker.accept_session(&self.info.path, session_id).await?)
+    }
+}
+
+impl SessionReceiver for Session {
+    type Delivery = ReceivedMessage;
+
+    fn session_id(&self) -> &SessionId {
+        Session::session_id(self)
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        Session::locked_until(self)
+    }
+
+    async fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+        Ok(Session::receive(self, max_messages, max_wait).await?)
+    }
+
+    async fn complete(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
+        Ok(Session::complete(self, token(delivery)?).await?)
+    }
+
+    async fn abandon(
+        &self,
+        delivery: &ReceivedMessage,
+        properties: Properties,
+    ) -> Result<(), TransportError> {
+        Ok(Session::abandon(self, token(delivery)?, properties).await?)
+    }
+
+    async fn dead_letter(
+        &self,
+        delivery: &ReceivedMessage,
+        reason: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        Ok(Session::dead_letter(self, token(delivery)?, reason, Properties::new()).await?)
+    }
+
+    async fn defer(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
+        Ok(Session::defer(self, token(delivery)?, Properties::new()).await?)
+    }
+
+    async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {
+        Ok(Session::renew_session_lock(self).await?)
+    }
+
+    async fn get_state(&self) -> Result<Option<Bytes>, TransportError> {
+        Ok(Session::get_state(self).await?)
+    }
+
+    async fn set_state(&self, state: Option<Bytes>) -> Result<(), TransportError> {
+        Ok(Session::set_state(self, state).await?)
+    }
+
+    async fn close(self) -> Result<(), TransportError> {
+        Ok(Session::close(self).await?)
+    }
+}

@@ -1,0 +1,188 @@
+//! The two handlers of the seed's shipping example, run under the same faults: the naive one
+//! ("Where it goes wrong": charge and email with no guard) and the twice one (claim in the
+//! transaction, the shipment's unique business key, idempotency keys for payments and mail).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Deserialize;
+use sqlx::{Pool, Transaction};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use twice::{
+    Context, HandlerError, IdempotencyKey, MessageId, Outcome, Properties, ReceivedMessage,
+    ResultExt, SharedClock, Transport,
+};
+
+use super::db::DemoDb;
+use super::faults::{FaultTable, FaultyReceiver};
+use super::services::Client;
+
+/// The message body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct OrderPlaced {
+    pub(crate) order_id: u64,
+    pub(crate) amount_cents: i64,
+    pub(crate) email: String,
+}
+
+/// What both handlers share: the services they call and the faults they meet.
+#[derive(Debug)]
+pub(crate) struct Shop {
+    pub(crate) payments: Client,
+    pub(crate) mail: Client,
+    pub(crate) faults: Arc<FaultTable>,
+    /// How long a slow handler stalls: longer than the lock.
+    pub(crate) stall: Duration,
+    pub(crate) clock: SharedClock,
+}
+
+impl Shop {
+    fn charge_body(order: &OrderPlaced) -> Vec<u8> {
+        format!(r#"{{"order_id":{},"amount_cents":{}}}"#, order.order_id, order.amount_cents)
+            .into_bytes()
+    }
+
+    fn email_body(order: &OrderPlaced) -> Vec<u8> {
+        format!(r#"{{"order_id":{},"to":{:?}}}"#, order.order_id, order.email).into_bytes()
+    }
+
+    /// Stalls past the lock when this is the slow first delivery of its message.
+    async fn maybe_stall(&self, message: &ReceivedMessage) {
+        if message.delivery_count == 1 && self.faults.get(message.message_id()).slow {
+            self.clock.sleep(self.stall).await;
+        }
+    }
+
+    /// Whether this delivery fails with the planned transient error.
+    fn transient_failure(&self, message: &ReceivedMessage) -> bool {
+        message.delivery_count <= self.faults.get(message.message_id()).transient_failures
+    }
+}
+
+/// The error of a rejected order.
+#[derive(Debug, thiserror::Error)]
+#[error("order {0} has a negative amount")]
+pub(crate) struct Rejected(u64);
+
+/// The error of the planned transient failure.
+#[derive(Debug, thiserror::Error)]
+#[error("the mail service timed out")]
+pub(crate) struct MailTimeout;
+
+/// Counters of the naive consumer.
+#[derive(Debug, Default)]
+pub(crate) struct NaiveCounters {
+    pub(crate) deliveries: AtomicU64,
+    pub(crate) abandoned: AtomicU64,
+}
+
+/// The naive consumer: receive, do the work, complete; an error abandons. No claim, no keys,
+/// no lock renewal: what a handler written from the SDK's quick start does.
+#[derive(Debug)]
+pub(crate) struct Naive<DB: DemoDb> {
+    pub(crate) receiver: Arc<FaultyReceiver>,
+    pub(crate) pool: Pool<DB>,
+    pub(crate) table: String,
+    pub(crate) shop: Arc<Shop>,
+    pub(crate) counters: Arc<NaiveCounters>,
+    pub(crate) concurrency: usize,
+}
+
+impl<DB: DemoDb> Naive<DB> {
+    /// Runs until `stop` resolves, then waits for the handlers in flight.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future aborts the handlers in flight, as a crash would: their messages come
+    /// back when their locks expire.
+    pub(crate) async fn run(self: Arc<Self>, stop: impl std::future::Future<Output = ()>) {
+        let semaphore = Arc::new(Semaphore::new(self.concurrency));
+        let mut tasks = JoinSet::new();
+        let mut stop = std::pin::pin!(stop);
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let free = semaphore.available_permits().max(1);
+            let received = tokio::select! {
+                () = &mut stop => break,
+                r = self.receiver.receive(free, Duration::from_millis(200)) => r,
+            };
+            let Ok(messages) = received else { continue };
+            for message in messages {
+                let Ok(permit) = Arc::clone(&semaphore).acquire_owned().await else { break };
+                let this = Arc::clone(&self);
+                tasks.spawn(async move {
+                    this.handle(message).await;
+                    drop(permit);
+                });
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    async fn handle(&self, message: ReceivedMessage) {
+        self.counters.deliveries.fetch_add(1, Ordering::Relaxed);
+        if self.work(&message).await.is_err() {
+            self.counters.abandoned.fetch_add(1, Ordering::Relaxed);
+            let _ = self.receiver.abandon(&message, Properties::new()).await;
+            return;
+        }
+        // A completion refused because the lock was lost is ignored, as quick starts do.
+        let _ = self.receiver.complete(&message).await;
+    }
+
+    async fn work(&self, message: &ReceivedMessage) -> anyhow::Result<()> {
+        let order: OrderPlaced = serde_json::from_slice(message.body())?;
+        if order.amount_cents < 0 {
+            return Err(Rejected(order.order_id).into());
+        }
+        let order_id = i64::try_from(order.order_id)?;
+        DB::insert_shipment_naive(&self.pool, &self.table, order_id, order.amount_cents).await?;
+        self.shop.payments.post("/charges", None, &Shop::charge_body(&order)).await?;
+        self.shop.maybe_stall(message).await;
+        if self.shop.transient_failure(message) {
+            return Err(MailTimeout.into());
+        }
+        self.shop.mail.post("/emails", None, &Shop::email_body(&order)).await?;
+        Ok(())
+    }
+}
+
+/// The twice handler: its shipment joins the transaction that claimed the message; payments
+/// and mail get keys derived from the message id.
+pub(crate) async fn handle_twice<DB: DemoDb>(
+    shop: &Shop,
+    table: &str,
+    ctx: Context<'_>,
+    order: OrderPlaced,
+    tx: &mut Transaction<'static, DB>,
+) -> Result<Outcome, HandlerError> {
+    if order.amount_cents < 0 {
+        return Err(HandlerError::permanent("OrderRejected", Rejected(order.order_id)));
+    }
+    let order_id = i64::try_from(order.order_id).permanent("OrderRejected")?;
+    // A second order with the same id violates the unique business key: the processor rolls
+    // back and completes the message.
+    DB::insert_shipment(tx, table, order_id, order.amount_cents).await?;
+    // The keys come from the order, not from the message id: the same order published under
+    // two message ids passes the business key only once, but a first copy that charged and
+    // then rolled back (a transient error, a lost lock, a crash) leaves the charge made, and
+    // the second copy must present the same key for the payment service to recognise it.
+    let order_key = MessageId::new(format!("order-{}", order.order_id));
+    let charge_key = IdempotencyKey::derive(ctx.consumer(), &order_key, "charge");
+    shop.payments
+        .post("/charges", Some(charge_key.as_str()), &Shop::charge_body(&order))
+        .await
+        .map_err(|e| HandlerError::transient(e.into_boxed_dyn_error()))?;
+    shop.maybe_stall(ctx.message()).await;
+    if shop.transient_failure(ctx.message()) {
+        return Err(HandlerError::transient(MailTimeout));
+    }
+    let email_key = IdempotencyKey::derive(ctx.consumer(), &order_key, "email");
+    shop.mail
+        .post("/emails", Some(email_key.as_str()), &Shop::email_body(&order))
+        .await
+        .map_err(|e| HandlerError::transient(e.into_boxed_dyn_error()))?;
+    Ok(Outcome::Complete)
+}

@@ -1,0 +1,564 @@
+//! `twice demo`: the seed's shipping example under injected faults, a naive handler and the
+//! twice processor side by side on the embedded broker.
+//!
+//! Both columns get the same schedule of faults (from one `--seed`), each on its own queue of
+//! one durable broker, with its own payment and mail services. The twice column must end with
+//! exactly one shipment, one charge and one email per valid order and every poison message in
+//! the dead-letter queue; the exit status says whether it did.
+
+mod db;
+mod faults;
+mod handlers;
+mod plan;
+mod report;
+mod services;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use sqlx::{MySql, Pool, Postgres, Sqlite};
+use tokio::sync::watch;
+use twice::{
+    CounterSnapshot, Inbox, Message, MessageId, Processor, ProcessorOptions, SequenceNumber,
+    SharedClock, Stopwatch, json_fn,
+};
+use twice_broker::config::QueueProperties;
+use twice_broker::{Broker, BrokerOptions};
+use twice_sqlx::{InboxOptions, SqlxInbox};
+
+use self::db::{DemoDb, Tables};
+use self::faults::{FaultTable, FaultyReceiver};
+use self::handlers::{Naive, NaiveCounters, OrderPlaced, Shop};
+use self::plan::{FaultRates, OrderKind, Plan};
+use self::report::{Column, Duplicates, Injected, Report};
+use self::services::{Client, Service};
+
+const NAIVE_QUEUE: &str = "orders-naive";
+const TWICE_QUEUE: &str = "orders-twice";
+
+/// Options of `twice demo`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct DemoArgs {
+    /// How many orders to send.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    orders: u64,
+    /// The seed of the fault schedule: the same seed gives the same faults.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The inbox database: `postgres://…`, `mysql://…`, or `sqlite:PATH`. Default: an SQLite
+    /// file in the run's temporary directory.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// MaxConcurrentCalls of each consumer.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=256))]
+    concurrency: u64,
+    /// The queues' LockDuration, in seconds (Service Bus allows 5 to 300).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(5..=300))]
+    lock_seconds: u64,
+    /// Print every error the twice processor meets (a line each) to stderr.
+    #[arg(long)]
+    verbose: bool,
+    /// Keep the broker's data directory and the SQLite file, and print where they are.
+    #[arg(long)]
+    keep: bool,
+    /// Share of orders whose send is retried with the same MessageId.
+    #[arg(long, default_value_t = 0.05, value_parser = rate)]
+    retry_rate: f64,
+    /// Share of orders published a second time with another MessageId.
+    #[arg(long, default_value_t = 0.03, value_parser = rate)]
+    republish_rate: f64,
+    /// Share of orders whose handler crashes after commit, before complete.
+    #[arg(long, default_value_t = 0.03, value_parser = rate)]
+    crash_rate: f64,
+    /// How many handlers outlive their lock without renewing it (a pause). On SQLite each one
+    /// holds the database's only write lock until its message lock expires.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    slow: u64,
+    /// Share of orders whose handler fails with transient errors (1 to 3 times).
+    #[arg(long, default_value_t = 0.05, value_parser = rate)]
+    transient_rate: f64,
+    /// Share of messages whose body is not JSON.
+    #[arg(long, default_value_t = 0.005, value_parser = rate)]
+    bad_json_rate: f64,
+    /// Share of orders the handler always rejects.
+    #[arg(long, default_value_t = 0.005, value_parser = rate)]
+    reject_rate: f64,
+}
+
+fn rate(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if (0.0..=1.0).contains(&r) { Ok(r) } else { Err(format!("{r} is not between 0 and 1")) }
+}
+
+/// Runs the demo; the exit code is success iff the invariants hold for twice.
+pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let rates = FaultRates {
+        sender_retry: args.retry_rate,
+        republish: args.republish_rate,
+        crash_after_commit: args.crash_rate,
+        slow: args.slow,
+        transient: args.transient_rate,
+        poison_json: args.bad_json_rate,
+        poison_rejected: args.reject_rate,
+    };
+    let plan = Plan::new(args.orders, args.seed, &rates);
+    let workdir = tempfile::Builder::new()
+        .prefix("twice-demo-")
+        .tempdir()
+        .context("creating a temporary directory")?;
+    let run_id = format!("{:08x}", rand::random::<u32>());
+    let tables = Tables::new(&run_id);
+    let store = args
+        .store
+        .clone()
+        .unwrap_or_else(|| format!("sqlite:{}", workdir.path().join("shop.db").display()));
+    let report = if let Some(path) = store.strip_prefix("sqlite:") {
+        let path = PathBuf::from(path.trim_start_matches("//"));
+        let pool = sqlx::pool::PoolOptions::<Sqlite>::new()
+            .max_connections(u32::try_from(args.concurrency).unwrap_or(16) * 2 + 4)
+            .connect_with(twice_sqlx::sqlite::connect_options(&path))
+            .await
+            .with_context(|| format!("opening the SQLite database {}", path.display()))?;
+        // The naive handler writes to a file of its own, so that the twice column's stalled
+        // transactions (SQLite has one writer at a time) do not slow it down, nor it them.
+        let naive_path = path.with_extension("naive.db");
+        let naive_pool = sqlx::pool::PoolOptions::<Sqlite>::new()
+            .max_connections(u32::try_from(args.concurrency).unwrap_or(16) + 2)
+            .connect_with(twice_sqlx::sqlite::connect_options(&naive_path))
+            .await
+            .with_context(|| format!("opening the SQLite database {}", naive_path.display()))?;
+        run_on::<Sqlite>(&args, &plan, &workdir, pool, naive_pool, tables, "sqlite").await?
+    } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        let pool = Pool::<Postgres>::connect(&store).await.context("connecting to PostgreSQL")?;
+        run_on::<Postgres>(&args, &plan, &workdir, pool.clone(), pool, tables, "postgres").await?
+    } else if store.starts_with("mysql://") || store.starts_with("mariadb://") {
+        let url = store.replacen("mariadb://", "mysql://", 1);
+        let pool = Pool::<MySql>::connect(&url).await.context("connecting to MariaDB/MySQL")?;
+        run_on::<MySql>(&args, &plan, &workdir, pool.clone(), pool, tables, "mysql").await?
+    } else {
+        bail!("unknown store {store:?}: use postgres://…, mysql://… or sqlite:PATH");
+    };
+    if args.keep {
+        let kept = workdir.keep();
+        eprintln!("kept the broker data and the SQLite file in {}", kept.display());
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    Ok(if report.invariants_hold { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The demo on one database type.
+async fn run_on<DB>(
+    args: &DemoArgs,
+    plan: &Plan,
+    workdir: &tempfile::TempDir,
+    pool: Pool<DB>,
+    naive_pool: Pool<DB>,
+    tables: Tables,
+    store_name: &str,
+) -> anyhow::Result<Report>
+where
+    DB: DemoDb,
+    SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+{
+    let stopwatch = Stopwatch::start();
+    DB::create_tables(&pool, &tables).await?;
+    if args.store.is_none() {
+        DB::create_tables(&naive_pool, &tables).await?;
+    }
+    let pools = Pools { twice: pool.clone(), naive: naive_pool };
+    let result =
+        run_tables::<DB>(args, plan, workdir, &pools, &tables, store_name, stopwatch).await;
+    if !args.keep || args.store.is_some() {
+        // Leave nothing behind in a shared database, even when the run failed.
+        let _ = DB::drop_tables(&pool, &tables).await;
+    }
+    result
+}
+
+#[allow(clippy::too_many_lines)] // reason: one linear story: set up, send, consume, count
+async fn run_tables<DB>(
+    args: &DemoArgs,
+    plan: &Plan,
+    workdir: &tempfile::TempDir,
+    pools: &Pools<DB>,
+    tables: &Tables,
+    store_name: &str,
+    stopwatch: Stopwatch,
+) -> anyhow::Result<Report>
+where
+    DB: DemoDb,
+    SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+{
+    let clock = SharedClock::system();
+    let lock = Duration::from_secs(args.lock_seconds);
+    let broker = Broker::open(
+        BrokerOptions::durable(workdir.path().join("broker")).with_clock(clock.clone()),
+    )
+    .await
+    .context("opening the embedded broker")?;
+    let queue = QueueProperties::default()
+        .with_lock_duration(lock)
+        .with_duplicate_detection(Duration::from_secs(600));
+    broker.create_queue(NAIVE_QUEUE, queue.clone()).await?;
+    broker.create_queue(TWICE_QUEUE, queue).await?;
+
+    let faults = Arc::new(FaultTable::new(plan));
+    let services = [
+        Service::start("payments").await?,
+        Service::start("mail").await?,
+        Service::start("payments").await?,
+        Service::start("mail").await?,
+    ];
+    let [naive_payments, naive_mail, twice_payments, twice_mail] = &services;
+    let shop = |p: &Service, m: &Service| {
+        Arc::new(Shop {
+            payments: Client::new(p.addr()),
+            mail: Client::new(m.addr()),
+            faults: Arc::clone(&faults),
+            stall: lock + Duration::from_secs(2),
+            clock: clock.clone(),
+        })
+    };
+    let concurrency = usize::try_from(args.concurrency).unwrap_or(16);
+
+    // The senders: every publication of every order to both queues.
+    let (sent_tx, sent_rx) = watch::channel(false);
+    let sender = tokio::spawn(send_all(broker.clone(), plan.clone(), sent_tx));
+
+    // The naive consumer.
+    let naive_counters = Arc::new(NaiveCounters::default());
+    let naive = Arc::new(Naive::<DB> {
+        receiver: Arc::new(FaultyReceiver::new(
+            broker.receiver(NAIVE_QUEUE).await?,
+            Arc::clone(&faults),
+        )),
+        pool: pools.naive.clone(),
+        table: tables.naive_shipments.clone(),
+        shop: shop(naive_payments, naive_mail),
+        counters: Arc::clone(&naive_counters),
+        concurrency,
+    });
+
+    // The twice processor, rebuilt after the restart.
+    let twice_shop = shop(twice_payments, twice_mail);
+    let twice_receiver =
+        Arc::new(FaultyReceiver::new(broker.receiver(TWICE_QUEUE).await?, Arc::clone(&faults)));
+    let inbox = Arc::new(
+        SqlxInbox::<DB>::new(
+            pools.twice.clone(),
+            InboxOptions::new()
+                .table(tables.inbox.clone())
+                .business_key(tables.shipments_key.clone()),
+        )
+        .await
+        .context("creating the inbox")?,
+    );
+    let handler = {
+        let shop = Arc::clone(&twice_shop);
+        let table: Arc<str> = tables.shipments.clone().into();
+        Arc::new(json_fn(
+            move |ctx, order: OrderPlaced, tx: &mut sqlx::Transaction<'static, DB>| {
+                let shop = Arc::clone(&shop);
+                let table = Arc::clone(&table);
+                Box::pin(async move {
+                    handlers::handle_twice::<DB>(&shop, &table, ctx, order, tx).await
+                })
+            },
+        ))
+    };
+    let options = ProcessorOptions::new()
+        .consumer("shipping")
+        .max_concurrent_calls(concurrency)
+        .max_wait(Duration::from_millis(200))
+        .clock(clock.clone());
+    let errors: Arc<std::sync::Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let verbose = args.verbose;
+    let new_processor = || {
+        let errors = Arc::clone(&errors);
+        Processor::from_arcs(
+            Arc::clone(&twice_receiver),
+            Arc::clone(&inbox),
+            Arc::clone(&handler),
+            options.clone(),
+        )
+        .on_error(move |e| {
+            if verbose {
+                eprintln!("{e}");
+            }
+            let mut errors = errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *errors.entry(e.error_source().to_string()).or_default() += 1;
+        })
+    };
+
+    let progress = progress_bar(args, plan);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    // First incarnations.
+    let first = new_processor();
+    let first_counters = first.counters();
+    let mut twice_task = tokio::spawn(first.run(stopped(stop_rx.clone())));
+    let mut naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
+    let mut restarted = false;
+    let mut second_counters = None;
+    let total =
+        plan.orders.len() as u64 + plan.orders.iter().filter(|o| o.republished).count() as u64;
+
+    loop {
+        clock.sleep(Duration::from_millis(100)).await;
+        // The restart in the middle of the run: both consumers are killed (their handlers in
+        // flight are dropped, their transactions roll back, their locks are left to expire)
+        // and started again.
+        if !restarted
+            && first_counters.snapshot().received >= plan.restart_after
+            && naive_counters.deliveries.load(Ordering::Relaxed) >= plan.restart_after
+        {
+            restarted = true;
+            twice_task.abort();
+            naive_task.abort();
+            let _ = (&mut twice_task).await;
+            let _ = (&mut naive_task).await;
+            let second = new_processor();
+            second_counters = Some(second.counters());
+            twice_task = tokio::spawn(second.run(stopped(stop_rx.clone())));
+            naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
+        }
+        let naive_left = broker.counts(NAIVE_QUEUE).await?;
+        let twice_left = broker.counts(TWICE_QUEUE).await?;
+        let settled = |c: twice_broker::MessageCounts| {
+            total.saturating_sub(c.active + c.scheduled + c.deferred)
+        };
+        progress.set_position(settled(naive_left) + settled(twice_left));
+        let sent = *sent_rx.borrow();
+        if sent
+            && naive_left.active + twice_left.active == 0
+            && (restarted || plan.restart_after == 0)
+        {
+            break;
+        }
+        if sender.is_finished() && !sent {
+            // The sender failed: surface its error.
+            sender.await??;
+            bail!("the sender stopped before sending everything");
+        }
+    }
+    let _ = stop_tx.send(true);
+    let _ = naive_task.await;
+    let twice_result = twice_task.await;
+    progress.finish_and_clear();
+    match twice_result {
+        Ok(Ok(())) | Err(_) => {}
+        Ok(Err(e)) => return Err(e).context("the twice processor stopped"),
+    }
+    sender.await??;
+
+    // Count what really happened.
+    let mut counters = first_counters.snapshot();
+    if let Some(c) = second_counters {
+        add(&mut counters, &c.snapshot());
+    }
+    let naive_ship = DB::count_by_order(&pools.naive, &tables.naive_shipments).await?;
+    let twice_ship = DB::count_by_order(&pools.twice, &tables.shipments).await?;
+    let naive_dlq = dead_letters(&broker, NAIVE_QUEUE).await?;
+    let twice_dlq = dead_letters(&broker, TWICE_QUEUE).await?;
+    let naive_stats = broker.statistics(NAIVE_QUEUE).await?;
+    let twice_stats = broker.statistics(TWICE_QUEUE).await?;
+
+    let mut naive_col = column(plan, &naive_ship, naive_payments, naive_mail, &naive_dlq);
+    naive_col.deliveries = naive_counters.deliveries.load(Ordering::Relaxed);
+    naive_col.abandoned = naive_counters.abandoned.load(Ordering::Relaxed);
+    naive_col.duplicates.broker = naive_stats.duplicates;
+
+    let mut twice_col = column(plan, &twice_ship, twice_payments, twice_mail, &twice_dlq);
+    twice_col.deliveries = counters.received;
+    twice_col.abandoned = counters.abandoned;
+    twice_col.duplicates = Duplicates {
+        broker: twice_stats.duplicates,
+        inbox: counters.duplicates_already_processed + counters.duplicates_concurrent_copy,
+        business_key: counters.duplicates_business_key,
+        idempotency_key: twice_payments.replays() + twice_mail.replays(),
+    };
+    broker.shutdown().await;
+
+    twice_col.errors = errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let valid = plan.valid_orders();
+    let poison = plan.poison();
+    let invariants_hold = Report::twice_holds(&twice_col, valid, poison);
+    Ok(Report {
+        orders: plan.orders.len() as u64,
+        valid_orders: valid,
+        poison,
+        seed: args.seed,
+        store: store_name.to_owned(),
+        elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
+        faults: Injected { completions_lost: twice_receiver.lost_completions(), ..injected(plan) },
+        naive: naive_col,
+        twice: twice_col,
+        invariants_hold,
+    })
+}
+
+/// The connection pools of the two columns (one pool on a server database; two SQLite files).
+struct Pools<DB: sqlx::Database> {
+    twice: Pool<DB>,
+    naive: Pool<DB>,
+}
+
+/// Sends every publication of every order to both queues, from a few concurrent senders.
+async fn send_all(broker: Broker, plan: Plan, done: watch::Sender<bool>) -> anyhow::Result<()> {
+    const SENDERS: usize = 8;
+    let plan = Arc::new(plan);
+    let mut tasks = tokio::task::JoinSet::new();
+    for lane in 0..SENDERS {
+        let (broker, plan) = (broker.clone(), Arc::clone(&plan));
+        tasks.spawn(async move {
+            for order in plan.orders.iter().skip(lane).step_by(SENDERS) {
+                let body = order.body();
+                let mut publications = vec![order.message_id()];
+                // A sender retry re-sends the same id (a send that timed out after the broker
+                // stored it); a republication is the same order under a new id.
+                for _ in 0..order.retries {
+                    publications.push(order.message_id());
+                }
+                if order.republished {
+                    publications.push(order.republished_message_id());
+                }
+                for id in publications {
+                    for queue in [NAIVE_QUEUE, TWICE_QUEUE] {
+                        let message = Message::new(body.clone())
+                            .with_message_id(id.as_str())
+                            .with_content_type("application/json");
+                        broker
+                            .send(queue, message)
+                            .await
+                            .with_context(|| format!("sending {id} to {queue}"))?;
+                    }
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    let _ = done.send(true);
+    Ok(())
+}
+
+/// The dead-letter queue of `queue`: reason by message id.
+async fn dead_letters(broker: &Broker, queue: &str) -> anyhow::Result<HashMap<MessageId, String>> {
+    let path = format!("{queue}/$DeadLetterQueue");
+    let mut out = HashMap::new();
+    let mut from = SequenceNumber::new(0);
+    loop {
+        let page = broker.peek(&path, from, 500).await?;
+        let Some(last) = page.last() else { break };
+        from = last.sequence_number.next();
+        for m in page {
+            out.insert(m.message_id().clone(), m.dead_letter_reason.clone().unwrap_or_default());
+        }
+    }
+    Ok(out)
+}
+
+/// One column from what the database, the services and the dead-letter queue say.
+fn column(
+    plan: &Plan,
+    shipments: &HashMap<u64, u64>,
+    payments: &Service,
+    mail: &Service,
+    dlq: &HashMap<MessageId, String>,
+) -> Column {
+    let mut c = Column {
+        shipments: shipments.values().sum(),
+        charges: payments.effects(),
+        emails: mail.effects(),
+        dead_lettered: dlq.len() as u64,
+        ..Column::default()
+    };
+    for o in &plan.orders {
+        let s = shipments.get(&o.order_id).copied().unwrap_or(0);
+        let ch = u64::from(payments.effects_for(o.order_id));
+        let em = u64::from(mail.effects_for(o.order_id));
+        if ch > 1 {
+            c.orders_charged_twice += 1;
+        }
+        match o.kind {
+            OrderKind::Valid => {
+                if s == 0 || ch == 0 || em == 0 {
+                    c.lost += 1;
+                }
+                if s > 1 || ch > 1 || em > 1 {
+                    c.repeated += 1;
+                }
+            }
+            OrderKind::BadJson | OrderKind::Rejected => {
+                let in_dlq =
+                    dlq.get(&MessageId::new(o.message_id())).is_some_and(|r| !r.is_empty());
+                if !in_dlq {
+                    c.poison_missing_from_dlq += 1;
+                }
+            }
+        }
+    }
+    c
+}
+
+fn injected(plan: &Plan) -> Injected {
+    let count =
+        |f: fn(&plan::PlannedOrder) -> bool| plan.orders.iter().filter(|o| f(o)).count() as u64;
+    Injected {
+        sender_retries: plan.orders.iter().map(|o| u64::from(o.retries)).sum(),
+        republished: count(|o| o.republished),
+        crashes_after_commit: count(|o| o.crash_after_commit),
+        slow_handlers: count(|o| o.slow),
+        transient_errors: plan.orders.iter().map(|o| u64::from(o.transient_failures)).sum(),
+        bad_json: count(|o| o.kind == OrderKind::BadJson),
+        rejected_orders: count(|o| o.kind == OrderKind::Rejected),
+        restart_after_deliveries: plan.restart_after,
+        completions_lost: 0,
+    }
+}
+
+fn add(total: &mut CounterSnapshot, c: &CounterSnapshot) {
+    total.received += c.received;
+    total.abandoned += c.abandoned;
+    total.dead_lettered += c.dead_lettered;
+    total.duplicates_already_processed += c.duplicates_already_processed;
+    total.duplicates_concurrent_copy += c.duplicates_concurrent_copy;
+    total.duplicates_business_key += c.duplicates_business_key;
+}
+
+fn progress_bar(args: &DemoArgs, plan: &Plan) -> ProgressBar {
+    let total = 2
+        * (plan.orders.len() as u64 + plan.orders.iter().filter(|o| o.republished).count() as u64);
+    if args.json || !std::io::stdout().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {elapsed:>4} [{bar:40}] {pos}/{len} messages settled",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}

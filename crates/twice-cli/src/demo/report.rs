@@ -1,0 +1,189 @@
+//! The demo's results: the side-by-side table, the verdict, and the JSON object.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// What one column (naive or twice) ended with.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Column {
+    /// Handler invocations, duplicates included.
+    pub(crate) deliveries: u64,
+    /// Shipment rows.
+    pub(crate) shipments: u64,
+    /// Charges the payment service really made.
+    pub(crate) charges: u64,
+    /// Emails the mail service really sent.
+    pub(crate) emails: u64,
+    /// Messages abandoned for a retry.
+    pub(crate) abandoned: u64,
+    /// Messages in the dead-letter queue at the end.
+    pub(crate) dead_lettered: u64,
+    /// Valid orders missing a shipment, a charge or an email.
+    pub(crate) lost: u64,
+    /// Valid orders with more than one shipment, charge or email.
+    pub(crate) repeated: u64,
+    /// Orders charged more than once.
+    pub(crate) orders_charged_twice: u64,
+    /// Poison messages (bad JSON, rejected orders) that are not in the dead-letter queue with
+    /// a reason.
+    pub(crate) poison_missing_from_dlq: u64,
+    /// Duplicates suppressed, by layer.
+    pub(crate) duplicates: Duplicates,
+    /// Errors the processor met and handled, by where they happened (twice column only).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) errors: BTreeMap<String, u64>,
+}
+
+/// Duplicates suppressed, by the layer that caught them.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Duplicates {
+    /// Re-sent message ids dropped by the broker's duplicate detection.
+    pub(crate) broker: u64,
+    /// Copies that met the inbox claim (already processed, or a concurrent copy).
+    pub(crate) inbox: u64,
+    /// Orders published again under another message id, caught by the unique business key.
+    pub(crate) business_key: u64,
+    /// Repeated calls to the payment and mail services answered from their idempotency-key
+    /// record instead of charging or mailing again.
+    pub(crate) idempotency_key: u64,
+}
+
+/// Counts of the injected faults.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Injected {
+    pub(crate) sender_retries: u64,
+    pub(crate) republished: u64,
+    pub(crate) crashes_after_commit: u64,
+    pub(crate) slow_handlers: u64,
+    pub(crate) transient_errors: u64,
+    pub(crate) bad_json: u64,
+    pub(crate) rejected_orders: u64,
+    pub(crate) restart_after_deliveries: u64,
+    /// Completions the twice column lost to a crash after commit (first deliveries only).
+    pub(crate) completions_lost: u64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Report {
+    pub(crate) orders: u64,
+    pub(crate) valid_orders: u64,
+    pub(crate) poison: u64,
+    pub(crate) seed: u64,
+    pub(crate) store: String,
+    pub(crate) elapsed_seconds: f64,
+    pub(crate) faults: Injected,
+    pub(crate) naive: Column,
+    pub(crate) twice: Column,
+    pub(crate) invariants_hold: bool,
+}
+
+impl Report {
+    /// Whether twice got every effect exactly once and every poison message into the DLQ.
+    pub(crate) fn twice_holds(twice: &Column, valid_orders: u64, poison: u64) -> bool {
+        twice.shipments == valid_orders
+            && twice.charges == valid_orders
+            && twice.emails == valid_orders
+            && twice.lost == 0
+            && twice.repeated == 0
+            && twice.poison_missing_from_dlq == 0
+            && twice.dead_lettered == poison
+    }
+
+    /// The human-readable table and verdict.
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::new();
+        let f = &self.faults;
+        let _ = writeln!(
+            out,
+            "twice demo: {} orders ({} valid, {} poison), seed {}, store {}, {:.1} s",
+            self.orders,
+            self.valid_orders,
+            self.poison,
+            self.seed,
+            self.store,
+            self.elapsed_seconds
+        );
+        let _ = writeln!(
+            out,
+            "faults: {} sender retries, {} orders published twice, {} crashes after commit, {} handlers slower than their lock,\n        {} transient errors, {} bodies not JSON, {} rejected orders, a processor restart after {} deliveries\n",
+            f.sender_retries,
+            f.republished,
+            f.crashes_after_commit,
+            f.slow_handlers,
+            f.transient_errors,
+            f.bad_json,
+            f.rejected_orders,
+            f.restart_after_deliveries
+        );
+        let (n, t) = (&self.naive, &self.twice);
+        let rows: [(&str, String, String); 14] = [
+            ("deliveries", n.deliveries.to_string(), t.deliveries.to_string()),
+            ("shipments", n.shipments.to_string(), t.shipments.to_string()),
+            ("charges", n.charges.to_string(), t.charges.to_string()),
+            ("emails", n.emails.to_string(), t.emails.to_string()),
+            (
+                "orders charged twice",
+                n.orders_charged_twice.to_string(),
+                t.orders_charged_twice.to_string(),
+            ),
+            (
+                "duplicates: broker",
+                n.duplicates.broker.to_string(),
+                t.duplicates.broker.to_string(),
+            ),
+            ("duplicates: inbox claim", "-".into(), t.duplicates.inbox.to_string()),
+            ("duplicates: business key", "-".into(), t.duplicates.business_key.to_string()),
+            ("repeats stopped by keys", "-".into(), t.duplicates.idempotency_key.to_string()),
+            ("abandoned", n.abandoned.to_string(), t.abandoned.to_string()),
+            ("dead-lettered", n.dead_lettered.to_string(), t.dead_lettered.to_string()),
+            ("lost", n.lost.to_string(), t.lost.to_string()),
+            ("valid orders with repeats", n.repeated.to_string(), t.repeated.to_string()),
+            (
+                "poison not in DLQ",
+                n.poison_missing_from_dlq.to_string(),
+                t.poison_missing_from_dlq.to_string(),
+            ),
+        ];
+        let _ = writeln!(out, "{:<28}{:>10}{:>10}", "", "naive", "twice");
+        let _ = writeln!(
+            out,
+            "{:<28}{:>10}{:>10}",
+            "valid orders", self.valid_orders, self.valid_orders
+        );
+        for (name, a, b) in rows {
+            let _ = writeln!(out, "{name:<28}{a:>10}{b:>10}");
+        }
+        let _ = writeln!(out);
+        if self.invariants_hold {
+            let _ = writeln!(
+                out,
+                "twice: PASS  exactly one shipment, one charge and one email for each of the {} valid orders;\n             all {} poison messages in the dead-letter queue with a reason; nothing lost.",
+                self.valid_orders, self.poison
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "twice: FAIL  shipments {}, charges {}, emails {} for {} valid orders; lost {}; repeats {}; poison not in DLQ {}.",
+                t.shipments,
+                t.charges,
+                t.emails,
+                self.valid_orders,
+                t.lost,
+                t.repeated,
+                t.poison_missing_from_dlq
+            );
+        }
+        let _ = writeln!(
+            out,
+            "naive: {} orders charged more than once, {} extra charges, {} extra emails, {} extra shipments.",
+            n.orders_charged_twice,
+            n.charges.saturating_sub(self.valid_orders),
+            n.emails.saturating_sub(self.valid_orders),
+            n.shipments.saturating_sub(self.valid_orders)
+        );
+        out
+    }
+}

@@ -1,0 +1,59 @@
+//! `twice`: the command-line front end.
+//!
+//! This is the only crate that reads argv and the environment and writes to stdout.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod demo;
+
+/// Message handling that stays correct when the broker delivers twice.
+#[derive(Debug, Parser)]
+#[command(name = "twice", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the shipping example under injected faults: a naive handler and the twice
+    /// processor side by side, on the embedded broker.
+    Demo(demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Demo(args) => demo::run(args).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if let Some(hint) = hint_for(&e) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A hint for errors a user can fix.
+fn hint_for(e: &anyhow::Error) -> Option<String> {
+    let text = format!("{e:#}");
+    if text.contains("postgres") || text.contains("mysql") || text.contains("connect") {
+        return Some("check that the database server is running and the URL is right".into());
+    }
+    None
+}

@@ -1,0 +1,116 @@
+//! `twice demo` end to end: the JSON it prints must show twice keeping every invariant while
+//! the naive handler, under the same injected faults, really repeats effects.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+const MARIADB_URL: &str = "mysql://root@127.0.0.1:3306/test";
+
+/// Runs the demo with enough orders and fault rates that every fault occurs, and parses its
+/// JSON. Returns the exit status too.
+fn run_demo(extra: &[&str]) -> (bool, Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--json", "--orders", "300", "--seed", "11"])
+        .args(["--bad-json-rate", "0.02", "--reject-rate", "0.02", "--slow", "3"])
+        .args(extra)
+        .output()
+        .expect("running the twice binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "the demo did not print one JSON object ({e}).\nstdout: {stdout}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.success(), json)
+}
+
+fn n(v: &Value, path: &[&str]) -> u64 {
+    let mut v = v;
+    for p in path {
+        v = &v[*p];
+    }
+    v.as_u64().unwrap_or_else(|| panic!("{path:?} is not a number in {v}"))
+}
+
+fn check(success: bool, json: &Value) {
+    let valid = n(json, &["valid_orders"]);
+    let poison = n(json, &["poison"]);
+    assert_eq!(n(json, &["orders"]), 300);
+    assert_eq!(valid + poison, 300);
+    assert!(poison > 0, "the run must contain poison messages: {json}");
+    assert_eq!(json["invariants_hold"], Value::Bool(true), "{json:#}");
+    assert!(success, "exit status must be 0 when the invariants hold");
+
+    // twice: every effect exactly once, every poison message in the DLQ, nothing lost.
+    assert_eq!(n(json, &["twice", "shipments"]), valid);
+    assert_eq!(n(json, &["twice", "charges"]), valid);
+    assert_eq!(n(json, &["twice", "emails"]), valid);
+    assert_eq!(n(json, &["twice", "dead_lettered"]), poison);
+    assert_eq!(n(json, &["twice", "lost"]), 0);
+    // Each layer really caught something.
+    assert!(n(json, &["twice", "duplicates", "broker"]) > 0, "{json:#}");
+    assert!(n(json, &["twice", "duplicates", "inbox"]) > 0, "{json:#}");
+    assert!(n(json, &["twice", "duplicates", "business_key"]) > 0, "{json:#}");
+
+    // The naive handler met the same faults and repeated effects: the demo injected them.
+    assert!(n(json, &["naive", "charges"]) > valid, "naive did not double-charge: {json:#}");
+    assert!(n(json, &["naive", "emails"]) > valid, "naive did not repeat emails: {json:#}");
+    assert!(n(json, &["naive", "shipments"]) > valid, "naive did not repeat shipments: {json:#}");
+}
+
+fn reachable(addr: &str) -> bool {
+    let ok = std::net::TcpStream::connect(addr).is_ok();
+    if !ok {
+        assert!(std::env::var_os("CI").is_none(), "{addr} is required (CI is set) but unreachable");
+        eprintln!("skipping: {addr} is unreachable; set CI=1 to make this a failure");
+    }
+    ok
+}
+
+#[test]
+fn demo_on_sqlite_keeps_every_invariant_and_naive_double_charges() {
+    let (success, json) = run_demo(&[]);
+    check(success, &json);
+}
+
+#[test]
+fn demo_on_postgres_keeps_every_invariant_and_naive_double_charges() {
+    if !reachable("127.0.0.1:5432") {
+        return;
+    }
+    let (success, json) = run_demo(&["--store", POSTGRES_URL]);
+    assert_eq!(json["store"], "postgres");
+    check(success, &json);
+}
+
+#[test]
+fn demo_on_mariadb_keeps_every_invariant_and_naive_double_charges() {
+    if !reachable("127.0.0.1:3306") {
+        return;
+    }
+    let (success, json) = run_demo(&["--store", MARIADB_URL]);
+    assert_eq!(json["store"], "mysql");
+    check(success, &json);
+}
+
+#[test]
+fn bad_arguments_give_one_clear_line_and_a_failure_status() {
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--crash-rate", "1.5"])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("1.5 is not between 0 and 1"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--store", "oracle://x"])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: unknown store"), "{stderr}");
+}

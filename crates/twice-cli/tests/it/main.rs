@@ -1,0 +1,3 @@
+//! Tests of the `twice` binary, run as a user runs it.
+
+mod demo;

@@ -1,0 +1,5 @@
+\set id random(1, 2000000000)
+BEGIN;
+INSERT INTO pgb_inbox (consumer, message_id, processed_at_ms) VALUES ('shipping', 'order-' || :client_id || '-' || :id, 0) ON CONFLICT (consumer, message_id) DO NOTHING;
+INSERT INTO pgb_shipments (order_id, message_id) VALUES (:id, 'order-' || :id);
+COMMIT;

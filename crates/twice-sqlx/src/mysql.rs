@@ -1,0 +1,285 @@
+//! The MariaDB/MySQL inbox.
+//!
+//! Claim: `INSERT IGNORE INTO <table> (consumer, message_id, processed_at_ms) VALUES (?, ?, ?)`,
+//! then the affected rows: 1 is a claim, 0 a duplicate. InnoDB checks the primary key with a
+//! record lock, so a second transaction inserting the same key waits for the first to end, at
+//! any isolation level: the first commits, the insert is ignored; it rolls back, the insert
+//! goes through. (`ON DUPLICATE KEY UPDATE` cannot be used to tell the two apart: sqlx sets the
+//! `CLIENT_FOUND_ROWS` flag, under which a no-op update also reports one row.) See the crate
+//! docs for the key length check and the deadlock-victim case.
+
+use std::time::Duration;
+
+use sqlx::mysql::MySqlDatabaseError;
+use sqlx::{MySql, Transaction};
+use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+
+use crate::{
+    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
+};
+
+/// An inbox on MariaDB or MySQL.
+pub type MySqlInbox = SqlxInbox<MySql>;
+
+/// MariaDB/MySQL error numbers the store looks at.
+mod errno {
+    pub(super) const DUP_ENTRY: u16 = 1062;
+    pub(super) const DUP_ENTRY_WITH_KEY_NAME: u16 = 1586;
+    pub(super) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+    pub(super) const LOCK_DEADLOCK: u16 = 1213;
+    pub(super) const QUERY_INTERRUPTED: u16 = 1317;
+    pub(super) const DATA_TOO_LONG: u16 = 1406;
+    pub(super) const TRUNCATED_WRONG_VALUE: u16 = 1292;
+    pub(super) const BAD_NULL: u16 = 1048;
+    pub(super) const OUT_OF_RANGE: u16 = 1264;
+    pub(super) const CHECK_CONSTRAINT: u16 = 4025;
+}
+
+const MIGRATIONS: &[(i64, &[&str])] = &[(
+    1,
+    &["CREATE TABLE IF NOT EXISTS {t} (
+            consumer VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            processed_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (consumer, message_id),
+            KEY {t}_processed_at (processed_at_ms)
+        ) ENGINE = InnoDB"],
+)];
+
+impl SqlxInbox<MySql> {
+    /// Runs the embedded migrations not yet applied, under `GET_LOCK` so that instances starting
+    /// together do not race (DDL is not transactional in MariaDB).
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let t = self.table();
+        let mut conn = self.pool.acquire().await?;
+        let lock = format!("twice-migrate:{t}");
+        sqlx::query("SELECT GET_LOCK(?, 60)").bind(&lock).execute(&mut *conn).await?;
+        let result = async {
+            sqlx::query(&format!(
+                "CREATE TABLE IF NOT EXISTS {t}_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL) ENGINE = InnoDB"
+            ))
+            .execute(&mut *conn)
+            .await?;
+            let applied: Vec<i64> =
+                sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
+                    .fetch_all(&mut *conn)
+                    .await?;
+            for (version, statements) in MIGRATIONS {
+                if applied.contains(version) {
+                    continue;
+                }
+                for statement in *statements {
+                    sqlx::query(&statement.replace("{t}", t)).execute(&mut *conn).await?;
+                }
+                sqlx::query(&format!(
+                    "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES (?, UNIX_TIMESTAMP(NOW(3)) * 1000)"
+                ))
+                .bind(version)
+                .execute(&mut *conn)
+                .await?;
+            }
+            Ok::<_, sqlx::Error>(())
+        }
+        .await;
+        sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock).execute(&mut *conn).await?;
+        Ok(result?)
+    }
+
+    async fn claim_in(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        consumer: &str,
+        message_id: &MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        // INSERT IGNORE would truncate an over-long value instead of failing.
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        let inserted = sqlx::query(&format!(
+            "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms) VALUES (?, ?, ?)"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(millis(now))
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(Claim::Claimed);
+        }
+        // A locking read sees the latest committed row whatever the snapshot of the
+        // transaction.
+        let at: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT processed_at_ms FROM {t} WHERE consumer = ? AND message_id = ? LOCK IN SHARE MODE"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
+    }
+}
+
+/// Whether a 1062/1586 error names `key` as the violated key. The server puts the key name
+/// only in the text, last and quoted: `... for key 'name'` (MariaDB) or `'table.name'` (MySQL 8).
+fn names_key(message: &str, key: &str) -> bool {
+    let m = message.trim_end();
+    m.ends_with(&format!("'{key}'")) || m.ends_with(&format!(".{key}'"))
+}
+
+impl crate::sealed::Sealed for MySql {}
+
+impl crate::Backend for MySql {
+    async fn prepare(inbox: &mut SqlxInbox<MySql>) -> Result<(), StoreError> {
+        if inbox.options.migrate {
+            inbox.migrate().await?;
+        }
+        // The server names the violated constraint itself: keys need no resolving.
+        inbox.business_keys =
+            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        Ok(())
+    }
+}
+
+impl Inbox for SqlxInbox<MySql> {
+    type Tx = Transaction<'static, MySql>;
+    type Error = StoreError;
+
+    fn retention(&self) -> Option<Duration> {
+        self.options.retention
+    }
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        Ok(self.pool.begin().await?)
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        self.claim_in(tx, consumer, message_id, now).await
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.commit().await?)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.rollback().await?)
+    }
+
+    async fn record<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
+        tx.commit().await?;
+        Ok(claim)
+    }
+
+    async fn forget<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+    ) -> Result<(), StoreError> {
+        let t = self.table();
+        sqlx::query(&format!("DELETE FROM {t} WHERE consumer = ? AND message_id = ?"))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
+        let sqlx::Error::Database(db) = e else {
+            return if is_transient_sqlx(e) { ErrorClass::Transient } else { ErrorClass::Unknown };
+        };
+        let Some(my) = db.try_downcast_ref::<MySqlDatabaseError>() else {
+            return ErrorClass::Unknown;
+        };
+        match my.number() {
+            errno::DUP_ENTRY | errno::DUP_ENTRY_WITH_KEY_NAME => {
+                match self.business_keys.iter().find(|(_, key)| names_key(my.message(), key)) {
+                    Some((name, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: name.clone() }
+                    }
+                    None => ErrorClass::Unknown,
+                }
+            }
+            errno::LOCK_WAIT_TIMEOUT | errno::LOCK_DEADLOCK | errno::QUERY_INTERRUPTED => {
+                ErrorClass::Transient
+            }
+            errno::DATA_TOO_LONG
+            | errno::TRUNCATED_WRONG_VALUE
+            | errno::BAD_NULL
+            | errno::OUT_OF_RANGE
+            | errno::CHECK_CONSTRAINT => ErrorClass::Permanent,
+            _ => ErrorClass::Unknown,
+        }
+    }
+}
+
+impl Purge for SqlxInbox<MySql> {
+    async fn purge(&self, now: Timestamp) -> Result<u64, StoreError> {
+        let Some(retention) = self.options.retention else { return Ok(0) };
+        let cutoff = millis(now.saturating_sub(retention));
+        let t = self.table();
+        let mut conn = self.pool.acquire().await?;
+        let lock = format!("twice-purge:{t}");
+        let ours: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK(?, 0)").bind(&lock).fetch_one(&mut *conn).await?;
+        if ours != Some(1) {
+            // Another instance is purging this table.
+            return Ok(0);
+        }
+        let result = async {
+            let mut total = 0;
+            loop {
+                // Each bounded DELETE commits on its own (autocommit), so locks stay short.
+                let deleted = sqlx::query(&format!(
+                    "DELETE FROM {t} WHERE processed_at_ms < ? ORDER BY processed_at_ms LIMIT ?"
+                ))
+                .bind(cutoff)
+                .bind(self.options.purge_batch_size)
+                .execute(&mut *conn)
+                .await?
+                .rows_affected();
+                total += deleted;
+                if deleted < u64::from(self.options.purge_batch_size) {
+                    return Ok::<_, sqlx::Error>(total);
+                }
+            }
+        }
+        .await;
+        sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock).execute(&mut *conn).await?;
+        Ok(result?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_key;
+
+    #[test]
+    fn key_names_are_read_from_the_end_of_the_message() {
+        let maria = "Duplicate entry '42' for key 'shipments_order_id'";
+        let mysql8 = "Duplicate entry '42' for key 'shipments.shipments_order_id'";
+        assert!(names_key(maria, "shipments_order_id"));
+        assert!(names_key(mysql8, "shipments_order_id"));
+        assert!(!names_key(maria, "order_id"));
+        // A value that looks like a key name does not fool it.
+        assert!(!names_key("Duplicate entry 'x' for key 'PRIMARY'", "x"));
+    }
+}

@@ -1,0 +1,247 @@
+//! The PostgreSQL inbox.
+//!
+//! Claim: `INSERT INTO <table> (consumer, message_id, processed_at_ms) VALUES ($1, $2, $3)
+//! ON CONFLICT (consumer, message_id) DO NOTHING`, then the row count: 1 is a claim, 0 a
+//! duplicate. A second transaction inserting the same key waits for the first to end (that is
+//! how PostgreSQL checks a unique index against an uncommitted row): if the first commits, the
+//! insert does nothing; if it rolls back, the insert goes through. No error is raised, so the
+//! transaction stays usable. The table is keyed by `(consumer, message_id)`; rows are appended
+//! to the heap in claim order and the purge walks the index on `processed_at_ms`.
+
+use std::time::Duration;
+
+use sqlx::{Postgres, Transaction};
+use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+
+use crate::{
+    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
+};
+
+/// An inbox on PostgreSQL.
+pub type PgInbox = SqlxInbox<Postgres>;
+
+/// The embedded migrations: (version, statements), `{t}` standing for the table name.
+const MIGRATIONS: &[(i64, &[&str])] = &[(
+    1,
+    &[
+        "CREATE TABLE IF NOT EXISTS {t} (
+            consumer TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            processed_at_ms BIGINT NOT NULL,
+            CONSTRAINT {t}_pkey PRIMARY KEY (consumer, message_id)
+        )",
+        "CREATE INDEX IF NOT EXISTS {t}_processed_at ON {t} (processed_at_ms)",
+    ],
+)];
+
+impl SqlxInbox<Postgres> {
+    /// Runs the embedded migrations not yet applied, under an advisory lock so that instances
+    /// starting together do not race.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let t = self.table();
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("twice-migrate:{t}"))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {t}_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)"
+        ))
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
+            .fetch_all(&mut *tx)
+            .await?;
+        for (version, statements) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            for statement in *statements {
+                sqlx::query(&statement.replace("{t}", t)).execute(&mut *tx).await?;
+            }
+            sqlx::query(&format!(
+                "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ($1, (extract(epoch from now()) * 1000)::bigint)"
+            ))
+            .bind(version)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn claim_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        consumer: &str,
+        message_id: &MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        let inserted = sqlx::query(&format!(
+            "INSERT INTO {t} (consumer, message_id, processed_at_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT (consumer, message_id) DO NOTHING"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(millis(now))
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(Claim::Claimed);
+        }
+        // The insert waited for the holder, if any, to commit; a new statement in READ
+        // COMMITTED sees the committed row.
+        let at: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT processed_at_ms FROM {t} WHERE consumer = $1 AND message_id = $2"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
+    }
+}
+
+impl crate::sealed::Sealed for Postgres {}
+
+impl crate::Backend for Postgres {
+    async fn prepare(inbox: &mut SqlxInbox<Postgres>) -> Result<(), StoreError> {
+        if inbox.options.migrate {
+            inbox.migrate().await?;
+        }
+        // The server names the violated constraint itself: keys need no resolving.
+        inbox.business_keys =
+            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        Ok(())
+    }
+}
+
+impl Inbox for SqlxInbox<Postgres> {
+    type Tx = Transaction<'static, Postgres>;
+    type Error = StoreError;
+
+    fn retention(&self) -> Option<Duration> {
+        self.options.retention
+    }
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        Ok(self.pool.begin().await?)
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        self.claim_in(tx, consumer, message_id, now).await
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.commit().await?)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.rollback().await?)
+    }
+
+    async fn record<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
+        tx.commit().await?;
+        Ok(claim)
+    }
+
+    async fn forget<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+    ) -> Result<(), StoreError> {
+        let t = self.table();
+        sqlx::query(&format!("DELETE FROM {t} WHERE consumer = $1 AND message_id = $2"))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
+        let sqlx::Error::Database(db) = e else {
+            return if is_transient_sqlx(e) { ErrorClass::Transient } else { ErrorClass::Unknown };
+        };
+        let Some(code) = db.code() else { return ErrorClass::Unknown };
+        match &*code {
+            "23505" => match db.constraint() {
+                Some(c) if self.business_keys.iter().any(|(_, name)| name == c) => {
+                    ErrorClass::BusinessKeyDuplicate { constraint: c.to_owned() }
+                }
+                // An unregistered unique key may be a race an upsert would win on retry.
+                _ => ErrorClass::Unknown,
+            },
+            // Serialization failure, deadlock, connection trouble, insufficient resources,
+            // shutdown, lock not available.
+            c if c.starts_with("40")
+                || c.starts_with("08")
+                || c.starts_with("53")
+                || c.starts_with("57P")
+                || c == "55P03" =>
+            {
+                ErrorClass::Transient
+            }
+            // Data exceptions and other integrity violations: this message will never pass.
+            c if c.starts_with("22") || c.starts_with("23") => ErrorClass::Permanent,
+            _ => ErrorClass::Unknown,
+        }
+    }
+}
+
+impl Purge for SqlxInbox<Postgres> {
+    async fn purge(&self, now: Timestamp) -> Result<u64, StoreError> {
+        let Some(retention) = self.options.retention else { return Ok(0) };
+        let cutoff = millis(now.saturating_sub(retention));
+        let batch = i64::from(self.options.purge_batch_size);
+        let t = self.table();
+        let mut total = 0;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
+                .bind(format!("twice-purge:{t}"))
+                .fetch_one(&mut *tx)
+                .await?;
+            if !ours {
+                // Another instance is purging this table.
+                tx.rollback().await?;
+                return Ok(total);
+            }
+            let deleted = sqlx::query(&format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} \
+                 WHERE processed_at_ms < $1 ORDER BY processed_at_ms LIMIT $2))"
+            ))
+            .bind(cutoff)
+            .bind(batch)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            tx.commit().await?;
+            total += deleted;
+            if deleted < u64::from(self.options.purge_batch_size) {
+                return Ok(total);
+            }
+        }
+    }
+}

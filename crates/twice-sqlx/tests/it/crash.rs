@@ -1,0 +1,87 @@
+//! A process killed after commit and before complete: the redelivery is a no-op that completes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use sqlx::Transaction;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use twice::{Inbox, ProcessorOptions, SharedClock};
+use twice_sqlx::{InboxOptions, StoreError};
+
+use crate::on_all_stores;
+use twice_broker::{Broker, BrokerOptions};
+
+use crate::processor::{Ship, processor};
+use crate::support::{
+    BrokerQueue, Fixture, Shutdown, create_shipments, inbox_rows, shipments, until_async,
+};
+
+/// The example binary `crash_after_commit`, built by `cargo test` next to the test binary.
+fn child_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/it-<hash> → target/<profile>/examples/crash_after_commit
+    let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    profile_dir.join("examples").join("crash_after_commit")
+}
+
+async fn crash_after_commit_then_redelivery_is_a_no_op<F: Fixture>(f: F)
+where
+    twice_sqlx::SqlxInbox<F::DB>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let broker_dir = tempfile::tempdir().expect("broker dir");
+    let dir = broker_dir.path().display().to_string();
+    let mut child = tokio::process::Command::new(child_binary())
+        .args([F::NAME, &f.url(), "inbox_crash", &dir])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the crash_after_commit example (built by cargo test)");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let line = lines.next_line().await.expect("read").expect("the child printed a line");
+    assert_eq!(line, "committed order-1-placed");
+    // SIGKILL: no destructor, no rollback, no completion.
+    child.start_kill().expect("kill");
+    let status = child.wait().await.expect("wait");
+    {
+        use std::os::unix::process::ExitStatusExt as _;
+        assert_eq!(status.signal(), Some(9), "killed by SIGKILL");
+    }
+    assert_eq!(shipments(&f).await, 1, "{}: the work committed", F::NAME);
+    assert_eq!(inbox_rows(&f, "inbox_crash").await, 1, "and so did the claim");
+
+    // The broker, reopened from its directory, redelivers the message it never saw completed
+    // (its clock is later than the dead receiver's lock).
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_crash")).await);
+    let clock = twice::ManualClock::default();
+    let broker = Broker::open(BrokerOptions::durable(&dir).with_clock(clock.clone()))
+        .await
+        .expect("reopen the broker");
+    let queue = BrokerQueue::existing(broker, "orders");
+    let handler = Ship::<F>::new();
+    let calls = handler.calls.clone();
+    let p = processor::<F>(
+        &queue,
+        inbox,
+        handler,
+        ProcessorOptions::new().consumer("shipping").clock(SharedClock::from(clock.clone())),
+    )
+    .await;
+    let counters = p.counters();
+    let shutdown = Shutdown::default();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    until_async("the redelivery completed", || async { queue.completed().await == 1 }).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler did not run again");
+    assert_eq!(s.duplicates_already_processed, 1, "{s:?}");
+    assert_eq!(s.completed, 1, "{s:?}");
+    assert_eq!(shipments(&f).await, 1, "{}: still one shipment", F::NAME);
+    assert_eq!(queue.active_count().await, 0);
+    let redelivered = queue.broker.statistics("orders").await.expect("statistics");
+    assert_eq!(redelivered.completed, 1);
+}
+on_all_stores!(crash_after_commit_then_redelivery_is_a_no_op);

@@ -1,0 +1,11 @@
+//! Integration tests of the inbox stores and the processor, each on SQLite, PostgreSQL and
+//! MariaDB.
+
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
+
+mod support;
+
+mod crash;
+mod processor;
+mod store;

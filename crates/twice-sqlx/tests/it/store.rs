@@ -1,0 +1,190 @@
+//! The inbox stores on their own: the claim waits for a concurrent uncommitted claim, the
+//! purge, migrations, dedup-only records.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Transaction;
+use twice::{Claim, Inbox, MessageId, Timestamp};
+use twice_sqlx::{InboxOptions, Purge, SqlxInbox, StoreError};
+
+use crate::on_all_stores;
+use crate::support::{Fixture, inbox_rows, until, until_async};
+
+type Inboxed<F> = SqlxInbox<<F as Fixture>::DB>;
+
+const T0: Timestamp = Timestamp::from_millis(1_893_456_000_000);
+
+/// Claims `id` in a new transaction on another task and returns its result once the first
+/// transaction (`holder`) has been ended by `end`.
+async fn second_claim_after<F: Fixture>(f: &F, inbox: Arc<Inboxed<F>>, commit_first: bool) -> Claim
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let id = MessageId::new(if commit_first { "m-commit" } else { "m-rollback" });
+    let mut first = inbox.begin().await.expect("begin");
+    assert_eq!(inbox.claim(&mut first, "c", &id, T0).await.expect("claim"), Claim::Claimed);
+
+    let second = tokio::spawn({
+        let inbox = inbox.clone();
+        let id = id.clone();
+        async move {
+            let mut tx = inbox.begin().await?;
+            let claim = inbox.claim(&mut tx, "c", &id, T0 + Duration::from_secs(1)).await?;
+            inbox.rollback(tx).await?;
+            Ok::<_, StoreError>(claim)
+        }
+    });
+    match f.lock_waiters().await {
+        // Proof that the second claim waits on the first one's key, not on a snapshot.
+        Some(_) => {
+            until_async("the second claim waits", || async { f.lock_waiters().await == Some(1) })
+                .await
+        }
+        // SQLite: the second transaction waits for the write lock at BEGIN IMMEDIATE.
+        None => {
+            for _ in 0..50 {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    assert!(!second.is_finished(), "{}: the second claim must wait", F::NAME);
+    if commit_first {
+        inbox.commit(first).await.expect("commit");
+    } else {
+        inbox.rollback(first).await.expect("rollback");
+    }
+    second.await.expect("join").expect("second claim")
+}
+
+async fn a_concurrent_claim_waits_then_sees_the_outcome<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_wait")).await);
+    assert_eq!(
+        second_claim_after(&f, inbox.clone(), true).await,
+        Claim::Duplicate { claimed_at: Some(T0) },
+        "{}: the first committed, so the second is a duplicate",
+        F::NAME
+    );
+    assert_eq!(
+        second_claim_after(&f, inbox.clone(), false).await,
+        Claim::Claimed,
+        "{}: the first rolled back, so the second claims",
+        F::NAME
+    );
+    assert_eq!(inbox_rows(&f, "inbox_wait").await, 1);
+}
+on_all_stores!(a_concurrent_claim_waits_then_sees_the_outcome);
+
+async fn claims_are_scoped_per_consumer<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let inbox = f.inbox(InboxOptions::new().table("inbox_scope")).await;
+    let id = MessageId::new("shared-by-two-subscriptions");
+    for consumer in ["events/Subscriptions/billing", "events/Subscriptions/shipping"] {
+        let mut tx = inbox.begin().await.expect("begin");
+        assert_eq!(inbox.claim(&mut tx, consumer, &id, T0).await.expect("claim"), Claim::Claimed);
+        inbox.commit(tx).await.expect("commit");
+    }
+    // Ids differ by case only: distinct keys (MariaDB uses a binary collation for this).
+    let mut tx = inbox.begin().await.expect("begin");
+    let upper = MessageId::new("SHARED-BY-TWO-SUBSCRIPTIONS");
+    assert_eq!(
+        inbox.claim(&mut tx, "events/Subscriptions/billing", &upper, T0).await.expect("claim"),
+        Claim::Claimed
+    );
+    inbox.rollback(tx).await.expect("rollback");
+    // An over-long id is refused before it reaches the database.
+    let mut tx = inbox.begin().await.expect("begin");
+    let long = MessageId::new("x".repeat(256));
+    assert!(matches!(
+        inbox.claim(&mut tx, "c", &long, T0).await,
+        Err(StoreError::KeyTooLong { .. })
+    ));
+    inbox.rollback(tx).await.expect("rollback");
+    assert_eq!(inbox_rows(&f, "inbox_scope").await, 2);
+}
+on_all_stores!(claims_are_scoped_per_consumer);
+
+async fn purge_deletes_old_claims_in_batches<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError> + Purge,
+{
+    let inbox = f
+        .inbox(
+            InboxOptions::new()
+                .table("inbox_purge")
+                .retention(Some(Duration::from_secs(3600)))
+                .purge_batch_size(7),
+        )
+        .await;
+    for i in 0..30_i64 {
+        // 20 claims older than the retention, 10 within it.
+        let at = if i < 20 { T0 } else { T0 + Duration::from_secs(7200) };
+        let claim = inbox.record("c", &MessageId::new(format!("m-{i}")), at).await.expect("record");
+        assert_eq!(claim, Claim::Claimed);
+    }
+    let now = T0 + Duration::from_secs(3600 + 10);
+    assert_eq!(inbox.purge(now).await.expect("purge"), 20, "{}", F::NAME);
+    assert_eq!(inbox_rows(&f, "inbox_purge").await, 10);
+    assert_eq!(inbox.purge(now).await.expect("purge"), 0);
+}
+on_all_stores!(purge_deletes_old_claims_in_batches);
+
+async fn migrations_run_once_and_can_be_skipped<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    // Two instances starting together both migrate; the second finds the work done.
+    let (a, b) = tokio::join!(
+        f.inbox(InboxOptions::new().table("inbox_mig")),
+        f.inbox(InboxOptions::new().table("inbox_mig"))
+    );
+    drop((a, b));
+    assert_eq!(f.count("SELECT COUNT(*) FROM inbox_mig_migrations").await, 1);
+    let skipped = f.inbox(InboxOptions::new().table("inbox_unmigrated").migrate(false)).await;
+    let mut tx = skipped.begin().await.expect("begin");
+    assert!(skipped.claim(&mut tx, "c", &MessageId::new("m"), T0).await.is_err(), "no table");
+}
+on_all_stores!(migrations_run_once_and_can_be_skipped);
+
+async fn dedup_only_records_commit_at_once<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let inbox = f.inbox(InboxOptions::new().table("inbox_dedup")).await;
+    let id = MessageId::new("m-1");
+    assert_eq!(inbox.record("c", &id, T0).await.expect("record"), Claim::Claimed);
+    assert_eq!(
+        inbox.record("c", &id, T0 + Duration::from_secs(5)).await.expect("record"),
+        Claim::Duplicate { claimed_at: Some(T0) }
+    );
+    inbox.forget("c", &id).await.expect("forget");
+    assert_eq!(inbox.record("c", &id, T0).await.expect("record"), Claim::Claimed);
+    until("nothing", || true).await;
+}
+on_all_stores!(dedup_only_records_commit_at_once);
+
+#[test]
+fn invalid_table_names_are_refused() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    rt.block_on(async {
+        let dir = tempfile::tempdir().expect("dir");
+        let pool = sqlx::SqlitePool::connect_with(twice_sqlx::sqlite::connect_options(
+            dir.path().join("x.db"),
+        ))
+        .await
+        .expect("pool");
+        let err = SqlxInbox::new(pool.clone(), InboxOptions::new().table("inbox; DROP TABLE x"))
+            .await
+            .expect_err("refused");
+        assert!(matches!(err, StoreError::InvalidTableName(_)));
+        let err = SqlxInbox::new(pool, InboxOptions::new().business_key("no_such_index"))
+            .await
+            .expect_err("refused");
+        assert!(matches!(err, StoreError::BusinessKeyNotFound(_)), "{err}");
+    });
+}

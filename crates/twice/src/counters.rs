@@ -1,0 +1,155 @@
+//! Counters a processor keeps, for metrics.
+//!
+//! Every counter counts *this processor's* events. In particular the broker's delivery count is
+//! not one of them: a message received once is counted once in `received`, whatever phases it
+//! goes through.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Live counters of a processor; read them with [`Counters::snapshot`].
+#[derive(Debug, Default)]
+pub struct Counters {
+    received: AtomicU64,
+    committed: AtomicU64,
+    completed: AtomicU64,
+    duplicates_already_processed: AtomicU64,
+    duplicates_concurrent_copy: AtomicU64,
+    duplicates_business_key: AtomicU64,
+    abandoned: AtomicU64,
+    dead_lettered: AtomicU64,
+    deferred: AtomicU64,
+    released: AtomicU64,
+    lock_lost: AtomicU64,
+    renewals: AtomicU64,
+    handler_errors: AtomicU64,
+    handler_panics: AtomicU64,
+    settle_failures: AtomicU64,
+    claims: AtomicU64,
+    claim_latency_total_us: AtomicU64,
+    claim_latency_max_us: AtomicU64,
+}
+
+/// Which counter to raise.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Counter {
+    Received,
+    Committed,
+    Completed,
+    DuplicateAlreadyProcessed,
+    DuplicateConcurrentCopy,
+    DuplicateBusinessKey,
+    Abandoned,
+    DeadLettered,
+    Deferred,
+    Released,
+    LockLost,
+    Renewals,
+    HandlerErrors,
+    HandlerPanics,
+    SettleFailures,
+}
+
+impl Counters {
+    pub(crate) fn inc(&self, counter: Counter) {
+        let c = match counter {
+            Counter::Received => &self.received,
+            Counter::Committed => &self.committed,
+            Counter::Completed => &self.completed,
+            Counter::DuplicateAlreadyProcessed => &self.duplicates_already_processed,
+            Counter::DuplicateConcurrentCopy => &self.duplicates_concurrent_copy,
+            Counter::DuplicateBusinessKey => &self.duplicates_business_key,
+            Counter::Abandoned => &self.abandoned,
+            Counter::DeadLettered => &self.dead_lettered,
+            Counter::Deferred => &self.deferred,
+            Counter::Released => &self.released,
+            Counter::LockLost => &self.lock_lost,
+            Counter::Renewals => &self.renewals,
+            Counter::HandlerErrors => &self.handler_errors,
+            Counter::HandlerPanics => &self.handler_panics,
+            Counter::SettleFailures => &self.settle_failures,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn record_claim_latency(&self, latency: Duration) {
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.claims.fetch_add(1, Ordering::Relaxed);
+        self.claim_latency_total_us.fetch_add(us, Ordering::Relaxed);
+        self.claim_latency_max_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterSnapshot {
+            received: get(&self.received),
+            committed: get(&self.committed),
+            completed: get(&self.completed),
+            duplicates_already_processed: get(&self.duplicates_already_processed),
+            duplicates_concurrent_copy: get(&self.duplicates_concurrent_copy),
+            duplicates_business_key: get(&self.duplicates_business_key),
+            abandoned: get(&self.abandoned),
+            dead_lettered: get(&self.dead_lettered),
+            deferred: get(&self.deferred),
+            released: get(&self.released),
+            lock_lost: get(&self.lock_lost),
+            renewals: get(&self.renewals),
+            handler_errors: get(&self.handler_errors),
+            handler_panics: get(&self.handler_panics),
+            settle_failures: get(&self.settle_failures),
+            claims: get(&self.claims),
+            claim_latency_total: Duration::from_micros(get(&self.claim_latency_total_us)),
+            claim_latency_max: Duration::from_micros(get(&self.claim_latency_max_us)),
+        }
+    }
+}
+
+/// The counters of a processor at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CounterSnapshot {
+    /// Messages handed to the processing pipeline (prefetched messages released unprocessed at
+    /// shutdown are not counted).
+    pub received: u64,
+    /// Inbox transactions committed with the handler's work.
+    pub committed: u64,
+    /// Messages completed with the broker, after their work committed or as duplicates.
+    pub completed: u64,
+    /// Duplicates whose id had been claimed and committed before this copy arrived.
+    pub duplicates_already_processed: u64,
+    /// Duplicates whose id another copy claimed at or after the moment this copy was received:
+    /// both were in flight together (typically this copy's claim waited for the winner's
+    /// commit).
+    pub duplicates_concurrent_copy: u64,
+    /// Messages whose work violated a registered business-key constraint (the same event under
+    /// another message id): rolled back and completed.
+    pub duplicates_business_key: u64,
+    /// Messages abandoned (transient errors, panics, failed commits, `Outcome::Abandon`).
+    pub abandoned: u64,
+    /// Messages dead-lettered by this processor (permanent errors, bad bodies,
+    /// `Outcome::DeadLetter`). Messages the broker dead-letters after MaxDeliveryCount are the
+    /// broker's count, not this one.
+    pub dead_lettered: u64,
+    /// Messages deferred.
+    pub deferred: u64,
+    /// Prefetched messages released unprocessed at shutdown.
+    pub released: u64,
+    /// Messages whose lock was lost while they were processed: the work was rolled back and the
+    /// message left to the broker.
+    pub lock_lost: u64,
+    /// Successful lock renewals (message or session).
+    pub renewals: u64,
+    /// Errors returned by handlers (business-key duplicates excluded).
+    pub handler_errors: u64,
+    /// Handler panics caught.
+    pub handler_panics: u64,
+    /// Settlements the broker refused (e.g. completion after the lock was lost).
+    pub settle_failures: u64,
+    /// Claims made.
+    pub claims: u64,
+    /// Time spent in claims, summed (divide by `claims` for the mean).
+    pub claim_latency_total: Duration,
+    /// The longest claim.
+    pub claim_latency_max: Duration,
+}

@@ -1,0 +1,98 @@
+//! The inbox store: where claimed message ids live, inside the handler's own transaction.
+//!
+//! `twice` defines the trait and depends on no database driver; `twice-sqlx` implements it for
+//! SQLite, PostgreSQL and MariaDB/MySQL, with `Tx = sqlx::Transaction<'static, DB>`, so a
+//! handler's queries join the claim's transaction.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::clock::Timestamp;
+use crate::error::ErrorClass;
+use crate::ids::MessageId;
+
+/// The result of claiming a message id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// This transaction holds the claim: run the handler in it.
+    Claimed,
+    /// Another transaction claimed the id and committed: the work is done.
+    Duplicate {
+        /// When the winning copy claimed the id, if the store could read it.
+        claimed_at: Option<Timestamp>,
+    },
+}
+
+/// A store of claimed message ids with transactions that a handler's work joins.
+///
+/// The contract every implementation keeps:
+///
+/// - [`Inbox::claim`] is the first statement of the transaction and is *one* operation the
+///   database decides: an insert of `(consumer, message_id)` under a primary key. It never
+///   raises an error that poisons the transaction on a duplicate (PostgreSQL:
+///   `ON CONFLICT DO NOTHING` and a row count).
+/// - While another transaction holds an uncommitted claim on the same key, `claim` waits for
+///   it: if it commits, `claim` returns [`Claim::Duplicate`]; if it rolls back, `claim` returns
+///   [`Claim::Claimed`].
+/// - Dropping a `Tx` without committing rolls it back.
+pub trait Inbox: Send + Sync + fmt::Debug + 'static {
+    /// An open transaction; the handler receives `&mut Tx`.
+    type Tx: Send + 'static;
+    /// The store's error.
+    type Error: StdError + Send + Sync + 'static;
+
+    /// How long claimed ids are kept; `None` keeps them forever.
+    fn retention(&self) -> Option<Duration>;
+
+    /// Begins a transaction on a connection of its own.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a transaction begun but not returned is rolled back.
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, Self::Error>> + Send;
+
+    /// Claims `message_id` for `consumer` inside `tx`, recording `now` as the claim time.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect: dropping the future leaves `tx` in an unknown state, and the
+    /// caller then drops `tx`, which rolls the claim back.
+    fn claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Claim, Self::Error>> + Send + 'a;
+
+    /// Commits the transaction.
+    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Rolls the transaction back.
+    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Records `message_id` for `consumer` in a transaction of its own and commits it at once
+    /// (the dedup-only mode, [`Mode::DedupOnly`](crate::Mode::DedupOnly)).
+    fn record<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Claim, Self::Error>> + Send + 'a;
+
+    /// Removes a record made by [`Inbox::record`], so that a message whose work failed is
+    /// processed again when it is redelivered.
+    fn forget<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a;
+
+    /// Classifies an error a handler raised with `?`: the violation of a registered business
+    /// key, transient, permanent or unknown. Implementations look at error codes (SQLSTATE,
+    /// error numbers) and constraint names, never at message text alone.
+    fn classify(&self, error: &(dyn StdError + 'static)) -> ErrorClass;
+}

@@ -1,0 +1,1003 @@
+//! The processor: receives messages and runs a handler on each so that its effects happen once.
+//!
+//! # Per message
+//!
+//! 1. Begin a transaction on a connection of its own ([`Inbox::begin`]).
+//! 2. Claim `(consumer, message id)` as the first statement ([`Inbox::claim`]). A copy whose id
+//!    was claimed and committed is a duplicate: roll back and complete. A copy whose id is held
+//!    by another, uncommitted transaction waits for it, as the database does: the other commits,
+//!    this copy is a duplicate; the other rolls back, this copy does the work.
+//! 3. Run the handler with `&mut Tx`, so its work joins the claim's transaction.
+//! 4. On [`Outcome::Complete`]: commit, then complete. The message is never completed before
+//!    the commit has succeeded. A failed commit abandons the message (the commit may have
+//!    happened: the redelivery then meets the claim and completes as a duplicate). A completion
+//!    that fails because the lock was lost is logged: the redelivery meets the claim.
+//! 5. Otherwise roll back, then settle:
+//!
+//! | handler result                                  | transaction | settlement                 |
+//! |-------------------------------------------------|-------------|----------------------------|
+//! | `Ok(Complete)`                                  | commit      | complete                   |
+//! | `Ok(Abandon)`, transient or unclassified error  | roll back   | abandon                    |
+//! | violation of a registered business key          | roll back   | complete (duplicate)       |
+//! | `Ok(DeadLetter)`, permanent error, bad JSON     | roll back   | dead-letter with reason    |
+//! | `Ok(Defer)`                                     | roll back   | defer                      |
+//! | panic                                           | roll back   | abandon (transient)        |
+//! | lock lost while running                         | roll back   | none (the broker has it)   |
+//!
+//! The lock is renewed in the background until
+//! [`max_auto_lock_renewal_duration`](ProcessorOptions::max_auto_lock_renewal_duration). The
+//! transaction and the handler are raced against the loss of the lock: when it is lost (a
+//! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
+//! rolled back, instead of committing work whose message another receiver may already hold.
+//!
+//! # Modes
+//!
+//! [`Mode::Claim`] (the default) does the above. [`Mode::NaturallyIdempotent`] skips the claim,
+//! for handlers whose work is an upsert that can run twice with the effect of once (seed
+//! strategy 1). [`Mode::DedupOnly`] records the id in a transaction of its own, commits it, and
+//! only then runs the handler (seed strategy 2), for work that cannot join a transaction: it is
+//! **at most once**, because a process that dies after the record and before the work is done
+//! leaves a record that makes every redelivery a duplicate. On a handler error or lost lock the
+//! record is removed again, so only a crash loses the message.
+//!
+//! # Counters and errors
+//!
+//! [`Processor::counters`] is live while the processor runs. Errors that do not stop the
+//! processor (receive, claim, handler, commit, settle, renewal) go to the callback set with
+//! [`Processor::on_error`] (by default they are logged with `tracing`).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use futures::FutureExt as _;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::clock::{SharedClock, Stopwatch, Timestamp};
+use crate::counters::{Counter, Counters};
+use crate::error::{
+    ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, ProcessError, ProcessorError,
+    format_duration,
+};
+use crate::handler::{Context, Handler};
+use crate::inbox::{Claim, Inbox};
+use crate::message::{Properties, ReceivedMessage};
+use crate::outcome::Outcome;
+use crate::transport::{DeadLetterReason, Delivery, EntityInfo, Transport, TransportError};
+
+/// How the processor protects a handler's work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Claim the message id in the handler's transaction (exactly-once effects for work in the
+    /// database).
+    #[default]
+    Claim,
+    /// No claim: the handler's work is naturally idempotent (an upsert keyed on the business
+    /// identity), so running it twice has the effect of running it once. The handler still runs
+    /// in a transaction that is committed before the message is completed.
+    NaturallyIdempotent,
+    /// Record the id in a transaction of its own and commit it before the handler runs, for
+    /// work that cannot join a transaction. At most once: a crash after the record loses the
+    /// message.
+    DedupOnly,
+}
+
+/// The dead-letter reason used for a permanent error that names no reason of its own.
+pub const HANDLER_FAILED: &str = "HandlerFailed";
+
+/// Options of a [`Processor`], with Service Bus names and defaults.
+#[derive(Clone, Debug)]
+pub struct ProcessorOptions {
+    consumer: Option<String>,
+    max_concurrent_calls: usize,
+    prefetch_count: usize,
+    max_auto_lock_renewal_duration: Duration,
+    max_wait: Duration,
+    mode: Mode,
+    clock: SharedClock,
+}
+
+impl Default for ProcessorOptions {
+    fn default() -> Self {
+        Self {
+            consumer: None,
+            max_concurrent_calls: 1,
+            prefetch_count: 0,
+            max_auto_lock_renewal_duration: Duration::from_secs(300),
+            max_wait: Duration::from_secs(60),
+            mode: Mode::Claim,
+            clock: SharedClock::system(),
+        }
+    }
+}
+
+impl ProcessorOptions {
+    /// The defaults: consumer = entity path, MaxConcurrentCalls 1, PrefetchCount 0, lock renewal
+    /// for up to 5 minutes, [`Mode::Claim`], the system clock.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The consumer name, the scope of the inbox key (default: the entity path, which differs
+    /// between the subscriptions of a topic, which share message ids).
+    #[must_use]
+    pub fn consumer(mut self, consumer: impl Into<String>) -> Self {
+        self.consumer = Some(consumer.into());
+        self
+    }
+
+    /// The consumer name set, if any.
+    pub fn get_consumer(&self) -> Option<&str> {
+        self.consumer.as_deref()
+    }
+
+    /// How many messages are handled at once (default 1; at least 1).
+    #[must_use]
+    pub fn max_concurrent_calls(mut self, n: usize) -> Self {
+        self.max_concurrent_calls = n.max(1);
+        self
+    }
+
+    /// How many messages are handled at once.
+    pub fn get_max_concurrent_calls(&self) -> usize {
+        self.max_concurrent_calls
+    }
+
+    /// How many messages to receive ahead of the handlers (default 0). Prefetched messages are
+    /// locked; their locks are not renewed until a handler takes them, and those still waiting
+    /// at shutdown are released.
+    #[must_use]
+    pub fn prefetch_count(mut self, n: usize) -> Self {
+        self.prefetch_count = n;
+        self
+    }
+
+    /// How many messages to receive ahead of the handlers.
+    pub fn get_prefetch_count(&self) -> usize {
+        self.prefetch_count
+    }
+
+    /// How long after receipt the lock of a message is renewed (default 5 minutes; zero turns
+    /// renewal off).
+    #[must_use]
+    pub fn max_auto_lock_renewal_duration(mut self, d: Duration) -> Self {
+        self.max_auto_lock_renewal_duration = d;
+        self
+    }
+
+    /// How long after receipt the lock of a message is renewed.
+    pub fn get_max_auto_lock_renewal_duration(&self) -> Duration {
+        self.max_auto_lock_renewal_duration
+    }
+
+    /// How long one receive call waits for messages before asking again (default 60 s).
+    #[must_use]
+    pub fn max_wait(mut self, d: Duration) -> Self {
+        self.max_wait = d;
+        self
+    }
+
+    /// How long one receive call waits.
+    pub fn get_max_wait(&self) -> Duration {
+        self.max_wait
+    }
+
+    /// How the handler's work is protected (default [`Mode::Claim`]).
+    #[must_use]
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How the handler's work is protected.
+    pub fn get_mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The clock for lock expiry and renewal and for claim times (default: the system clock).
+    #[must_use]
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
+    }
+}
+
+/// The longest time after which `entity` may still deliver a message again, by the rule
+/// `max(duplicate-detection window, MaxDeliveryCount × LockDuration +
+/// MaxAutoLockRenewalDuration)`; `None` when deliveries are unlimited (forever).
+///
+/// It is a floor, not a bound: a message abandoned into a long backlog comes back later still.
+pub fn redelivery_horizon(
+    entity: &EntityInfo,
+    max_auto_lock_renewal: Duration,
+) -> Option<Duration> {
+    let deliveries = entity.max_delivery_count?;
+    let redelivery =
+        entity.lock_duration.saturating_mul(deliveries).saturating_add(max_auto_lock_renewal);
+    Some(redelivery.max(entity.duplicate_detection_window.unwrap_or_default()))
+}
+
+/// Refuses a retention shorter than the redelivery horizon, with the numbers in the error.
+pub(crate) fn check_retention(
+    entity: &EntityInfo,
+    retention: Option<Duration>,
+    max_auto_lock_renewal: Duration,
+) -> Result<(), ProcessorError> {
+    let Some(retention) = retention else { return Ok(()) };
+    let explain = || {
+        let mut s = match entity.max_delivery_count {
+            Some(n) => format!(
+                "MaxDeliveryCount {n} × LockDuration {} + MaxAutoLockRenewalDuration {}",
+                format_duration(entity.lock_duration),
+                format_duration(max_auto_lock_renewal)
+            ),
+            None => "MaxDeliveryCount is unlimited".to_owned(),
+        };
+        if let Some(w) = entity.duplicate_detection_window {
+            s.push_str(&format!("; duplicate-detection window {}", format_duration(w)));
+        }
+        s
+    };
+    match redelivery_horizon(entity, max_auto_lock_renewal) {
+        Some(horizon) if retention >= horizon => Ok(()),
+        horizon => Err(ProcessorError::RetentionTooShort {
+            entity: entity.path.clone(),
+            retention: format_duration(retention),
+            horizon: horizon.map_or_else(|| "forever".to_owned(), format_duration),
+            explanation: explain(),
+        }),
+    }
+}
+
+type ErrorCallback = Arc<dyn Fn(&ProcessError) + Send + Sync>;
+type CommitHook = Arc<dyn Fn(&ReceivedMessage) + Send + Sync>;
+
+/// What every message's processing shares, whatever the transport.
+pub(crate) struct Core<I, H> {
+    pub(crate) inbox: Arc<I>,
+    pub(crate) handler: Arc<H>,
+    pub(crate) consumer: String,
+    pub(crate) mode: Mode,
+    pub(crate) clock: SharedClock,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) on_error: Option<ErrorCallback>,
+    pub(crate) on_committed: Option<CommitHook>,
+}
+
+impl<I, H> Core<I, H> {
+    pub(crate) fn report(&self, error: ProcessError) {
+        match &self.on_error {
+            Some(f) => f(&error),
+            None => tracing::warn!(consumer = %self.consumer, "{error}"),
+        }
+    }
+}
+
+/// How a message is settled.
+#[derive(Debug)]
+pub(crate) enum Settlement {
+    Complete,
+    Abandon,
+    DeadLetter(DeadLetterReason),
+    Defer,
+}
+
+/// Settles deliveries: through the transport, or through a session.
+pub(crate) trait Settler: Send + Sync {
+    type Delivery: Delivery;
+
+    fn settle<'a>(
+        &'a self,
+        delivery: &'a Self::Delivery,
+        how: Settlement,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+}
+
+/// Settles through a [`Transport`].
+pub(crate) struct TransportSettler<T>(pub(crate) Arc<T>);
+
+impl<T: Transport> Settler for TransportSettler<T> {
+    type Delivery = T::Delivery;
+
+    async fn settle<'a>(
+        &'a self,
+        delivery: &'a T::Delivery,
+        how: Settlement,
+    ) -> Result<(), TransportError> {
+        match how {
+            Settlement::Complete => self.0.complete(delivery).await,
+            Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
+            Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
+            Settlement::Defer => self.0.defer(delivery).await,
+        }
+    }
+}
+
+/// What became of the handler's work.
+#[derive(Debug)]
+enum Verdict {
+    /// Complete; the counter says why (work done, or which kind of duplicate).
+    Complete(Option<Counter>),
+    Abandon,
+    DeadLetter(DeadLetterReason),
+    Defer,
+    /// The lock was lost: nothing to settle.
+    LockLost,
+}
+
+/// The state of the lock that protects the message being processed.
+pub(crate) struct LockState {
+    /// Until when the lock holds, in ms since the epoch; `i64::MAX` when there is no lock.
+    locked_until: AtomicI64,
+}
+
+impl LockState {
+    pub(crate) fn new(locked_until: Option<Timestamp>) -> Self {
+        Self { locked_until: AtomicI64::new(locked_until.unwrap_or(Timestamp::MAX).as_millis()) }
+    }
+
+    pub(crate) fn locked_until(&self) -> Timestamp {
+        Timestamp::from_millis(self.locked_until.load(Ordering::SeqCst))
+    }
+
+    pub(crate) fn set(&self, until: Timestamp) {
+        self.locked_until.store(until.as_millis(), Ordering::SeqCst);
+    }
+
+    pub(crate) fn set_lost(&self) {
+        self.locked_until.store(i64::MIN, Ordering::SeqCst);
+    }
+
+    pub(crate) fn held(&self, now: Timestamp) -> bool {
+        self.locked_until() > now
+    }
+}
+
+/// How long before the lock runs out to renew it: 10 s, or half the lock for short locks.
+pub(crate) fn renewal_margin(lock_duration: Duration) -> Duration {
+    (lock_duration / 2).min(Duration::from_secs(10))
+}
+
+impl<I, H> Core<I, H>
+where
+    I: Inbox,
+    H: Handler<I::Tx>,
+{
+    /// Processes one delivery to the end: claim, handler, commit, settle.
+    ///
+    /// `lock_lost` resolves when the lock protecting the message is lost; `lock` tells whether
+    /// it still holds, checked just before the commit.
+    pub(crate) async fn process<S: Settler>(
+        &self,
+        settler: &S,
+        delivery: &S::Delivery,
+        received_at: Timestamp,
+        lock: &LockState,
+        lock_lost: impl Future<Output = ()> + Send,
+    ) {
+        self.counters.inc(Counter::Received);
+        let msg = delivery.message();
+        let verdict = {
+            let mut lock_lost = std::pin::pin!(lock_lost);
+            match self.mode {
+                Mode::Claim | Mode::NaturallyIdempotent => {
+                    self.transactional(msg, received_at, lock, lock_lost.as_mut()).await
+                }
+                Mode::DedupOnly => self.dedup_only(msg, lock, lock_lost.as_mut()).await,
+            }
+        };
+        self.settle(settler, delivery, verdict).await;
+    }
+
+    /// Claim (or not, in [`Mode::NaturallyIdempotent`]) and run the handler in one transaction.
+    async fn transactional(
+        &self,
+        msg: &ReceivedMessage,
+        received_at: Timestamp,
+        lock: &LockState,
+        mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Verdict {
+        let id = msg.message_id();
+        // Beginning may wait (for a pooled connection, or for SQLite's write lock), so it is
+        // raced against the lock too.
+        let begun = tokio::select! {
+            biased;
+            () = &mut lock_lost => return Verdict::LockLost,
+            r = self.inbox.begin() => r,
+        };
+        let mut tx = match begun {
+            Ok(tx) => tx,
+            Err(e) => {
+                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+                return Verdict::Abandon;
+            }
+        };
+        let claim = self.mode == Mode::Claim;
+        let raced = tokio::select! {
+            biased;
+            () = &mut lock_lost => None,
+            r = self.claim_and_handle(msg, &mut tx, claim) => Some(r),
+        };
+        let step = match raced {
+            Some(step) => step,
+            None => {
+                // The handler's future is gone; its work is rolled back with the transaction.
+                self.rollback(tx, id).await;
+                return Verdict::LockLost;
+            }
+        };
+        match step {
+            Step::ClaimFailed(e) => {
+                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+                self.rollback(tx, id).await;
+                Verdict::Abandon
+            }
+            Step::Duplicate(claimed_at) => {
+                self.rollback(tx, id).await;
+                // The winner claimed after this copy arrived: both were in flight together.
+                let concurrent = claimed_at.is_some_and(|at| at >= received_at);
+                Verdict::Complete(Some(if concurrent {
+                    Counter::DuplicateConcurrentCopy
+                } else {
+                    Counter::DuplicateAlreadyProcessed
+                }))
+            }
+            Step::Handled(Ok(Outcome::Complete)) => {
+                if !lock.held(self.clock.now()) {
+                    self.rollback(tx, id).await;
+                    return Verdict::LockLost;
+                }
+                match self.inbox.commit(tx).await {
+                    Ok(()) => {
+                        self.counters.inc(Counter::Committed);
+                        if let Some(hook) = &self.on_committed {
+                            hook(msg);
+                        }
+                        Verdict::Complete(None)
+                    }
+                    Err(e) => {
+                        // The commit may have happened anyway; then the redelivery meets the
+                        // claim and completes as a duplicate. Abandon, never dead-letter.
+                        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+                        Verdict::Abandon
+                    }
+                }
+            }
+            Step::Handled(result) => {
+                self.rollback(tx, id).await;
+                self.verdict_of(msg, result)
+            }
+            Step::Panicked(what) => {
+                self.rollback(tx, id).await;
+                self.counters.inc(Counter::HandlerPanics);
+                self.report(ProcessError::new(
+                    ErrorSource::Handler,
+                    Some(id),
+                    format!("the handler panicked: {what}"),
+                ));
+                Verdict::Abandon
+            }
+        }
+    }
+
+    async fn claim_and_handle(
+        &self,
+        msg: &ReceivedMessage,
+        tx: &mut I::Tx,
+        claim: bool,
+    ) -> Step<I::Error> {
+        if claim {
+            let watch = Stopwatch::start();
+            let claimed =
+                self.inbox.claim(tx, &self.consumer, msg.message_id(), self.clock.now()).await;
+            self.counters.record_claim_latency(watch.elapsed());
+            match claimed {
+                Ok(Claim::Claimed) => {}
+                Ok(Claim::Duplicate { claimed_at }) => return Step::Duplicate(claimed_at),
+                Err(e) => return Step::ClaimFailed(e),
+            }
+        }
+        self.run_handler(msg, tx).await
+    }
+
+    async fn run_handler(&self, msg: &ReceivedMessage, tx: &mut I::Tx) -> Step<I::Error> {
+        let ctx = Context::new(msg, &self.consumer);
+        // A panic must not take the task (and the permit, and the transaction) down with it.
+        match AssertUnwindSafe(self.handler.handle(ctx, tx)).catch_unwind().await {
+            Ok(result) => Step::Handled(result),
+            Err(payload) => Step::Panicked(panic_message(payload.as_ref())),
+        }
+    }
+
+    /// Seed strategy 2: record, commit, then work.
+    async fn dedup_only(
+        &self,
+        msg: &ReceivedMessage,
+        lock: &LockState,
+        mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Verdict {
+        let id = msg.message_id();
+        let recorded = tokio::select! {
+            biased;
+            () = &mut lock_lost => return Verdict::LockLost,
+            r = self.inbox.record(&self.consumer, id, self.clock.now()) => r,
+        };
+        match recorded {
+            Ok(Claim::Claimed) => {}
+            Ok(Claim::Duplicate { .. }) => {
+                return Verdict::Complete(Some(Counter::DuplicateAlreadyProcessed));
+            }
+            Err(e) => {
+                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+                return Verdict::Abandon;
+            }
+        }
+        // From here on the id is recorded: anything but success removes the record again so
+        // the message is retried; only a crash leaves it (the at-most-once trade-off).
+        let verdict = self.transactional_without_claim(msg, lock, lock_lost).await;
+        if !matches!(verdict, Verdict::Complete(_)) {
+            if let Err(e) = self.inbox.forget(&self.consumer, id).await {
+                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+            }
+        }
+        verdict
+    }
+
+    async fn transactional_without_claim(
+        &self,
+        msg: &ReceivedMessage,
+        lock: &LockState,
+        mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Verdict {
+        let id = msg.message_id();
+        let begun = tokio::select! {
+            biased;
+            () = &mut lock_lost => return Verdict::LockLost,
+            r = self.inbox.begin() => r,
+        };
+        let mut tx = match begun {
+            Ok(tx) => tx,
+            Err(e) => {
+                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+                return Verdict::Abandon;
+            }
+        };
+        let raced = tokio::select! {
+            biased;
+            () = &mut lock_lost => None,
+            r = self.run_handler(msg, &mut tx) => Some(r),
+        };
+        match raced {
+            None => {
+                self.rollback(tx, id).await;
+                Verdict::LockLost
+            }
+            Some(Step::Handled(Ok(Outcome::Complete))) if lock.held(self.clock.now()) => {
+                match self.inbox.commit(tx).await {
+                    Ok(()) => {
+                        self.counters.inc(Counter::Committed);
+                        if let Some(hook) = &self.on_committed {
+                            hook(msg);
+                        }
+                        Verdict::Complete(None)
+                    }
+                    Err(e) => {
+                        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+                        // The record stays: the commit may have happened.
+                        Verdict::Complete(None)
+                    }
+                }
+            }
+            Some(Step::Handled(Ok(Outcome::Complete))) => {
+                self.rollback(tx, id).await;
+                Verdict::LockLost
+            }
+            Some(Step::Handled(result)) => {
+                self.rollback(tx, id).await;
+                self.verdict_of(msg, result)
+            }
+            Some(Step::Panicked(what)) => {
+                self.rollback(tx, id).await;
+                self.counters.inc(Counter::HandlerPanics);
+                self.report(ProcessError::new(
+                    ErrorSource::Handler,
+                    Some(id),
+                    format!("the handler panicked: {what}"),
+                ));
+                Verdict::Abandon
+            }
+            Some(Step::ClaimFailed(_) | Step::Duplicate(_)) => Verdict::Abandon,
+        }
+    }
+
+    /// The verdict for a handler result other than `Ok(Complete)`, after the rollback.
+    fn verdict_of(&self, msg: &ReceivedMessage, result: Result<Outcome, HandlerError>) -> Verdict {
+        let id = msg.message_id();
+        match result {
+            Ok(Outcome::Complete) => Verdict::Complete(None),
+            Ok(Outcome::Abandon) => Verdict::Abandon,
+            Ok(Outcome::Defer) => Verdict::Defer,
+            Ok(outcome @ Outcome::DeadLetter { .. }) => match outcome.dead_letter_reason() {
+                Some(reason) => Verdict::DeadLetter(reason),
+                None => Verdict::Abandon,
+            },
+            Err(error) => {
+                let class = match error.kind() {
+                    HandlerErrorKind::Transient => ErrorClass::Transient,
+                    HandlerErrorKind::Permanent { .. } => ErrorClass::Permanent,
+                    _ => self.inbox.classify(error.error()),
+                };
+                if let ErrorClass::BusinessKeyDuplicate { constraint } = &class {
+                    tracing::debug!(message_id = %id, %constraint, "duplicate by business key");
+                    return Verdict::Complete(Some(Counter::DuplicateBusinessKey));
+                }
+                self.counters.inc(Counter::HandlerErrors);
+                let description = error.chain();
+                let verdict = match (&class, error.kind()) {
+                    (_, HandlerErrorKind::Permanent { reason }) => {
+                        Verdict::DeadLetter(DeadLetterReason::new(reason.clone(), description))
+                    }
+                    (ErrorClass::Permanent, _) => {
+                        Verdict::DeadLetter(DeadLetterReason::new(HANDLER_FAILED, description))
+                    }
+                    _ => Verdict::Abandon,
+                };
+                self.report(ProcessError::new(ErrorSource::Handler, Some(id), error.into_error()));
+                verdict
+            }
+        }
+    }
+
+    async fn rollback(&self, tx: I::Tx, id: &crate::ids::MessageId) {
+        if let Err(e) = self.inbox.rollback(tx).await {
+            // The transaction is gone either way: a failed rollback leaves nothing committed.
+            self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+        }
+    }
+
+    async fn settle<S: Settler>(&self, settler: &S, delivery: &S::Delivery, verdict: Verdict) {
+        let id = delivery.message().message_id();
+        let (how, counter) = match verdict {
+            Verdict::LockLost => {
+                self.counters.inc(Counter::LockLost);
+                tracing::info!(message_id = %id, "lock lost while processing; rolled back");
+                return;
+            }
+            Verdict::Complete(duplicate) => {
+                if let Some(c) = duplicate {
+                    self.counters.inc(c);
+                }
+                (Settlement::Complete, Counter::Completed)
+            }
+            Verdict::Abandon => (Settlement::Abandon, Counter::Abandoned),
+            Verdict::DeadLetter(reason) => (Settlement::DeadLetter(reason), Counter::DeadLettered),
+            Verdict::Defer => (Settlement::Defer, Counter::Deferred),
+        };
+        let completing = matches!(how, Settlement::Complete);
+        match settler.settle(delivery, how).await {
+            Ok(()) => self.counters.inc(counter),
+            Err(e) => {
+                self.counters.inc(Counter::SettleFailures);
+                if completing && e.is_lock_lost() {
+                    tracing::warn!(
+                        message_id = %id,
+                        "completion failed because the lock was lost; the redelivery will meet \
+                         the claim and complete as a duplicate"
+                    );
+                }
+                self.report(ProcessError::new(ErrorSource::Settle, Some(id), e));
+            }
+        }
+    }
+}
+
+/// What the transaction phase produced.
+enum Step<E> {
+    ClaimFailed(E),
+    Duplicate(Option<Timestamp>),
+    Handled(Result<Outcome, HandlerError>),
+    Panicked(String),
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string payload".to_owned()
+    }
+}
+
+/// Receives messages from a [`Transport`] and runs a [`Handler`] on each, in the inbox
+/// transaction of an [`Inbox`]; see the [module docs](self).
+pub struct Processor<T: Transport, I: Inbox, H> {
+    transport: Arc<T>,
+    inbox: Arc<I>,
+    handler: Arc<H>,
+    options: ProcessorOptions,
+    counters: Arc<Counters>,
+    on_error: Option<ErrorCallback>,
+    on_committed: Option<CommitHook>,
+}
+
+impl<T: Transport, I: Inbox, H> fmt::Debug for Processor<T, I, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Processor")
+            .field("transport", &self.transport)
+            .field("inbox", &self.inbox)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, I, H> Processor<T, I, H>
+where
+    T: Transport,
+    I: Inbox,
+    H: Handler<I::Tx>,
+{
+    /// A processor of `transport`'s messages with `handler`, claiming in `inbox`.
+    pub fn new(transport: T, inbox: I, handler: H, options: ProcessorOptions) -> Self {
+        Self::from_arcs(Arc::new(transport), Arc::new(inbox), Arc::new(handler), options)
+    }
+
+    /// As [`Processor::new`], sharing a transport, inbox or handler with other processors.
+    pub fn from_arcs(
+        transport: Arc<T>,
+        inbox: Arc<I>,
+        handler: Arc<H>,
+        options: ProcessorOptions,
+    ) -> Self {
+        Self {
+            transport,
+            inbox,
+            handler,
+            options,
+            counters: Arc::default(),
+            on_error: None,
+            on_committed: None,
+        }
+    }
+
+    /// Calls `f` with every error that does not stop the processor (receive, claim, handler,
+    /// commit, settle, lock renewal), with its source. Without it errors are logged.
+    #[must_use]
+    pub fn on_error(mut self, f: impl Fn(&ProcessError) + Send + Sync + 'static) -> Self {
+        self.on_error = Some(Arc::new(f));
+        self
+    }
+
+    /// Calls `f` after a message's transaction has committed and before the message is
+    /// completed: the window in which a crash leaves committed work and an unsettled message.
+    /// For fault injection (the demo, tests) and tracing.
+    #[must_use]
+    pub fn on_committed(mut self, f: impl Fn(&ReceivedMessage) + Send + Sync + 'static) -> Self {
+        self.on_committed = Some(Arc::new(f));
+        self
+    }
+
+    /// The processor's counters, live while it runs.
+    pub fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
+    }
+
+    /// The consumer name the inbox keys are scoped to.
+    pub fn consumer(&self) -> &str {
+        self.options.consumer.as_deref().unwrap_or(&self.transport.entity().path)
+    }
+
+    /// Checks the options against the entity: the inbox retention must cover the redelivery
+    /// horizon ([`redelivery_horizon`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ProcessorError::RetentionTooShort`], naming the numbers.
+    pub fn check(&self) -> Result<(), ProcessorError> {
+        if self.options.mode == Mode::NaturallyIdempotent {
+            return Ok(());
+        }
+        check_retention(
+            self.transport.entity(),
+            self.inbox.retention(),
+            self.options.max_auto_lock_renewal_duration,
+        )
+    }
+
+    /// Runs until `shutdown` resolves: receives messages and processes up to
+    /// MaxConcurrentCalls of them at once, each in a task that owns a semaphore permit. On
+    /// shutdown it stops receiving, releases prefetched messages no handler has taken, and
+    /// waits for the messages in flight to finish (or roll back when their lock is lost).
+    ///
+    /// # Errors
+    ///
+    /// Refuses to start when [`Processor::check`] fails; stops with
+    /// [`ProcessorError::Transport`] when the transport closes.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ProcessorError> {
+        self.check()?;
+        let options = self.options.clone();
+        let core = Arc::new(Core {
+            inbox: self.inbox.clone(),
+            handler: self.handler.clone(),
+            consumer: self.consumer().to_owned(),
+            mode: options.mode,
+            clock: options.clock.clone(),
+            counters: self.counters.clone(),
+            on_error: self.on_error.clone(),
+            on_committed: self.on_committed.clone(),
+        });
+        let transport = self.transport;
+        let clock = options.clock.clone();
+        let semaphore = Arc::new(Semaphore::new(options.max_concurrent_calls));
+        let mut tasks = JoinSet::new();
+        let mut buffer: VecDeque<(T::Delivery, Timestamp)> = VecDeque::new();
+        let mut shutdown = std::pin::pin!(shutdown);
+
+        let result = loop {
+            while let Some(joined) = tasks.try_join_next() {
+                report_join(&core, joined);
+            }
+            let permit = tokio::select! {
+                biased;
+                () = &mut shutdown => break Ok(()),
+                p = Arc::clone(&semaphore).acquire_owned() => match p {
+                    Ok(p) => p,
+                    // The semaphore is never closed; stop rather than spin if it were.
+                    Err(_) => break Ok(()),
+                },
+            };
+            if buffer.is_empty() {
+                let want = (semaphore.available_permits() + 1).max(options.prefetch_count);
+                let received = tokio::select! {
+                    biased;
+                    () = &mut shutdown => break Ok(()),
+                    r = transport.receive(want, options.max_wait) => r,
+                };
+                match received {
+                    Ok(deliveries) => {
+                        let now = clock.now();
+                        buffer.extend(deliveries.into_iter().map(|d| (d, now)));
+                    }
+                    Err(TransportError::Closed) => {
+                        break Err(ProcessorError::Transport(TransportError::Closed));
+                    }
+                    Err(e) => {
+                        core.report(ProcessError::new(ErrorSource::Receive, None, e));
+                        // Back off a little so a broken connection does not spin the loop.
+                        tokio::select! {
+                            biased;
+                            () = &mut shutdown => break Ok(()),
+                            () = clock.sleep(Duration::from_secs(1)) => {}
+                        }
+                    }
+                }
+            }
+            let Some((delivery, received_at)) = buffer.pop_front() else { continue };
+            if delivery.message().locked_until.is_some_and(|until| until <= clock.now()) {
+                // Its lock ran out while it waited in the prefetch buffer: the broker delivers
+                // it again, so it must not be processed here.
+                continue;
+            }
+            tasks.spawn(process_one(
+                Arc::clone(&core),
+                Arc::clone(&transport),
+                delivery,
+                received_at,
+                options.max_auto_lock_renewal_duration,
+                permit,
+            ));
+        };
+
+        for (delivery, _) in buffer.drain(..) {
+            match transport.release(&delivery).await {
+                Ok(()) => core.counters.inc(Counter::Released),
+                // Without release the lock simply runs out; nothing is lost.
+                Err(TransportError::Unsupported(_)) => {}
+                Err(e) => core.report(ProcessError::new(
+                    ErrorSource::Settle,
+                    Some(delivery.message().message_id()),
+                    e,
+                )),
+            }
+        }
+        while let Some(joined) = tasks.join_next().await {
+            report_join(&core, joined);
+        }
+        result
+    }
+}
+
+fn report_join<I, H>(core: &Core<I, H>, joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined {
+        // Handler panics are caught inside the task; this is a panic in twice itself.
+        core.report(ProcessError::new(ErrorSource::Handler, None, e));
+    }
+}
+
+/// One message in its own task: processing raced against the loss of its lock.
+async fn process_one<T, I, H>(
+    core: Arc<Core<I, H>>,
+    transport: Arc<T>,
+    delivery: T::Delivery,
+    received_at: Timestamp,
+    max_renewal: Duration,
+    permit: OwnedSemaphorePermit,
+) where
+    T: Transport,
+    I: Inbox,
+    H: Handler<I::Tx>,
+{
+    let lock = LockState::new(delivery.message().locked_until);
+    let id = delivery.message().message_id().clone();
+    let margin = renewal_margin(transport.entity().lock_duration);
+    let renew_until = received_at + max_renewal;
+    let settler = TransportSettler(Arc::clone(&transport));
+    let keeper =
+        keep_lock(&core, &lock, renew_until, margin, Some(&id), || transport.renew_lock(&delivery));
+    core.process(&settler, &delivery, received_at, &lock, keeper).await;
+    drop(permit);
+}
+
+/// Renews a lock until the renewal limit; resolves when the lock is lost (a renewal is refused,
+/// or the lock runs out).
+pub(crate) async fn keep_lock<I, H, F, Fut>(
+    core: &Core<I, H>,
+    lock: &LockState,
+    renew_until: Timestamp,
+    margin: Duration,
+    id: Option<&crate::ids::MessageId>,
+    mut renew: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Timestamp, TransportError>>,
+{
+    if lock.locked_until() == Timestamp::MAX {
+        // No lock to keep (a transport without lock expiry).
+        return std::future::pending().await;
+    }
+    let clock = &core.clock;
+    loop {
+        let until = lock.locked_until();
+        let renew_at = until - margin;
+        if renew_at >= renew_until {
+            clock.sleep_until(until).await;
+            lock.set_lost();
+            return;
+        }
+        clock.sleep_until(renew_at).await;
+        match renew().await {
+            Ok(new_until) => {
+                lock.set(new_until);
+                core.counters.inc(Counter::Renewals);
+            }
+            Err(e) if e.is_lock_lost() => {
+                lock.set_lost();
+                return;
+            }
+            Err(e) => {
+                core.report(ProcessError::new(ErrorSource::RenewLock, id, e));
+                let now = clock.now();
+                if now >= until {
+                    lock.set_lost();
+                    return;
+                }
+                // Try again shortly, but never past the lock's end.
+                clock.sleep_until((now + Duration::from_secs(1)).min(until)).await;
+            }
+        }
+    }
+}
