@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod serve;
 
 /// Message handling that stays correct when the broker delivers twice.
 #[derive(Debug, Parser)]
@@ -21,6 +22,9 @@ enum Command {
     /// Run the shipping example under injected faults: a naive handler and the twice
     /// processor side by side, on the embedded broker.
     Demo(demo::DemoArgs),
+    /// Serve the broker over AMQP 1.0 to the official Azure Service Bus SDKs, with the
+    /// emulator's connection string.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
+            Command::Serve(args) => serve::run(args).await,
         }
     });
     match result {

@@ -60,6 +60,13 @@ impl<'a> Context<'a> {
         IdempotencyKey::derive(self.consumer, self.message_id(), step)
     }
 
+    /// A stable key for `step` of the work on a business entity (say, `order-42`), the same
+    /// for every message that carries that entity: see
+    /// [`IdempotencyKey::for_business_key`].
+    pub fn business_idempotency_key(&self, business_key: &str, step: &str) -> IdempotencyKey {
+        IdempotencyKey::for_business_key(self.consumer, business_key, step)
+    }
+
     /// The body parsed as JSON.
     ///
     /// # Errors

@@ -36,10 +36,34 @@ pub struct IdempotencyKey(String);
 impl IdempotencyKey {
     /// The key for `step` of the work on message `message_id` by `consumer`.
     pub fn derive(consumer: &str, message_id: &MessageId, step: &str) -> Self {
+        Self::from_parts(&[consumer, message_id.as_str(), step])
+    }
+
+    /// The key for `step` of the work on the business entity `business_key` (say, `order-42`)
+    /// by `consumer`, whatever message carries it.
+    ///
+    /// Use it when the same event can arrive under two message ids (a sender that published it
+    /// twice): a first copy that called the payment API and then rolled back leaves the charge
+    /// made, and only a key taken from the order lets the second copy's call be recognised. A
+    /// business key never yields the key of a message id, even when the strings are equal.
+    ///
+    /// ```
+    /// use twice::{IdempotencyKey, MessageId};
+    ///
+    /// let a = IdempotencyKey::for_business_key("shipping", "order-42", "charge");
+    /// assert_eq!(a, IdempotencyKey::for_business_key("shipping", "order-42", "charge"));
+    /// assert_ne!(a, IdempotencyKey::derive("shipping", &MessageId::new("order-42"), "charge"));
+    /// ```
+    pub fn for_business_key(consumer: &str, business_key: &str, step: &str) -> Self {
+        // The marker part keeps this family of keys apart from the message-id family, which
+        // has three parts.
+        Self::from_parts(&[consumer, business_key, step, "business-key"])
+    }
+
+    fn from_parts(parts: &[&str]) -> Self {
         // Each part is prefixed with its length so that ("ab", "c") and ("a", "bc") differ.
-        let mut name =
-            Vec::with_capacity(consumer.len() + message_id.as_str().len() + step.len() + 24);
-        for part in [consumer, message_id.as_str(), step] {
+        let mut name = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
+        for part in parts {
             name.extend_from_slice(&u64::try_from(part.len()).unwrap_or(u64::MAX).to_be_bytes());
             name.extend_from_slice(part.as_bytes());
         }

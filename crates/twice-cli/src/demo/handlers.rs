@@ -11,8 +11,7 @@ use sqlx::{Pool, Transaction};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use twice::{
-    Context, HandlerError, IdempotencyKey, MessageId, Outcome, Properties, ReceivedMessage,
-    ResultExt, SharedClock, Transport,
+    Context, HandlerError, Outcome, Properties, ReceivedMessage, ResultExt, SharedClock, Transport,
 };
 
 use super::db::DemoDb;
@@ -169,8 +168,8 @@ pub(crate) async fn handle_twice<DB: DemoDb>(
     // two message ids passes the business key only once, but a first copy that charged and
     // then rolled back (a transient error, a lost lock, a crash) leaves the charge made, and
     // the second copy must present the same key for the payment service to recognise it.
-    let order_key = MessageId::new(format!("order-{}", order.order_id));
-    let charge_key = IdempotencyKey::derive(ctx.consumer(), &order_key, "charge");
+    let order_key = format!("order-{}", order.order_id);
+    let charge_key = ctx.business_idempotency_key(&order_key, "charge");
     shop.payments
         .post("/charges", Some(charge_key.as_str()), &Shop::charge_body(&order))
         .await
@@ -179,7 +178,7 @@ pub(crate) async fn handle_twice<DB: DemoDb>(
     if shop.transient_failure(ctx.message()) {
         return Err(HandlerError::transient(MailTimeout));
     }
-    let email_key = IdempotencyKey::derive(ctx.consumer(), &order_key, "email");
+    let email_key = ctx.business_idempotency_key(&order_key, "email");
     shop.mail
         .post("/emails", Some(email_key.as_str()), &Shop::email_body(&order))
         .await

@@ -42,6 +42,8 @@ use self::services::{Client, Service};
 
 const NAIVE_QUEUE: &str = "orders-naive";
 const TWICE_QUEUE: &str = "orders-twice";
+/// How long a run may make no progress before the demo says so.
+const STALL_REPORT: Duration = Duration::from_secs(60);
 
 /// Options of `twice demo`.
 #[derive(Debug, clap::Args)]
@@ -316,6 +318,7 @@ where
     let mut twice_task = tokio::spawn(first.run(stopped(stop_rx.clone())));
     let mut naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
     let mut restarted = false;
+    let mut last_progress = ((0, 0), clock.now());
     let mut second_counters = None;
     let total =
         plan.orders.len() as u64 + plan.orders.iter().filter(|o| o.republished).count() as u64;
@@ -330,10 +333,18 @@ where
             && naive_counters.deliveries.load(Ordering::Relaxed) >= plan.restart_after
         {
             restarted = true;
+            let say = |what: &str| {
+                if verbose {
+                    eprintln!("restart: {what}");
+                }
+            };
+            say("aborting both consumers");
             twice_task.abort();
             naive_task.abort();
             let _ = (&mut twice_task).await;
+            say("the twice processor has stopped");
             let _ = (&mut naive_task).await;
+            say("the naive consumer has stopped");
             let second = new_processor();
             second_counters = Some(second.counters());
             twice_task = tokio::spawn(second.run(stopped(stop_rx.clone())));
@@ -344,7 +355,25 @@ where
         let settled = |c: twice_broker::MessageCounts| {
             total.saturating_sub(c.active + c.scheduled + c.deferred)
         };
-        progress.set_position(settled(naive_left) + settled(twice_left));
+        let position = settled(naive_left) + settled(twice_left);
+        progress.set_position(position);
+        // A watchdog: a run that stops making progress says where it stands instead of
+        // waiting silently.
+        let handled = first_counters.snapshot().received
+            + second_counters.as_ref().map_or(0, |c| c.snapshot().received)
+            + naive_counters.deliveries.load(Ordering::Relaxed);
+        if (position, handled) != last_progress.0 {
+            last_progress = ((position, handled), clock.now());
+        } else if clock.now().duration_since(last_progress.1) >= STALL_REPORT {
+            last_progress.1 = clock.now();
+            progress.suspend(|| {
+                eprintln!(
+                    "warning: no progress for {} s: naive queue {naive_left:?}, twice queue {twice_left:?}, \
+                     {handled} deliveries handled, restarted: {restarted}",
+                    STALL_REPORT.as_secs()
+                );
+            });
+        }
         let sent = *sent_rx.borrow();
         if sent
             && naive_left.active + twice_left.active == 0

@@ -1,3 +1,4 @@
 //! Tests of the `twice` binary, run as a user runs it.
 
 mod demo;
+mod serve;

@@ -1,0 +1,154 @@
+//! `twice serve` as a user runs it: start, health, clean stop on SIGTERM, restart on the same
+//! data directory, clear errors on bad input.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+/// A running `twice serve`, killed on drop if still running.
+struct Serve {
+    child: Child,
+    lines: Vec<String>,
+}
+
+impl Serve {
+    fn start(args: &[&str]) -> Serve {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_twice"));
+        command.args(["serve", "--amqp", "127.0.0.1:0"]);
+        if !args.contains(&"--no-http") {
+            command.args(["--http", "127.0.0.1:0"]);
+        }
+        let mut child = command
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting twice serve");
+        // The banner ends with the "ready" line.
+        let mut lines = Vec::new();
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        loop {
+            let mut line = String::new();
+            if out.read_line(&mut line).expect("reading stdout") == 0 {
+                let mut err = String::new();
+                let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+                panic!("twice serve ended before it was ready: {lines:?} {err}");
+            }
+            let ready = line.starts_with("ready in");
+            lines.push(line.trim_end().to_owned());
+            if ready {
+                break;
+            }
+        }
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = out.read_to_string(&mut rest);
+        });
+        Serve { child, lines }
+    }
+
+    fn http_addr(&self) -> String {
+        let line = self.lines.iter().find(|l| l.starts_with("health")).expect("health line");
+        let url = line.split_whitespace().find(|w| w.ends_with("/health")).expect("health url");
+        url.trim_start_matches("http://").trim_end_matches("/health").to_owned()
+    }
+
+    fn get(&self, path: &str) -> String {
+        let mut s = TcpStream::connect(self.http_addr()).expect("connecting to the HTTP port");
+        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        s.read_to_string(&mut response).unwrap();
+        response
+    }
+
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = i32::try_from(self.child.id()).expect("pid");
+        // SIGTERM, as a service manager stops a service.
+        let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+        assert!(status.success());
+        self.child.wait().expect("waiting for twice serve")
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const CONFIG: &str = r#"{
+  "UserConfig": {
+    "Namespaces": [{
+      "Name": "sbemulatorns",
+      "Queues": [{ "Name": "orders", "Properties": { "LockDuration": "PT30S", "MaxDeliveryCount": 5 } }],
+      "Topics": [{ "Name": "events", "Properties": {},
+        "Subscriptions": [{ "Name": "billing", "Properties": {}, "Rules": [] }] }]
+    }],
+    "Logging": { "Type": "Console" }
+  }
+}"#;
+
+#[test]
+fn serve_prints_the_connection_string_serves_health_and_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap(), "--data-dir", data.to_str().unwrap()];
+
+    let serve = Serve::start(&args);
+    let banner = serve.lines.join("\n");
+    assert!(banner.contains("connection string: Endpoint=sb://localhost:"), "{banner}");
+    assert!(
+        banner.contains(
+            "SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE;UseDevelopmentEmulator=true;"
+        ),
+        "{banner}"
+    );
+    let health = serve.get("/health");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    let entities = serve.get("/entities");
+    assert!(entities.contains("\"orders\""), "{entities}");
+    assert!(entities.contains("events/Subscriptions/billing"), "{entities}");
+    let status = serve.terminate();
+    assert!(status.success(), "SIGTERM must stop twice serve cleanly: {status}");
+
+    // The same directory and config start again.
+    let serve = Serve::start(&args);
+    assert!(serve.get("/entities").contains("\"orders\""));
+    assert!(serve.terminate().success());
+}
+
+#[test]
+fn serve_refuses_a_bad_config_with_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG.replace("\"PT30S\"", "\"PT0.1S\"")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["serve", "--in-memory", "--amqp", "127.0.0.1:0", "--no-http", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains("LockDuration"), "the error names the property: {stderr}");
+    assert!(stderr.contains("Queues[0]"), "the error names the path: {stderr}");
+}
+
+#[test]
+fn serve_refuses_a_second_process_on_the_same_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let first = Serve::start(&["--data-dir", &data, "--no-http"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["serve", "--amqp", "127.0.0.1:0", "--no-http", "--data-dir", &data])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    drop(first);
+}

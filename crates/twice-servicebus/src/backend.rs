@@ -1,0 +1,345 @@
+//! The boundary between the AMQP front end and the broker that stores the messages.
+//!
+//! The protocol engine speaks only to [`Backend`]; one module wires it to `twice-broker`.
+//! Everything here is in twice's vocabulary (`Message`, `ReceivedMessage`, `LockToken`,
+//! `SequenceNumber`, `SessionId`): AMQP stays in the engine.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use twice::{
+    LockToken, Message, Properties, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
+};
+
+/// What an entity path names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EntityKind {
+    /// A queue.
+    Queue {
+        /// Whether messages must carry a session id.
+        requires_session: bool,
+    },
+    /// A topic: it can be sent to, not received from.
+    Topic,
+    /// A subscription of a topic.
+    Subscription {
+        /// Whether messages must carry a session id.
+        requires_session: bool,
+    },
+    /// The dead-letter queue of a queue or subscription.
+    DeadLetter,
+}
+
+impl EntityKind {
+    /// Whether receivers need a session.
+    pub fn requires_session(&self) -> bool {
+        matches!(
+            self,
+            EntityKind::Queue { requires_session: true }
+                | EntityKind::Subscription { requires_session: true }
+        )
+    }
+}
+
+/// How a receiver takes messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReceiveMode {
+    /// Each message is locked for the receiver until settled or the lock expires.
+    PeekLock,
+    /// Each message is removed as it is handed out.
+    ReceiveAndDelete,
+}
+
+/// How a locked message is settled.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Settlement {
+    /// Done: remove it.
+    Complete,
+    /// Unlock it for redelivery, counting a delivery, after merging these properties.
+    Abandon(Properties),
+    /// Set it aside, receivable only by sequence number, after merging these properties.
+    Defer(Properties),
+    /// Move it to the dead-letter queue.
+    DeadLetter {
+        /// `DeadLetterReason`.
+        reason: Option<String>,
+        /// `DeadLetterErrorDescription`.
+        description: Option<String>,
+        /// Properties to merge.
+        properties: Properties,
+    },
+    /// Unlock it without counting a delivery.
+    Release,
+}
+
+/// A session lock held by a receiver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionLock {
+    /// The session.
+    pub session_id: SessionId,
+    /// Until when the lock holds.
+    pub locked_until: Timestamp,
+}
+
+/// A subscription rule's filter.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum RuleFilter {
+    /// A SQL-92-like expression.
+    Sql(String),
+    /// A correlation filter: every set field must match.
+    Correlation {
+        /// `correlation-id`.
+        correlation_id: Option<String>,
+        /// `message-id`.
+        message_id: Option<String>,
+        /// `to`.
+        to: Option<String>,
+        /// `reply-to`.
+        reply_to: Option<String>,
+        /// `subject` (label).
+        subject: Option<String>,
+        /// `session-id`.
+        session_id: Option<String>,
+        /// `reply-to-session-id`.
+        reply_to_session_id: Option<String>,
+        /// `content-type`.
+        content_type: Option<String>,
+        /// Application properties that must match.
+        properties: Properties,
+    },
+    /// Matches everything.
+    True,
+    /// Matches nothing.
+    False,
+}
+
+/// A named rule of a subscription.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rule {
+    /// The rule name.
+    pub name: String,
+    /// The filter.
+    pub filter: RuleFilter,
+    /// A SQL action, if any.
+    pub action: Option<String>,
+}
+
+/// Counts of one entity, for `/metrics` and `/entities`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EntityStats {
+    /// The entity path.
+    pub path: String,
+    /// `queue`, `topic` or `subscription`.
+    pub kind: String,
+    /// Messages available or locked.
+    pub active: u64,
+    /// Messages waiting for their time.
+    pub scheduled: u64,
+    /// Deferred messages.
+    pub deferred: u64,
+    /// Messages in the dead-letter queue.
+    pub dead_letter: u64,
+}
+
+/// Why the broker refused an operation.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The message lock is gone.
+    #[error("the lock supplied is invalid: it expired, or the message was already settled")]
+    LockLost,
+    /// The session lock is gone.
+    #[error("the session lock was lost")]
+    SessionLockLost,
+    /// Another receiver holds the session.
+    #[error("the requested session '{0}' cannot be accepted: it is locked by another receiver")]
+    SessionCannotBeLocked(String),
+    /// No such entity.
+    #[error("the messaging entity '{0}' could not be found")]
+    EntityNotFound(String),
+    /// No such message (sequence number).
+    #[error("message not found: {0}")]
+    MessageNotFound(String),
+    /// The request is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// The message is larger than the broker accepts.
+    #[error("{0}")]
+    MessageSizeExceeded(String),
+    /// The operation is not offered.
+    #[error("{0} is not supported")]
+    Unsupported(&'static str),
+    /// The broker is shutting down or failed.
+    #[error("the broker is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// A locked session, held by one receiver link.
+pub trait BackendSession: Send + Sync + std::fmt::Debug + 'static {
+    /// The session id.
+    fn session_id(&self) -> &SessionId;
+
+    /// Until when the session lock holds.
+    fn locked_until(&self) -> Timestamp;
+
+    /// Receives up to `max` of the session's messages, waiting up to `max_wait` for the first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future must not lose a message: a message taken but not returned is
+    /// released (peek-lock) or stays (receive-and-delete).
+    fn receive(
+        &self,
+        mode: ReceiveMode,
+        max: usize,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Vec<ReceivedMessage>, BackendError>> + Send;
+
+    /// Receives deferred messages of this session by sequence number.
+    fn receive_deferred(
+        &self,
+        mode: ReceiveMode,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> impl Future<Output = Result<Vec<ReceivedMessage>, BackendError>> + Send;
+
+    /// Settles a message of this session.
+    fn settle(
+        &self,
+        lock: LockToken,
+        how: Settlement,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Renews the session lock.
+    fn renew(&self) -> impl Future<Output = Result<Timestamp, BackendError>> + Send;
+
+    /// The session state.
+    fn get_state(&self) -> impl Future<Output = Result<Option<Bytes>, BackendError>> + Send;
+
+    /// Sets or clears the session state.
+    fn set_state(
+        &self,
+        state: Option<Bytes>,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Releases the session lock; unsettled messages become available again.
+    fn close(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// The broker as the AMQP front end sees it. Implementations are cheap to clone.
+pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
+    /// A locked session.
+    type Session: BackendSession;
+
+    /// What `path` (normalised, e.g. `orders`, `t/subscriptions/s`, `q/$deadletterqueue`)
+    /// names, if it exists.
+    fn entity(&self, path: &str) -> impl Future<Output = Option<EntityKind>> + Send;
+
+    /// Counts for every entity.
+    fn stats(&self) -> impl Future<Output = Vec<EntityStats>> + Send;
+
+    /// Sends messages (scheduled ones carry `scheduled_enqueue_time`); returns their sequence
+    /// numbers (for a topic, one per message as the topic numbered it).
+    fn send(
+        &self,
+        entity: &str,
+        messages: Vec<Message>,
+    ) -> impl Future<Output = Result<Vec<SequenceNumber>, BackendError>> + Send;
+
+    /// Cancels scheduled messages.
+    fn cancel_scheduled(
+        &self,
+        entity: &str,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Receives up to `max` messages, waiting up to `max_wait` for the first.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`BackendSession::receive`].
+    fn receive(
+        &self,
+        entity: &str,
+        mode: ReceiveMode,
+        max: usize,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Vec<ReceivedMessage>, BackendError>> + Send;
+
+    /// Receives deferred messages by sequence number.
+    fn receive_deferred(
+        &self,
+        entity: &str,
+        mode: ReceiveMode,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> impl Future<Output = Result<Vec<ReceivedMessage>, BackendError>> + Send;
+
+    /// Settles a locked message.
+    fn settle(
+        &self,
+        entity: &str,
+        lock: LockToken,
+        how: Settlement,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Renews a message lock.
+    fn renew_lock(
+        &self,
+        entity: &str,
+        lock: LockToken,
+    ) -> impl Future<Output = Result<Timestamp, BackendError>> + Send;
+
+    /// Messages from `from` on (active, deferred and scheduled), without locking them.
+    fn peek(
+        &self,
+        entity: &str,
+        session: Option<SessionId>,
+        from: SequenceNumber,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<ReceivedMessage>, BackendError>> + Send;
+
+    /// Locks the named session, or (with `None`) the next one with messages, waiting up to
+    /// `max_wait`; `Ok(None)` when none came in time.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future must not leave a session locked.
+    fn accept_session(
+        &self,
+        entity: &str,
+        session: Option<SessionId>,
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Option<Self::Session>, BackendError>> + Send;
+
+    /// Session ids with messages or state, paged.
+    fn list_sessions(
+        &self,
+        entity: &str,
+        skip: usize,
+        top: usize,
+    ) -> impl Future<Output = Result<Vec<SessionId>, BackendError>> + Send;
+
+    /// Adds a rule to a subscription.
+    fn add_rule(
+        &self,
+        subscription: &str,
+        rule: Rule,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Removes a rule from a subscription.
+    fn remove_rule(
+        &self,
+        subscription: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// The rules of a subscription.
+    fn rules(
+        &self,
+        subscription: &str,
+    ) -> impl Future<Output = Result<Vec<Rule>, BackendError>> + Send;
+}

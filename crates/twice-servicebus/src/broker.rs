@@ -1,0 +1,393 @@
+//! The wiring to `twice-broker`: [`Backend`] for [`twice_broker::Broker`], and [`serve`].
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::RwLock;
+use twice::{
+    DeadLetterReason, LockToken, Message, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
+};
+use twice_broker::config::{CorrelationFilter, EntityDefinition, Filter};
+use twice_broker::{Broker, Error};
+
+use crate::backend::{
+    Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,
+    Settlement,
+};
+use crate::options::ServerOptions;
+use crate::server::{Server, ServerError};
+
+/// Serves `broker` over AMQP (and HTTP) until `shutdown` resolves.
+///
+/// # Cancel safety
+///
+/// As [`Server::run`].
+pub async fn serve(
+    options: ServerOptions,
+    broker: Broker,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    Server::bind(options, broker).await?.run(shutdown).await
+}
+
+fn map_err(e: Error) -> BackendError {
+    match e {
+        Error::MessageLockLost => BackendError::LockLost,
+        Error::SessionLockLost => BackendError::SessionLockLost,
+        Error::SessionCannotBeLocked(s) => BackendError::SessionCannotBeLocked(s),
+        Error::EntityNotFound(p) => BackendError::EntityNotFound(p),
+        Error::MessageNotFound(n) => {
+            BackendError::MessageNotFound(format!("no message with sequence number {n}"))
+        }
+        Error::MessageSizeExceeded { size, limit } => BackendError::MessageSizeExceeded(format!(
+            "The message of {size} bytes exceeds the maximum message size of {limit} bytes."
+        )),
+        Error::NotSupported(what) => BackendError::Unsupported(what),
+        Error::Closed => BackendError::Unavailable("the broker is closed".to_owned()),
+        e @ (Error::Io(_) | Error::Corrupt(_) | Error::CorruptLog { .. }) => {
+            BackendError::Unavailable(e.to_string())
+        }
+        other => BackendError::Invalid(other.to_string()),
+    }
+}
+
+fn broker_mode(m: ReceiveMode) -> twice_broker::ReceiveMode {
+    match m {
+        ReceiveMode::PeekLock => twice_broker::ReceiveMode::PeekLock,
+        ReceiveMode::ReceiveAndDelete => twice_broker::ReceiveMode::ReceiveAndDelete,
+    }
+}
+
+/// Splits `topic/subscriptions/sub` into its topic and subscription names.
+fn split_subscription(path: &str) -> Result<(&str, &str), BackendError> {
+    let lower = path.to_ascii_lowercase();
+    let at = lower
+        .find("/subscriptions/")
+        .ok_or_else(|| BackendError::Invalid(format!("'{path}' is not a subscription")))?;
+    let topic = path.get(..at).unwrap_or("");
+    let sub = path.get(at + "/subscriptions/".len()..).unwrap_or("");
+    Ok((topic, sub))
+}
+
+async fn settle(broker: &Broker, lock: LockToken, how: Settlement) -> Result<(), BackendError> {
+    match how {
+        Settlement::Complete => broker.complete(lock).await,
+        Settlement::Abandon(p) => broker.abandon(lock, p).await,
+        Settlement::Defer(p) => broker.defer(lock, p).await,
+        Settlement::DeadLetter { reason, description, properties } => {
+            let why =
+                DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
+            broker.dead_letter(lock, why, properties).await
+        }
+        Settlement::Release => broker.release(lock).await,
+    }
+    .map_err(map_err)
+}
+
+/// Deferred messages in receive-and-delete mode: locked, then completed at once.
+async fn take_deferred(
+    broker: &Broker,
+    mode: ReceiveMode,
+    got: Vec<ReceivedMessage>,
+) -> Result<Vec<ReceivedMessage>, BackendError> {
+    if mode == ReceiveMode::PeekLock {
+        return Ok(got);
+    }
+    let mut out = Vec::with_capacity(got.len());
+    for mut m in got {
+        if let Some(lock) = m.lock_token.take() {
+            broker.complete(lock).await.map_err(map_err)?;
+        }
+        m.locked_until = None;
+        out.push(m);
+    }
+    Ok(out)
+}
+
+impl Backend for Broker {
+    type Session = BrokerSession;
+
+    async fn entity(&self, path: &str) -> Option<EntityKind> {
+        if let Some(parent) = crate::address::dead_letter_parent(path) {
+            return self.entity_info(parent).await.ok().map(|_| EntityKind::DeadLetter);
+        }
+        match self.get_entity(path).await.ok()? {
+            EntityDefinition::Queue { properties, .. } => {
+                Some(EntityKind::Queue { requires_session: properties.requires_session })
+            }
+            EntityDefinition::Topic { .. } => Some(EntityKind::Topic),
+            EntityDefinition::Subscription { properties, .. } => {
+                Some(EntityKind::Subscription { requires_session: properties.requires_session })
+            }
+            _ => None,
+        }
+    }
+
+    async fn stats(&self) -> Vec<EntityStats> {
+        let Ok(entities) = self.list_entities().await else { return Vec::new() };
+        let mut out = Vec::with_capacity(entities.len());
+        for def in entities {
+            let path = def.path();
+            let kind = match def {
+                EntityDefinition::Queue { .. } => "queue",
+                EntityDefinition::Topic { .. } => "topic",
+                _ => "subscription",
+            };
+            let Ok(c) = self.counts(&path).await else { continue };
+            out.push(EntityStats {
+                path,
+                kind: kind.to_owned(),
+                active: c.active,
+                scheduled: c.scheduled,
+                deferred: c.deferred,
+                dead_letter: c.dead_letter,
+            });
+        }
+        out
+    }
+
+    async fn send(
+        &self,
+        entity: &str,
+        messages: Vec<Message>,
+    ) -> Result<Vec<SequenceNumber>, BackendError> {
+        let outcomes = self.send_batch(entity, messages).await.map_err(map_err)?;
+        // A duplicate has no number of its own; it is reported as 0, which no message has.
+        Ok(outcomes.iter().map(|o| o.sequence_number().unwrap_or(SequenceNumber::new(0))).collect())
+    }
+
+    async fn cancel_scheduled(
+        &self,
+        entity: &str,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> Result<(), BackendError> {
+        Broker::cancel_scheduled(self, entity, &sequence_numbers).await.map_err(map_err)
+    }
+
+    async fn receive(
+        &self,
+        entity: &str,
+        mode: ReceiveMode,
+        max: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        self.receive_with(entity, broker_mode(mode), max, max_wait).await.map_err(map_err)
+    }
+
+    async fn receive_deferred(
+        &self,
+        entity: &str,
+        mode: ReceiveMode,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        let got =
+            Broker::receive_deferred(self, entity, &sequence_numbers).await.map_err(map_err)?;
+        take_deferred(self, mode, got).await
+    }
+
+    async fn settle(
+        &self,
+        _entity: &str,
+        lock: LockToken,
+        how: Settlement,
+    ) -> Result<(), BackendError> {
+        settle(self, lock, how).await
+    }
+
+    async fn renew_lock(&self, _entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
+        Broker::renew_lock(self, lock).await.map_err(map_err)
+    }
+
+    async fn peek(
+        &self,
+        entity: &str,
+        session: Option<SessionId>,
+        from: SequenceNumber,
+        max: usize,
+    ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        match session {
+            Some(s) => self.peek_session(entity, &s, from, max).await,
+            None => Broker::peek(self, entity, from, max).await,
+        }
+        .map_err(map_err)
+    }
+
+    async fn accept_session(
+        &self,
+        entity: &str,
+        session: Option<SessionId>,
+        max_wait: Duration,
+    ) -> Result<Option<BrokerSession>, BackendError> {
+        let accepted = match session {
+            Some(id) => Some(Broker::accept_session(self, entity, &id).await.map_err(map_err)?),
+            None => self.accept_next_session(entity, max_wait).await.map_err(map_err)?,
+        };
+        Ok(accepted.map(|s| BrokerSession {
+            broker: self.clone(),
+            id: s.session_id().clone(),
+            locked_until: std::sync::atomic::AtomicI64::new(s.locked_until().as_millis()),
+            inner: RwLock::new(Some(s)),
+        }))
+    }
+
+    async fn list_sessions(
+        &self,
+        entity: &str,
+        skip: usize,
+        top: usize,
+    ) -> Result<Vec<SessionId>, BackendError> {
+        let all = Broker::list_sessions(self, entity).await.map_err(map_err)?;
+        Ok(all.into_iter().skip(skip).take(top).collect())
+    }
+
+    async fn add_rule(&self, subscription: &str, rule: Rule) -> Result<(), BackendError> {
+        let (topic, sub) = split_subscription(subscription)?;
+        let filter = match rule.filter {
+            RuleFilter::True => Filter::True,
+            RuleFilter::False => Filter::False,
+            RuleFilter::Sql(s) => Filter::Sql(s),
+            RuleFilter::Correlation {
+                correlation_id,
+                message_id,
+                to,
+                reply_to,
+                subject,
+                session_id,
+                reply_to_session_id,
+                content_type,
+                properties,
+            } => {
+                let mut c = CorrelationFilter::default();
+                c.correlation_id = correlation_id;
+                c.message_id = message_id;
+                c.to = to;
+                c.reply_to = reply_to;
+                c.subject = subject;
+                c.session_id = session_id;
+                c.reply_to_session_id = reply_to_session_id;
+                c.content_type = content_type;
+                c.properties = properties;
+                Filter::Correlation(c)
+            }
+        };
+        if rule.action.is_some() {
+            return Err(BackendError::Unsupported("rule actions"));
+        }
+        self.create_rule(topic, sub, twice_broker::config::Rule::new(rule.name, filter))
+            .await
+            .map_err(map_err)
+    }
+
+    async fn remove_rule(&self, subscription: &str, name: &str) -> Result<(), BackendError> {
+        let (topic, sub) = split_subscription(subscription)?;
+        self.delete_rule(topic, sub, name).await.map_err(map_err)
+    }
+
+    async fn rules(&self, subscription: &str) -> Result<Vec<Rule>, BackendError> {
+        let (topic, sub) = split_subscription(subscription)?;
+        let rules = self.get_rules(topic, sub).await.map_err(map_err)?;
+        Ok(rules
+            .into_iter()
+            .map(|r| {
+                let filter = match r.filter {
+                    Filter::True => RuleFilter::True,
+                    Filter::False => RuleFilter::False,
+                    Filter::Sql(s) => RuleFilter::Sql(s),
+                    Filter::Correlation(c) => RuleFilter::Correlation {
+                        correlation_id: c.correlation_id,
+                        message_id: c.message_id,
+                        to: c.to,
+                        reply_to: c.reply_to,
+                        subject: c.subject,
+                        session_id: c.session_id,
+                        reply_to_session_id: c.reply_to_session_id,
+                        content_type: c.content_type,
+                        properties: c.properties,
+                    },
+                    _ => RuleFilter::False,
+                };
+                Rule { name: r.name, filter, action: None }
+            })
+            .collect())
+    }
+}
+
+/// A session of `twice-broker` held by a receiver link.
+#[derive(Debug)]
+pub struct BrokerSession {
+    broker: Broker,
+    id: SessionId,
+    locked_until: std::sync::atomic::AtomicI64,
+    // The broker's session is consumed by `close`; a lock lets `close(&self)` take it while
+    // other calls borrow it across their awaits.
+    inner: RwLock<Option<twice_broker::Session>>,
+}
+
+impl BackendSession for BrokerSession {
+    fn session_id(&self) -> &SessionId {
+        &self.id
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        Timestamp::from_millis(self.locked_until.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    async fn receive(
+        &self,
+        mode: ReceiveMode,
+        max: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        let guard = self.inner.read().await;
+        let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+        s.receive_with(broker_mode(mode), max, max_wait).await.map_err(map_err)
+    }
+
+    async fn receive_deferred(
+        &self,
+        mode: ReceiveMode,
+        sequence_numbers: Vec<SequenceNumber>,
+    ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        let got = {
+            let guard = self.inner.read().await;
+            let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+            s.receive_deferred(&sequence_numbers).await.map_err(map_err)?
+        };
+        take_deferred(&self.broker, mode, got).await
+    }
+
+    async fn settle(&self, lock: LockToken, how: Settlement) -> Result<(), BackendError> {
+        if self.inner.read().await.is_none() {
+            return Err(BackendError::SessionLockLost);
+        }
+        settle(&self.broker, lock, how).await
+    }
+
+    async fn renew(&self) -> Result<Timestamp, BackendError> {
+        let guard = self.inner.read().await;
+        let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+        let until = s.renew_session_lock().await.map_err(map_err)?;
+        self.locked_until.store(until.as_millis(), std::sync::atomic::Ordering::Relaxed);
+        Ok(until)
+    }
+
+    async fn get_state(&self) -> Result<Option<Bytes>, BackendError> {
+        let guard = self.inner.read().await;
+        let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+        s.get_state().await.map_err(map_err)
+    }
+
+    async fn set_state(&self, state: Option<Bytes>) -> Result<(), BackendError> {
+        let guard = self.inner.read().await;
+        let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+        s.set_state(state).await.map_err(map_err)
+    }
+
+    async fn close(&self) {
+        let taken = self.inner.write().await.take();
+        if let Some(s) = taken {
+            let _ = s.close().await;
+        }
+    }
+}

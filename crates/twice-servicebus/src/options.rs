@@ -1,0 +1,157 @@
+//! Server options, builder-lite, with the defaults the SDKs and the official emulator expect.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::sas::Keys;
+
+/// How a [`Server`](crate::Server) listens and what it allows.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub(crate) amqp_addr: SocketAddr,
+    pub(crate) http_addr: Option<SocketAddr>,
+    pub(crate) keys: Keys,
+    pub(crate) max_frame_size: u32,
+    pub(crate) max_connections: usize,
+    pub(crate) max_links_per_session: usize,
+    pub(crate) max_unsettled_per_link: u32,
+    pub(crate) max_message_size: u64,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) hostname: String,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            amqp_addr: SocketAddr::from(([127, 0, 0, 1], 5673)),
+            http_addr: Some(SocketAddr::from(([127, 0, 0, 1], 5300))),
+            keys: Keys::emulator_default(),
+            max_frame_size: 1024 * 1024,
+            max_connections: 1024,
+            max_links_per_session: 256,
+            max_unsettled_per_link: 5000,
+            max_message_size: 256 * 1024,
+            idle_timeout: Duration::from_secs(120),
+            hostname: "localhost".to_owned(),
+        }
+    }
+}
+
+impl ServerOptions {
+    /// The defaults: AMQP on 127.0.0.1:5673, HTTP on 127.0.0.1:5300, the emulator's key, 1 MiB
+    /// frames, 1024 connections, 256 links per session, 5000 unsettled deliveries per link,
+    /// 256 KiB messages, 120 s idle timeout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The AMQP listen address (port 0 picks a free port).
+    #[must_use]
+    pub fn amqp_addr(mut self, addr: SocketAddr) -> Self {
+        self.amqp_addr = addr;
+        self
+    }
+
+    /// The HTTP listen address for `/health`, `/metrics` and `/entities`; `None` serves no HTTP.
+    #[must_use]
+    pub fn http_addr(mut self, addr: Option<SocketAddr>) -> Self {
+        self.http_addr = addr;
+        self
+    }
+
+    /// The shared access keys tokens are checked against.
+    #[must_use]
+    pub fn keys(mut self, keys: Keys) -> Self {
+        self.keys = keys;
+        self
+    }
+
+    /// The largest frame accepted (at least 512 bytes).
+    #[must_use]
+    pub fn max_frame_size(mut self, n: u32) -> Self {
+        self.max_frame_size = n.max(crate::frame::MIN_MAX_FRAME_SIZE);
+        self
+    }
+
+    /// The most connections served at once; more are refused.
+    #[must_use]
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// The most links one AMQP session may attach.
+    #[must_use]
+    pub fn max_links_per_session(mut self, n: usize) -> Self {
+        self.max_links_per_session = n.max(1);
+        self
+    }
+
+    /// The most unsettled deliveries a receiver link may hold.
+    #[must_use]
+    pub fn max_unsettled_per_link(mut self, n: u32) -> Self {
+        self.max_unsettled_per_link = n.max(1);
+        self
+    }
+
+    /// The largest message (or batch) accepted, in bytes.
+    #[must_use]
+    pub fn max_message_size(mut self, n: u64) -> Self {
+        self.max_message_size = n;
+        self
+    }
+
+    /// The idle timeout advertised; a peer silent for twice as long is disconnected.
+    #[must_use]
+    pub fn idle_timeout(mut self, d: Duration) -> Self {
+        self.idle_timeout = d;
+        self
+    }
+
+    /// The host name put in the connection string.
+    #[must_use]
+    pub fn hostname(mut self, h: impl Into<String>) -> Self {
+        self.hostname = h.into();
+        self
+    }
+
+    /// The AMQP listen address.
+    pub fn get_amqp_addr(&self) -> SocketAddr {
+        self.amqp_addr
+    }
+
+    /// The HTTP listen address.
+    pub fn get_http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The largest frame accepted.
+    pub fn get_max_frame_size(&self) -> u32 {
+        self.max_frame_size
+    }
+
+    /// The most connections served at once.
+    pub fn get_max_connections(&self) -> usize {
+        self.max_connections
+    }
+
+    /// The most links per session.
+    pub fn get_max_links_per_session(&self) -> usize {
+        self.max_links_per_session
+    }
+
+    /// The most unsettled deliveries per receiver link.
+    pub fn get_max_unsettled_per_link(&self) -> u32 {
+        self.max_unsettled_per_link
+    }
+
+    /// The largest message accepted.
+    pub fn get_max_message_size(&self) -> u64 {
+        self.max_message_size
+    }
+
+    /// The idle timeout.
+    pub fn get_idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+}

@@ -1,0 +1,13 @@
+//! Integration tests of the Service Bus front end: raw AMQP against the wire rules, and the
+//! official SDKs (Python, JavaScript, Rust) against a running server.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on setup errors
+#![allow(unreachable_pub, missing_docs)] // reason: test modules are not a public API
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // reason: small test counts
+
+mod fuzz;
+mod harness;
+mod js_sdk;
+mod python_sdk;
+mod rust_sdk;
+mod wire;

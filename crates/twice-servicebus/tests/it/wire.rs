@@ -1,0 +1,360 @@
+//! Raw AMQP against the server: robustness (bad headers, malformed, oversized and unknown
+//! frames close only their connection), credit and drain, multi-frame transfers both ways,
+//! heartbeats, `released`, and pipelined frames.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedReadHalf;
+use twice_servicebus::ServerOptions;
+use twice_servicebus::codec::Value;
+use twice_servicebus::frame::{self, Frame, FrameReader};
+use twice_servicebus::mapping::{Sections, encode_message};
+use twice_servicebus::performative::{
+    Attach, Begin, Disposition, Flow, Open, Outcome, Performative, SaslInit, Transfer,
+    described_list,
+};
+
+use crate::harness::TestServer;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A bare AMQP client: frames in, frames out.
+struct Raw {
+    reader: FrameReader<OwnedReadHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl Raw {
+    async fn connect(addr: SocketAddr) -> Self {
+        let s = TcpStream::connect(addr).await.unwrap();
+        let (r, w) = s.into_split();
+        Self { reader: FrameReader::new(r, 16 * 1024 * 1024), writer: w }
+    }
+
+    /// SASL PLAIN with the server's key (which authorises every entity), then `open` and
+    /// `begin` on channel 0.
+    async fn open(addr: SocketAddr, max_frame_size: u32) -> Self {
+        let mut c = Self::connect(addr).await;
+        let mut out = frame::SASL_HEADER.to_vec();
+        let init = SaslInit {
+            mechanism: "PLAIN".into(),
+            initial_response: Some(Bytes::from_static(
+                b"\0RootManageSharedAccessKey\0SAS_KEY_VALUE",
+            )),
+            hostname: None,
+        };
+        frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+        out.extend_from_slice(&frame::AMQP_HEADER);
+        let open =
+            Open { container_id: "raw".into(), max_frame_size, channel_max: 9, ..Open::default() };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+        let begin = Begin {
+            next_outgoing_id: 0,
+            incoming_window: 10_000,
+            outgoing_window: 10_000,
+            ..Begin::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Begin(begin), &[]);
+        // Everything pipelined in one write, as the SDKs do.
+        c.writer.write_all(&out).await.unwrap();
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+        assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+        assert_eq!(c.next().await.0, Performative::SaslOutcome(0));
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+        assert!(matches!(c.next().await.0, Performative::Open(_)));
+        assert!(matches!(c.next().await.0, Performative::Begin(_)));
+        c
+    }
+
+    async fn send(&mut self, p: Performative, payload: &[u8]) {
+        let mut out = Vec::new();
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &p, payload);
+        self.writer.write_all(&out).await.unwrap();
+    }
+
+    async fn frame(&mut self) -> Frame {
+        loop {
+            let f = tokio::time::timeout(TIMEOUT, self.reader.read_frame())
+                .await
+                .expect("a frame in time")
+                .expect("a frame");
+            if !f.body.is_empty() {
+                return f;
+            }
+        }
+    }
+
+    async fn next(&mut self) -> (Performative, Bytes) {
+        let f = self.frame().await;
+        let (p, payload) = Performative::decode(&f.body).unwrap();
+        let payload = Bytes::copy_from_slice(payload);
+        (p, payload)
+    }
+
+    /// Reads until the connection closes; returns the close frame's error condition, if any.
+    async fn closed_with(&mut self) -> Option<String> {
+        let mut condition = None;
+        loop {
+            match tokio::time::timeout(TIMEOUT, self.reader.read_frame())
+                .await
+                .expect("closed in time")
+            {
+                Ok(f) if f.body.is_empty() => {}
+                Ok(f) => {
+                    if let Ok((Performative::Close(e), _)) = Performative::decode(&f.body) {
+                        condition = e.map(|e| e.condition);
+                    }
+                }
+                Err(_) => return condition,
+            }
+        }
+    }
+
+    async fn attach(
+        &mut self,
+        name: &str,
+        handle: u32,
+        client_receives: bool,
+        address: &str,
+        snd_settle_mode: u8,
+    ) {
+        let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+        let (source, target) = if client_receives {
+            (terminus(0x28, address), terminus(0x29, "me"))
+        } else {
+            (terminus(0x28, "me"), terminus(0x29, address))
+        };
+        let a = Attach {
+            name: name.into(),
+            handle,
+            role: client_receives,
+            snd_settle_mode: Some(snd_settle_mode),
+            rcv_settle_mode: Some(if client_receives { 1 } else { 0 }),
+            source: Some(source),
+            target: Some(target),
+            initial_delivery_count: (!client_receives).then_some(0),
+            ..Attach::default()
+        };
+        self.send(Performative::Attach(a), &[]).await;
+        match self.next().await.0 {
+            Performative::Attach(reply) => assert_eq!(reply.name, name),
+            other => panic!("expected attach, got {other:?}"),
+        }
+        if !client_receives {
+            assert!(matches!(self.next().await.0, Performative::Flow(_)), "credit for a sender");
+        }
+    }
+
+    async fn flow(&mut self, handle: u32, delivery_count: u32, credit: u32, drain: bool) {
+        let f = Flow {
+            next_incoming_id: Some(0),
+            incoming_window: 10_000,
+            next_outgoing_id: 0,
+            outgoing_window: 10_000,
+            handle: Some(handle),
+            delivery_count: Some(delivery_count),
+            link_credit: Some(credit),
+            drain,
+            ..Flow::default()
+        };
+        self.send(Performative::Flow(f), &[]).await;
+    }
+
+    /// Sends a message on a sender link, split into frames of at most `chunk` payload bytes.
+    async fn transfer(&mut self, handle: u32, delivery_id: u32, payload: &[u8], chunk: usize) {
+        let chunks: Vec<&[u8]> = payload.chunks(chunk).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let t = Transfer {
+                handle,
+                delivery_id: (i == 0).then_some(delivery_id),
+                delivery_tag: (i == 0).then(|| Bytes::from(delivery_id.to_be_bytes().to_vec())),
+                message_format: (i == 0).then_some(0),
+                settled: Some(false),
+                more: i + 1 < chunks.len(),
+                ..Transfer::default()
+            };
+            self.send(Performative::Transfer(t), c).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn wrong_protocol_header_gets_ours_and_a_close_while_others_keep_working() {
+    let server = TestServer::start().await;
+    let mut good = Raw::open(server.addr, 65536).await;
+    let mut bad = Raw::connect(server.addr).await;
+    bad.writer.write_all(b"HTTP/1.1 GET /\r\n\r\n").await.unwrap();
+    let mut header = [0u8; 8];
+    bad.reader_header(&mut header).await;
+    assert_eq!(header, frame::AMQP_HEADER);
+    // The good connection is unaffected.
+    good.attach("s", 0, false, "q1", 0).await;
+}
+
+impl Raw {
+    /// Reads the server's protocol header, then expects the connection to end.
+    async fn reader_header(&mut self, out: &mut [u8; 8]) {
+        *out = tokio::time::timeout(TIMEOUT, self.reader.read_protocol_header())
+            .await
+            .unwrap()
+            .unwrap();
+        let next = tokio::time::timeout(TIMEOUT, self.reader.read_frame()).await.unwrap();
+        assert!(
+            matches!(next, Err(frame::ReadError::Closed)),
+            "the server closes after its header"
+        );
+    }
+}
+
+#[tokio::test]
+async fn malformed_oversized_unknown_and_truncated_frames_close_only_their_connection() {
+    let server = TestServer::start_with(ServerOptions::new().max_frame_size(4096), None).await;
+    let mut good = Raw::open(server.addr, 4096).await;
+
+    // A frame body that is not AMQP.
+    let mut c = Raw::open(server.addr, 4096).await;
+    c.writer.write_all(&[0, 0, 0, 12, 2, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).await.unwrap();
+    assert_eq!(c.closed_with().await.as_deref(), Some("amqp:decode-error"));
+
+    // A frame larger than the limit.
+    let mut c = Raw::open(server.addr, 4096).await;
+    c.writer.write_all(&[0, 1, 0, 0, 2, 0, 0, 0]).await.unwrap();
+    assert_eq!(c.closed_with().await.as_deref(), Some("amqp:connection:framing-error"));
+
+    // A header whose data offset points past the frame.
+    let mut c = Raw::open(server.addr, 4096).await;
+    c.writer.write_all(&[0, 0, 0, 8, 9, 0, 0, 0]).await.unwrap();
+    assert_eq!(c.closed_with().await.as_deref(), Some("amqp:connection:framing-error"));
+
+    // An unknown performative.
+    let mut c = Raw::open(server.addr, 4096).await;
+    let mut out = Vec::new();
+    let body = described_list(0x99, vec![Value::Uint(1)]).to_bytes();
+    out.extend_from_slice(&u32::try_from(8 + body.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(&[2, 0, 0, 0]);
+    out.extend_from_slice(&body);
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.closed_with().await.as_deref(), Some("amqp:not-implemented"));
+
+    // A truncated frame, then the peer goes away.
+    let mut c = Raw::open(server.addr, 4096).await;
+    c.writer.write_all(&[0, 0, 0, 100, 2, 0, 0, 0, 0x00, 0x53]).await.unwrap();
+    drop(c);
+
+    // The first connection still works, and so does a new one.
+    good.attach("s", 0, false, "q1", 0).await;
+    let mut fresh = Raw::open(server.addr, 4096).await;
+    fresh.attach("s", 0, false, "q2", 0).await;
+}
+
+#[tokio::test]
+async fn multi_frame_transfers_both_ways_and_drain() {
+    let server = TestServer::start().await;
+    // The client accepts 512-byte frames only, so a 3 KiB message comes back in pieces.
+    let mut c = Raw::open(server.addr, 512).await;
+    c.attach("send", 0, false, "q3", 0).await;
+    let body = vec![b'x'; 3000];
+    let payload = encode_message(&twice::Message::new(body.clone()).with_message_id("big"));
+    c.transfer(0, 0, &payload, 400).await;
+    match c.next().await.0 {
+        Performative::Disposition(d) => {
+            assert_eq!(d.first, 0);
+            assert!(d.settled);
+            assert_eq!(Outcome::from_value(d.state.as_ref().unwrap()).unwrap(), Outcome::Accepted);
+        }
+        other => panic!("expected disposition, got {other:?}"),
+    }
+
+    c.attach("recv", 1, true, "q3", 0).await;
+    c.flow(1, 0, 5, false).await;
+    let mut assembled = Vec::new();
+    let mut frames = 0;
+    let delivery_id = loop {
+        let f = c.frame().await;
+        assert!(f.body.len() + 8 <= 512, "frames respect the peer's maximum");
+        let (p, payload) = Performative::decode(&f.body).unwrap();
+        let Performative::Transfer(t) = p else { panic!("expected transfer, got {p:?}") };
+        frames += 1;
+        assembled.extend_from_slice(payload);
+        if !t.more {
+            break t.delivery_id;
+        }
+    };
+    assert!(frames > 5, "split into {frames} frames");
+    let message = Sections::parse(&assembled).unwrap().to_message();
+    assert_eq!(&message.body[..], &body[..]);
+    assert_eq!(message.message_id.unwrap().as_str(), "big");
+
+    // Drain with the queue empty: the server uses up the credit and says so.
+    c.flow(1, 1, 4, true).await;
+    match c.next().await.0 {
+        Performative::Flow(f) => {
+            assert!(f.drain);
+            assert_eq!(f.link_credit, Some(0));
+            assert_eq!(f.delivery_count, Some(5));
+        }
+        other => panic!("expected flow, got {other:?}"),
+    }
+
+    // `released` unlocks without counting a delivery: it comes back with the same count.
+    let released = Disposition {
+        role: true,
+        first: delivery_id.unwrap_or(0),
+        last: None,
+        settled: false,
+        state: Some(Outcome::Released.to_value()),
+    };
+    c.send(Performative::Disposition(released), &[]).await;
+    match c.next().await.0 {
+        Performative::Disposition(d) => {
+            assert!(d.settled);
+            assert_eq!(Outcome::from_value(d.state.as_ref().unwrap()).unwrap(), Outcome::Released);
+        }
+        other => panic!("expected the released echo, got {other:?}"),
+    }
+    c.flow(1, 5, 1, false).await;
+    let mut again = Vec::new();
+    loop {
+        let (p, payload) = c.next().await;
+        let Performative::Transfer(t) = p else { panic!("expected transfer") };
+        again.extend_from_slice(&payload);
+        if !t.more {
+            break;
+        }
+    }
+    let header = Sections::parse(&again).unwrap().header;
+    assert_eq!(header.get(4), Some(&Value::Uint(0)), "released does not count a delivery");
+}
+
+#[tokio::test]
+async fn heartbeats_keep_an_idle_connection_open() {
+    let server = TestServer::start().await;
+    let mut c = Raw::connect(server.addr).await;
+    let mut out = frame::AMQP_HEADER.to_vec();
+    // A peer that wants to hear from the server every 400 ms.
+    let open = Open {
+        container_id: "raw".into(),
+        max_frame_size: 65536,
+        channel_max: 1,
+        idle_time_out: Some(400),
+        ..Open::default()
+    };
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+    let f = c.reader.read_frame().await.unwrap();
+    assert!(matches!(Performative::decode(&f.body).unwrap().0, Performative::Open(_)));
+    let mut empty = 0;
+    while empty < 3 {
+        let f = tokio::time::timeout(Duration::from_secs(2), c.reader.read_frame())
+            .await
+            .expect("a heartbeat")
+            .unwrap();
+        assert!(f.body.is_empty(), "only heartbeats on an idle connection");
+        empty += 1;
+    }
+}
