@@ -59,6 +59,27 @@ pub fn connect_options(path: impl AsRef<Path>) -> SqliteConnectOptions {
         .busy_timeout(Duration::from_secs(30))
 }
 
+/// Begins a `BEGIN IMMEDIATE` transaction, safely against cancellation.
+///
+/// sqlx 0.8's `begin_with` for SQLite has an await point after the `BEGIN` has run (it checks
+/// that the statement opened a transaction) and before the `Transaction` that would roll it back
+/// on drop exists. A caller that gives up at that moment (the processor does, when the message
+/// lock is lost while it waits for the write lock, or at shutdown) would return the connection to
+/// the pool still inside a write transaction: every other writer would then wait on SQLite's busy
+/// timeout forever after. So the begin runs in a task of its own: a caller that goes away leaves
+/// the task to finish, and the transaction it made is dropped there, which rolls it back.
+pub(crate) async fn begin_immediate(
+    pool: &sqlx::SqlitePool,
+) -> Result<Transaction<'static, Sqlite>, StoreError> {
+    let pool = pool.clone();
+    match tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await }).await {
+        Ok(begun) => Ok(begun?),
+        Err(e) => Err(StoreError::Database(sqlx::Error::Protocol(format!(
+            "beginning a transaction failed: {e}"
+        )))),
+    }
+}
+
 impl SqlxInbox<Sqlite> {
     /// `table.col1, table.col2` of a unique index, as SQLite writes it in a constraint error.
     async fn index_columns(&self, index: &str) -> Result<String, StoreError> {
@@ -89,7 +110,7 @@ impl SqlxInbox<Sqlite> {
     /// A database error.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let t = self.table();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = begin_immediate(&self.pool).await?;
         sqlx::query(&format!(
             "CREATE TABLE IF NOT EXISTS {t}_migrations (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)"
         ))
@@ -175,7 +196,7 @@ impl Inbox for SqlxInbox<Sqlite> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+        Ok(begin_immediate(&self.pool).await?)
     }
 
     async fn claim<'a>(
@@ -202,7 +223,7 @@ impl Inbox for SqlxInbox<Sqlite> {
         message_id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = begin_immediate(&self.pool).await?;
         let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
         tx.commit().await?;
         Ok(claim)
@@ -254,7 +275,7 @@ impl Purge for SqlxInbox<Sqlite> {
         let mut total = 0;
         loop {
             // The write lock makes each batch exclusive; short batches let claims in between.
-            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            let mut tx = begin_immediate(&self.pool).await?;
             let deleted = sqlx::query(&format!(
                 "DELETE FROM {t} WHERE (consumer, message_id) IN (SELECT consumer, message_id \
                  FROM {t} WHERE processed_at_ms < ?1 ORDER BY processed_at_ms LIMIT ?2)"

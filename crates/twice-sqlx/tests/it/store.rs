@@ -188,3 +188,57 @@ fn invalid_table_names_are_refused() {
         assert!(matches!(err, StoreError::BusinessKeyNotFound(_)), "{err}");
     });
 }
+
+/// A `begin` given up at any moment (the processor gives up when the message lock is lost while
+/// it waits, or at shutdown) leaves nothing open: no transaction stays on a pooled connection,
+/// so every later transaction begins and claims as usual. Real threads race here, so the moments
+/// vary from round to round rather than being chosen.
+async fn a_begin_given_up_at_any_moment_leaves_nothing_open<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    const ROUNDS: u64 = 300;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_given_up")).await);
+    for round in 0..ROUNDS {
+        let id = MessageId::new(format!("held-{round}"));
+        let mut holder = inbox.begin().await.expect("begin");
+        assert_eq!(inbox.claim(&mut holder, "c", &id, T0).await.expect("claim"), Claim::Claimed);
+        // A second copy waits for the holder (SQLite: for the write lock at BEGIN IMMEDIATE;
+        // the servers: on the key) and is given up after a moment that varies per round.
+        let patience = Duration::from_micros(round * 37 % 3_000);
+        let waiter = tokio::spawn({
+            let (inbox, id) = (inbox.clone(), id.clone());
+            async move {
+                tokio::time::timeout(patience, async {
+                    let mut tx = inbox.begin().await?;
+                    let claim = inbox.claim(&mut tx, "c", &id, T0).await?;
+                    inbox.rollback(tx).await?;
+                    Ok::<_, StoreError>(claim)
+                })
+                .await
+            }
+        });
+        tokio::time::sleep(Duration::from_micros(round * 53 % 2_000)).await;
+        inbox.commit(holder).await.expect("commit");
+        match waiter.await.expect("join") {
+            // Gave up in time, or saw the holder's committed claim.
+            Err(_) | Ok(Ok(Claim::Duplicate { .. })) => {}
+            Ok(other) => panic!("{}: round {round}: unexpected {other:?}", F::NAME),
+        }
+    }
+    // Every pooled connection is usable: as many transactions as the pool holds, one after
+    // the other, each begins, claims a fresh id and commits; the held ids are all claimed.
+    for n in 0..40 {
+        let mut tx = inbox.begin().await.expect("a transaction was left open on a connection");
+        let fresh = MessageId::new(format!("fresh-{n}"));
+        assert_eq!(inbox.claim(&mut tx, "c", &fresh, T0).await.expect("claim"), Claim::Claimed);
+        let held = MessageId::new(format!("held-{}", n % ROUNDS));
+        assert!(matches!(
+            inbox.claim(&mut tx, "c", &held, T0).await.expect("claim"),
+            Claim::Duplicate { .. }
+        ));
+        inbox.commit(tx).await.expect("commit");
+    }
+    assert_eq!(inbox_rows(&f, "inbox_given_up").await, i64::try_from(ROUNDS + 40).unwrap_or(0));
+}
+on_all_stores!(a_begin_given_up_at_any_moment_leaves_nothing_open);
