@@ -196,7 +196,7 @@ impl Inbox for SqlxInbox<Sqlite> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(begin_immediate(&self.pool).await?)
+        begin_immediate(&self.pool).await
     }
 
     async fn claim<'a>(
