@@ -45,6 +45,8 @@ pub struct TestServer {
     pub control: SocketAddr,
     pub connection_string: String,
     pub broker: Broker,
+    /// The clock the broker and the server read; tests move it.
+    pub clock: ManualClock,
     task: Option<tokio::task::JoinHandle<Result<(), twice_servicebus::ServerError>>>,
     stop: Option<oneshot::Sender<()>>,
     stop_control: Option<oneshot::Sender<()>>,
@@ -93,6 +95,7 @@ impl TestServer {
             control,
             connection_string,
             broker,
+            clock,
             task: Some(task),
             stop: Some(stop),
             stop_control: Some(stop_control),
@@ -174,31 +177,22 @@ pub fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Runs `f` holding an exclusive lock, so parallel tests build an environment once. The lock
-/// is a hard link to a file holding the owner's pid (created atomically with its content); a
-/// lock whose owner is gone is taken over.
+/// Runs `f` holding an exclusive lock, so parallel tests, in this process or in others, build an
+/// environment once. The lock is an advisory lock on a file: each caller opens the file itself,
+/// so two threads of one process exclude each other as two processes do, and the lock goes away
+/// with a process that dies holding it.
 fn with_lock<T>(name: &str, f: impl FnOnce() -> T) -> T {
     let dir = target_dir().join("sdk");
     std::fs::create_dir_all(&dir).expect("create target/sdk");
-    let path = dir.join(format!("{name}.lock"));
-    let mine = dir.join(format!("{name}.lock.{}", std::process::id()));
-    std::fs::write(&mine, std::process::id().to_string()).expect("write lock candidate");
-    loop {
-        if std::fs::hard_link(&mine, &path).is_ok() {
-            break;
-        }
-        let owner = std::fs::read_to_string(&path).unwrap_or_default();
-        let alive =
-            !owner.trim().is_empty() && Path::new(&format!("/proc/{}", owner.trim())).exists();
-        if !alive {
-            let _ = std::fs::remove_file(&path);
-            continue;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(format!("{name}.lock")))
+        .expect("open the lock file");
+    file.lock().expect("lock the lock file");
     let out = f();
-    let _ = std::fs::remove_file(&path);
-    let _ = std::fs::remove_file(&mine);
+    drop(file);
     out
 }
 
@@ -291,7 +285,21 @@ pub async fn run_suite(
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     let child = cmd.spawn().expect("spawn suite");
-    match tokio::time::timeout(limit, child.wait_with_output()).await {
+    // A second guard that needs no runtime: a thread that kills the child a little after the
+    // limit, in case the runtime that drives the timeout below is stuck.
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    if let Some(pid) = child.id() {
+        let grace = limit + Duration::from_secs(15);
+        std::thread::spawn(move || {
+            if finished.recv_timeout(grace) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                eprintln!("suite still running {grace:?} after its start: killing pid {pid}");
+                let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        });
+    }
+    let result = tokio::time::timeout(limit, child.wait_with_output()).await;
+    drop(done);
+    match result {
         Ok(Ok(out)) => Output {
             success: out.status.success(),
             text: format!(

@@ -8,7 +8,7 @@ use crate::harness::{TestServer, crate_dir, may_skip, python_env, run_suite};
 /// The pytest command for one directory of tests.
 fn pytest(python: &std::path::Path, dir: &str) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(python);
-    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short"])
+    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "--timeout=120"])
         .arg(crate_dir().join(dir));
     cmd
 }
@@ -58,9 +58,18 @@ async fn python_sdk_suite() {
     };
     let server = TestServer::start().await;
     let mut cmd = tokio::process::Command::new(python);
-    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "--ignore"])
-        .arg(crate_dir().join("tests/python/restart"))
-        .arg(crate_dir().join("tests/python"));
+    cmd.args([
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--tb=short",
+        "--timeout=120",
+        "--ignore",
+    ])
+    .arg(crate_dir().join("tests/python/restart"))
+    .arg(crate_dir().join("tests/python"));
     if let Ok(k) = std::env::var("SB_PYTEST_K") {
         cmd.args(["-k", &k]);
     }
