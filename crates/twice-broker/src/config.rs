@@ -480,7 +480,10 @@ pub enum EntityDefinition {
         name: String,
         /// Its properties.
         properties: SubscriptionProperties,
-        /// Its rules; empty means the `$Default` rule that matches everything.
+        /// Its rules. A subscription created (or declared in a configuration) without rules
+        /// gets the `$Default` rule, which matches everything, as in Service Bus; one whose
+        /// rules were all deleted, or that is updated with none, has no rules and receives
+        /// nothing.
         rules: Vec<Rule>,
     },
 }

@@ -4,12 +4,24 @@
 //! serves them in turns:
 //!
 //! 1. take up to `max_commands_per_turn` queued commands and apply each to the [`Engine`];
-//! 2. encode the engine's records, append them to the log, and commit once;
-//! 3. hold the turn's replies until that commit is durable, then send them.
+//! 2. serve the receivers parked in the engine, once for the whole turn (the engine runs with
+//!    [`engine::EngineOptions::deferred_serving`]): a receiver woken under load takes a batch,
+//!    not the first message that arrived;
+//! 3. encode the engine's records, append them to the log, and commit once;
+//! 4. hold the turn's replies until that commit is durable, then send them.
 //!
 //! While the writer thread syncs turn *k*, this task already applies turn *k + 1*; the replies
 //! of *k + 1* wait for their own commit. Commits queued behind a busy writer share its next
-//! fsync, so one fsync acknowledges every operation of several turns.
+//! fsync, so one fsync acknowledges every operation of several turns. With
+//! [`crate::BrokerOptions::with_relaxed_delivery_counts`], a peek-lock delivery waits only for
+//! the commit that last changed its messages (each message carries the number of that turn),
+//! not for the commit of its own lock.
+//!
+//! This task is the broker's one serial thread, so it does as little per message as it can:
+//! deliveries go out as shared messages (or the encoded records holding them) and each caller
+//! builds its [`ReceivedMessage`]s; messages the engine lets go of ride back to callers with
+//! their replies and are freed there ([`Freed`]), on the threads that allocated them; and the
+//! arguments of the busiest commands hold nothing for this task to free.
 //!
 //! Time comes only from the broker's clock: the task sleeps until the engine's next deadline
 //! (a lock, a scheduled message, a time to live, a duplicate-detection window) or the next
@@ -26,7 +38,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use tokio::sync::{mpsc, oneshot};
 use twice::{
     EntityInfo, LockToken, Message, Properties, ReceivedMessage, SequenceNumber, SessionId,
@@ -41,8 +53,94 @@ use crate::engine::{
 use crate::error::Error;
 use crate::storage::{self, DurableWatch, Log, LogOptions, StorageError};
 
+/// Messages handed to a caller to drop. The broker lets go of a message on its own task
+/// (completed, expired, deleted), but the message was allocated by the caller that sent it:
+/// freeing it there is cheaper, and takes the work off the broker's one thread.
+pub(crate) type Freed = Vec<Arc<Message>>;
+
+/// What the caller of a command gets back.
+#[derive(Debug)]
+pub(crate) struct Answer<T> {
+    pub(crate) result: Result<T, Error>,
+    /// Memory for the caller to free (see [`Freed`]).
+    pub(crate) freed: Freed,
+}
+
 /// The reply channel of one command.
-pub(crate) type Reply<T> = oneshot::Sender<Result<T, Error>>;
+#[derive(Debug)]
+pub(crate) struct Reply<T>(oneshot::Sender<Answer<T>>);
+
+impl<T> Reply<T> {
+    /// A reply channel and the receiver its caller waits on.
+    pub(crate) fn channel() -> (Self, oneshot::Receiver<Answer<T>>) {
+        let (tx, rx) = oneshot::channel();
+        (Reply(tx), rx)
+    }
+
+    /// Sends the result; gives it back if the caller is gone.
+    pub(crate) fn send(self, result: Result<T, Error>) -> Result<(), Result<T, Error>> {
+        self.send_freeing(result, &mut Vec::new())
+    }
+
+    /// Sends the result with `freed` for the caller to drop; when the caller is gone, gives
+    /// back the result and leaves `freed` for the next reply.
+    fn send_freeing(
+        self,
+        result: Result<T, Error>,
+        freed: &mut Freed,
+    ) -> Result<(), Result<T, Error>> {
+        let answer = Answer { result, freed: std::mem::take(freed) };
+        self.0.send(answer).map_err(|a| {
+            *freed = a.freed;
+            a.result
+        })
+    }
+}
+
+/// The most freed messages the broker holds for its callers: past it (with no reply going out
+/// for long) it drops them itself.
+const MAX_FREED: usize = 1 << 16;
+
+/// The entity path of a command. Short paths (nearly all) are held inline, so that the
+/// command carries no allocation of the caller's for the broker's task to free: a free of
+/// memory another thread allocated is much dearer than one of its own.
+#[derive(Clone)]
+pub(crate) enum PathArg {
+    Inline { len: u8, bytes: [u8; INLINE_PATH] },
+    Heap(String),
+}
+
+/// The longest path a command holds inline.
+const INLINE_PATH: usize = 62;
+
+impl PathArg {
+    pub(crate) fn new(path: &str) -> Self {
+        match u8::try_from(path.len()) {
+            Ok(len) if path.len() <= INLINE_PATH => {
+                let mut bytes = [0u8; INLINE_PATH];
+                bytes[..path.len()].copy_from_slice(path.as_bytes());
+                PathArg::Inline { len, bytes }
+            }
+            _ => PathArg::Heap(path.to_owned()),
+        }
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            // The bytes are a prefix of a `str` cut at its end: always valid UTF-8.
+            PathArg::Inline { len, bytes } => {
+                std::str::from_utf8(&bytes[..usize::from(*len)]).unwrap_or_default()
+            }
+            PathArg::Heap(s) => s,
+        }
+    }
+}
+
+impl std::fmt::Debug for PathArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
 
 /// How a receive waits.
 #[derive(Clone, Copy, Debug)]
@@ -108,9 +206,16 @@ pub(crate) enum Command {
     },
 
     Send {
-        path: String,
-        messages: Vec<Message>,
+        path: PathArg,
+        messages: Vec<Arc<Message>>,
         reply: Reply<Vec<SendOutcome>>,
+    },
+    /// A send of one message: the same as a batch of one, with nothing to allocate for the
+    /// batch on the caller's side (where the broker's task would free it).
+    SendOne {
+        path: PathArg,
+        message: Arc<Message>,
+        reply: Reply<SendOutcome>,
     },
     Schedule {
         path: String,
@@ -124,25 +229,25 @@ pub(crate) enum Command {
         reply: Reply<()>,
     },
     Receive {
-        path: String,
+        path: PathArg,
         mode: ReceiveMode,
         wait: Wait,
         session: Option<SessionLock>,
-        reply: Reply<Vec<ReceivedMessage>>,
+        reply: Reply<Vec<Delivered>>,
     },
     ReceiveDeferred {
         path: String,
         sequence_numbers: Vec<SequenceNumber>,
         mode: ReceiveMode,
         session: Option<SessionLock>,
-        reply: Reply<Vec<ReceivedMessage>>,
+        reply: Reply<Vec<Delivered>>,
     },
     Peek {
         path: String,
         from: SequenceNumber,
         max: usize,
         session: Option<SessionId>,
-        reply: Reply<Vec<ReceivedMessage>>,
+        reply: Reply<Vec<Delivered>>,
     },
     Complete {
         tokens: Vec<LockToken>,
@@ -212,6 +317,45 @@ pub(crate) enum Command {
     },
 }
 
+/// A delivered (or peeked) message on its way to the caller, who turns it into a
+/// [`ReceivedMessage`] with [`Delivered::into_received`].
+#[derive(Debug)]
+pub(crate) struct Delivered {
+    body: DeliveredBody,
+    meta: engine::DeliveryMeta,
+}
+
+#[derive(Debug)]
+enum DeliveredBody {
+    /// The message, shared with the broker.
+    Message(Arc<Message>),
+    /// The encoded log record that carries the message.
+    Record { record: Bytes, location: storage::Location },
+}
+
+impl Delivered {
+    /// The lock of this delivery, if it has one.
+    pub(crate) fn lock_token(&self) -> Option<LockToken> {
+        self.meta.lock_token
+    }
+
+    /// The message as the `twice` vocabulary has it (see [`engine::received_message`]).
+    pub(crate) fn into_received(self) -> Result<ReceivedMessage, Error> {
+        match self.body {
+            DeliveredBody::Message(m) => Ok(engine::received_message(&m, &self.meta)),
+            DeliveredBody::Record { record, location } => {
+                let m = decode(&record, location)?.into_message().ok_or_else(|| {
+                    Error::Corrupt(format!(
+                        "the log record at segment {} offset {} carries no message",
+                        location.segment, location.offset
+                    ))
+                })?;
+                Ok(engine::received_message_owned(m, &self.meta))
+            }
+        }
+    }
+}
+
 /// Storage figures of a durable broker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct StorageStats {
@@ -230,6 +374,8 @@ pub(crate) struct RuntimeOptions {
     pub(crate) clock: SharedClock,
     pub(crate) max_commands_per_turn: usize,
     pub(crate) definitions: Vec<EntityDefinition>,
+    /// See [`crate::BrokerOptions::with_relaxed_delivery_counts`].
+    pub(crate) relaxed_delivery_counts: bool,
 }
 
 /// A reply held until its turn's commit is durable.
@@ -238,7 +384,13 @@ enum Done {
     /// A reply with nothing to undo if its caller is gone.
     Plain(Box<dyn PlainReply>),
     /// Messages locked for a caller: released if the caller is gone.
-    Deliveries { reply: Reply<Vec<ReceivedMessage>>, result: Result<Vec<ReceivedMessage>, Error> },
+    Deliveries {
+        reply: Reply<Vec<Delivered>>,
+        result: Result<Vec<Delivered>, Error>,
+        /// With relaxed delivery counts, the commit the reply waits for (instead of its
+        /// turn's): the last one that changed the delivered messages before this delivery.
+        after: Option<u64>,
+    },
     /// A session locked for a caller: released if the caller is gone.
     Session {
         reply: Reply<Option<AcceptedSession>>,
@@ -248,7 +400,7 @@ enum Done {
 
 /// A typed reply, boxed so that one queue holds the replies of every command.
 trait PlainReply: Send + std::fmt::Debug {
-    fn send(self: Box<Self>);
+    fn send(self: Box<Self>, freed: &mut Freed);
     fn fail(self: Box<Self>, e: Error);
 }
 
@@ -256,9 +408,9 @@ trait PlainReply: Send + std::fmt::Debug {
 struct Pending<T>(Reply<T>, Result<T, Error>);
 
 impl<T: Send + std::fmt::Debug + 'static> PlainReply for Pending<T> {
-    fn send(self: Box<Self>) {
+    fn send(self: Box<Self>, freed: &mut Freed) {
         // The caller may have gone; what it asked for is done either way.
-        let _ = self.0.send(self.1);
+        let _ = self.0.send_freeing(self.1, freed);
     }
 
     fn fail(self: Box<Self>, e: Error) {
@@ -273,7 +425,7 @@ fn plain<T: Send + std::fmt::Debug + 'static>(reply: Reply<T>, result: Result<T,
 /// A parked long poll.
 #[derive(Debug)]
 enum Parked {
-    Receive { reply: Reply<Vec<ReceivedMessage>>, deadline: Timestamp },
+    Receive { reply: Reply<Vec<Delivered>>, mode: ReceiveMode, deadline: Timestamp },
     Accept { reply: Reply<Option<AcceptedSession>>, deadline: Timestamp },
 }
 
@@ -305,16 +457,25 @@ pub(crate) struct Runtime {
     turn: Vec<Done>,
     /// Replies waiting for their commit, oldest first.
     inflight: VecDeque<(u64, Vec<Done>)>,
+    /// Messages for the next reply to carry to its caller, who frees them.
+    freed: Freed,
+    /// The vector the engine's records of the next turn go to (kept for its memory).
+    records: Vec<Record>,
     parked: HashMap<WaiterId, Parked>,
     parked_deadlines: BTreeSet<(Timestamp, WaiterId)>,
     next_waiter: u64,
     /// Whether a segment was started since the last look at compaction.
     rolled: bool,
+    /// Whether peek-lock deliveries are answered before their lock records are durable.
+    relaxed: bool,
     /// Set once a write failed: the broker then refuses everything.
     failed: Option<Arc<std::io::Error>>,
     stats: StorageStats,
     shutdown: Vec<oneshot::Sender<()>>,
 }
+
+/// The most records whose vector's memory is kept from one turn to the next.
+const MAX_KEPT_RECORDS: usize = 1 << 16;
 
 /// Compaction relocates the live messages of the oldest segment once at most this many remain
 /// there, so that a few long-lived messages do not keep a whole segment on disk.
@@ -339,12 +500,17 @@ impl Runtime {
                     let record: Record = decode(&rec.payload, rec.location)?;
                     engine.replay(record, loc)?;
                     stats.records += 1;
+                    if stats.records % 4096 == 0 {
+                        // No caller to hand freed messages to while the log is replayed.
+                        drop(engine.take_freed());
+                    }
                 }
                 Some(log)
             }
         };
         let now = options.clock.now();
         engine.finish_recovery(now)?;
+        drop(engine.take_freed());
         if !options.definitions.is_empty() {
             engine.apply_definitions(now, &options.definitions)?;
         }
@@ -358,9 +524,12 @@ impl Runtime {
             max_commands_per_turn: options.max_commands_per_turn.max(1),
             turn: Vec::new(),
             inflight: VecDeque::new(),
+            freed: Vec::new(),
+            records: Vec::new(),
             parked: HashMap::new(),
             parked_deadlines: BTreeSet::new(),
             next_waiter: 1,
+            relaxed: options.relaxed_delivery_counts,
             rolled: false,
             failed: None,
             stats,
@@ -371,6 +540,7 @@ impl Runtime {
         rt.persist()?;
         if let Some(log) = rt.log.as_mut() {
             log.flush_blocking().map_err(storage_error)?;
+            rt.engine.set_turn(log.last_commit() + 1);
         }
         rt.inflight.clear();
         Ok(rt)
@@ -420,7 +590,8 @@ impl Runtime {
                 Event::Timer => {
                     let now = self.clock.now();
                     self.engine.tick(now);
-                    self.expire_parked(now);
+                    // Serves waiters first (a lock that expired may have freed a message for
+                    // one), then ends the long polls whose time is up.
                     self.end_turn(now);
                 }
             }
@@ -510,14 +681,14 @@ impl Runtime {
         let mut sessions = Vec::new();
         for d in replies {
             match d {
-                Done::Plain(p) => p.send(),
-                Done::Deliveries { reply, result } => {
-                    if let Err(Ok(msgs)) = reply.send(result) {
-                        unlock.extend(msgs.iter().filter_map(|m| m.lock_token));
+                Done::Plain(p) => p.send(&mut self.freed),
+                Done::Deliveries { reply, result, .. } => {
+                    if let Err(Ok(msgs)) = reply.send_freeing(result, &mut self.freed) {
+                        unlock.extend(msgs.iter().filter_map(Delivered::lock_token));
                     }
                 }
                 Done::Session { reply, result } => {
-                    if let Err(Ok(Some(s))) = reply.send(result) {
+                    if let Err(Ok(Some(s))) = reply.send_freeing(result, &mut self.freed) {
                         sessions.push(s.lock);
                     }
                 }
@@ -538,50 +709,115 @@ impl Runtime {
 
     /// After a batch of engine calls: serve woken waiters, persist, and queue the replies.
     fn end_turn(&mut self, now: Timestamp) {
+        self.engine.serve_waiters(now);
         self.serve_ready(now);
+        let freed = self.engine.take_freed();
+        if self.freed.is_empty() {
+            self.freed = freed;
+        } else if self.freed.len() < MAX_FREED {
+            self.freed.extend(freed);
+        }
         if let Err(e) = self.persist() {
             let storage = match e {
                 Error::Io(io) => StorageError::Failed(Arc::new(io)),
                 other => StorageError::Failed(Arc::new(std::io::Error::other(other.to_string()))),
             };
-            let turn = std::mem::take(&mut self.turn);
+            let turn = self.take_turn();
             self.inflight.push_back((u64::MAX, turn));
             self.fail(storage);
             return;
         }
-        let turn = std::mem::take(&mut self.turn);
+        let Some(seq) = self.log.as_ref().map(Log::last_commit) else {
+            let turn = self.take_turn();
+            self.release_replies(turn);
+            return;
+        };
+        // What the next calls change goes to the next commit.
+        self.engine.set_turn(seq + 1);
+        let mut turn = self.take_turn();
         if turn.is_empty() {
             return;
         }
-        match self.log.as_mut() {
-            None => self.release_replies(turn),
-            Some(log) => {
-                // A turn that wrote nothing still waits for the commits before it: its replies
-                // may show what those commits carry.
-                let seq = log.last_commit();
-                let done = self.durable.as_ref().and_then(|d| d.current().ok()).unwrap_or(0);
-                if seq <= done && self.inflight.is_empty() {
-                    self.release_replies(turn);
-                } else {
-                    match self.inflight.back_mut() {
-                        Some((s, replies)) if *s == seq => replies.extend(turn),
-                        _ => self.inflight.push_back((seq, turn)),
-                    }
+        let done = self.durable.as_ref().and_then(|d| d.current().ok()).unwrap_or(0);
+        if self.relaxed {
+            // Deliveries that wait only for what their messages need, not for their locks.
+            let mut now_ready = Vec::new();
+            let mut rest = Vec::with_capacity(turn.len());
+            for d in turn {
+                match d {
+                    Done::Deliveries { after: Some(n), .. } if n <= done => now_ready.push(d),
+                    Done::Deliveries { after: Some(n), .. } => self.wait_for(n, d),
+                    d => rest.push(d),
                 }
             }
+            if !now_ready.is_empty() {
+                self.release_replies(now_ready);
+            }
+            turn = rest;
+            if turn.is_empty() {
+                return;
+            }
         }
+        // A turn that wrote nothing still waits for the commits before it: its replies may
+        // show what those commits carry.
+        if seq <= done && self.inflight.is_empty() {
+            self.release_replies(turn);
+        } else {
+            match self.inflight.back_mut() {
+                Some((s, replies)) if *s == seq => replies.extend(turn),
+                _ => self.inflight.push_back((seq, turn)),
+            }
+        }
+    }
+
+    /// The replies of the turn that ends, leaving room for as many in the next.
+    fn take_turn(&mut self) -> Vec<Done> {
+        let room = self.turn.len().min(self.max_commands_per_turn);
+        std::mem::replace(&mut self.turn, Vec::with_capacity(room))
+    }
+
+    /// Holds a reply until commit `seq` is durable.
+    fn wait_for(&mut self, seq: u64, d: Done) {
+        let i = self.inflight.partition_point(|(s, _)| *s < seq);
+        match self.inflight.get_mut(i) {
+            Some((s, replies)) if *s == seq => replies.push(d),
+            _ => self.inflight.insert(i, (seq, vec![d])),
+        }
+    }
+
+    /// With relaxed delivery counts, the commit a peek-lock delivery of `deliveries` has to
+    /// wait for: the newest one that changed one of its messages before it was locked. `None`
+    /// when the reply waits for its turn's commit like any other (the default, and
+    /// receive-and-delete, whose removal must be durable first).
+    fn relaxed_after(&self, mode: ReceiveMode, deliveries: &[Delivery]) -> Option<u64> {
+        if !self.relaxed || mode != ReceiveMode::PeekLock {
+            return None;
+        }
+        let next = self.log.as_ref()?.last_commit() + 1;
+        // The stamp is the commit number modulo 2^16: the newest commit with that remainder
+        // is the one, or (for a stamp older than 2^16 commits) a later one, which only waits
+        // longer than needed.
+        let commit = |stamp: u16| next - (next.wrapping_sub(u64::from(stamp)) & 0xffff);
+        Some(deliveries.iter().map(|d| commit(d.changed)).max().unwrap_or(0))
     }
 
     /// Appends the engine's records, starts a new segment (with a checkpoint) when the active
     /// one is full, compacts, and commits once.
     fn persist(&mut self) -> Result<(), Error> {
-        let records = self.engine.take_records();
         let Some(log) = self.log.as_mut() else { return Ok(()) };
+        let mut records = std::mem::take(&mut self.records);
+        self.engine.swap_records(&mut records);
         if records.is_empty() {
+            self.records = records;
             return Ok(());
         }
         append_records(&mut self.engine, log, &records)?;
         self.stats.records += records.len() as u64;
+        records.clear();
+        // A burst should not keep its memory for good.
+        if records.capacity() <= MAX_KEPT_RECORDS {
+            self.records = records;
+        }
         if log.should_roll() {
             // The checkpoint restates the state after every record so far, so replaying from
             // the new segment's start (once older ones are gone) rebuilds the same state.
@@ -640,9 +876,10 @@ impl Runtime {
         for (w, deliveries) in self.engine.take_ready() {
             let Some(p) = self.parked.remove(&w) else { continue };
             self.parked_deadlines.remove(&(p.deadline(), w));
-            if let Parked::Receive { reply, .. } = p {
+            if let Parked::Receive { reply, mode, .. } = p {
+                let after = self.relaxed_after(mode, &deliveries);
                 let result = self.materialize(deliveries);
-                self.turn.push(Done::Deliveries { reply, result });
+                self.turn.push(Done::Deliveries { reply, result, after });
             }
         }
         for (w, accepted) in self.engine.take_ready_sessions() {
@@ -685,21 +922,29 @@ impl Runtime {
         w
     }
 
-    /// Turns engine deliveries into received messages, reading stored bodies from the log.
-    fn materialize(&self, deliveries: Vec<Delivery>) -> Result<Vec<ReceivedMessage>, Error> {
+    /// Turns engine deliveries into replies. A body in memory goes as it is; a stored one as
+    /// the bytes of the record holding it (from the read cache, or read from its segment),
+    /// which the caller decodes: the broker's task does the least work per message.
+    fn materialize(&self, deliveries: Vec<Delivery>) -> Result<Vec<Delivered>, Error> {
         let mut out = Vec::with_capacity(deliveries.len());
         for d in deliveries {
-            match &d.body {
-                Body::Memory(m) => out.push(engine::received_message(m, &d.meta)),
+            let body = match d.body {
+                Body::Memory(m) => DeliveredBody::Message(m),
                 Body::Stored(loc) => {
                     let log = self
                         .log
                         .as_ref()
                         .ok_or_else(|| Error::Corrupt("a stored body without a log".to_owned()))?;
-                    let m = load_message(log, *loc)?;
-                    out.push(engine::received_message(&m, &d.meta));
+                    let location = storage::Location {
+                        segment: u64::from(loc.segment),
+                        offset: loc.offset,
+                        len: loc.len,
+                    };
+                    let record = log.read(location).map_err(storage_error)?;
+                    DeliveredBody::Record { record, location }
                 }
-            }
+            };
+            out.push(Delivered { body, meta: d.meta });
         }
         Ok(out)
     }
@@ -770,7 +1015,16 @@ impl Runtime {
                 plain(reply, Ok(s))
             }
             Command::Send { path, messages, reply } => {
-                plain(reply, eng.resolve(&path).and_then(|e| eng.send(now, e, messages)))
+                let r = eng.resolve(path.as_str()).and_then(|e| eng.send_shared(now, e, messages));
+                plain(reply, r)
+            }
+            Command::SendOne { path, message, reply } => {
+                let r =
+                    eng.resolve(path.as_str()).and_then(|e| eng.send_shared(now, e, vec![message]));
+                let r = r.and_then(|mut out| {
+                    out.pop().ok_or_else(|| Error::Corrupt("a send without an outcome".to_owned()))
+                });
+                plain(reply, r)
             }
             Command::Schedule { path, messages, at, reply } => {
                 plain(reply, eng.resolve(&path).and_then(|e| eng.schedule(now, e, messages, at)))
@@ -786,18 +1040,23 @@ impl Runtime {
                 let w = if parks { Some(self.new_waiter()) } else { None };
                 let eng = &mut self.engine;
                 let r = match session {
-                    None => eng.resolve(&path).and_then(|e| eng.receive(now, e, mode, wait.max, w)),
+                    None => eng
+                        .resolve(path.as_str())
+                        .and_then(|e| eng.receive(now, e, mode, wait.max, w)),
                     Some(lock) => eng.receive_session(now, lock, mode, wait.max, w),
                 };
                 match r {
                     Ok(d) if d.is_empty() && parks => {
                         if let Some(w) = w {
                             let deadline = now + wait.max_wait;
-                            self.park(w, Parked::Receive { reply, deadline });
+                            self.park(w, Parked::Receive { reply, mode, deadline });
                         }
                         return;
                     }
-                    Ok(d) => Done::Deliveries { reply, result: self.materialize(d) },
+                    Ok(d) => {
+                        let after = self.relaxed_after(mode, &d);
+                        Done::Deliveries { reply, result: self.materialize(d), after }
+                    }
                     Err(e) => plain(reply, Err(e)),
                 }
             }
@@ -806,7 +1065,10 @@ impl Runtime {
                     .resolve(&path)
                     .and_then(|e| eng.receive_deferred(now, e, &sequence_numbers, mode, session));
                 match r {
-                    Ok(d) => Done::Deliveries { reply, result: self.materialize(d) },
+                    Ok(d) => {
+                        let after = self.relaxed_after(mode, &d);
+                        Done::Deliveries { reply, result: self.materialize(d), after }
+                    }
                     Err(e) => plain(reply, Err(e)),
                 }
             }
@@ -857,7 +1119,9 @@ impl Runtime {
                 plain(reply, eng.set_session_state(now, lock, state))
             }
             Command::ListSessions { path, reply } => {
-                let r = self.list_sessions(now, &path);
+                let r = eng.resolve(&path).and_then(|e| eng.sessions(now, e)).map(|sessions| {
+                    sessions.into_iter().filter(|s| s.has_messages).map(|s| s.session_id).collect()
+                });
                 plain(reply, r)
             }
             Command::Shutdown { reply } => {
@@ -866,33 +1130,6 @@ impl Runtime {
             }
         };
         self.turn.push(done);
-    }
-
-    /// The sessions that have messages in an entity, in order of their oldest message.
-    ///
-    /// Scans the entity with peek, reading message bodies for their session ids.
-    fn list_sessions(&self, now: Timestamp, path: &str) -> Result<Vec<SessionId>, Error> {
-        let e = self.engine.resolve(path)?;
-        let info = self.engine.entity_info(e)?;
-        if !info.requires_session {
-            return Err(Error::SessionsNotEnabled(info.path));
-        }
-        let mut seen = BTreeSet::new();
-        let mut out = Vec::new();
-        let mut from = SequenceNumber::new(0);
-        loop {
-            let page = self.engine.peek(now, e, from, 1024, None)?;
-            let Some(last) = page.last() else { break };
-            from = last.meta.sequence_number.next();
-            for m in self.materialize(page)? {
-                if let Some(s) = m.message.session_id {
-                    if seen.insert(s.clone()) {
-                        out.push(s);
-                    }
-                }
-            }
-        }
-        Ok(out)
     }
 }
 
@@ -956,6 +1193,7 @@ fn fail_command(cmd: Command, e: Error) {
         Command::Counters { reply, .. } => fail!(reply),
         Command::Storage { reply } => fail!(reply),
         Command::Send { reply, .. } => fail!(reply),
+        Command::SendOne { reply, .. } => fail!(reply),
         Command::Schedule { reply, .. } | Command::Resubmit { reply, .. } => fail!(reply),
         Command::Receive { reply, .. }
         | Command::ReceiveDeferred { reply, .. }
@@ -983,33 +1221,19 @@ fn change_subscription(
     match change {
         SubscriptionChange::Properties(p) => properties = p,
         SubscriptionChange::CreateRule(rule) => {
-            // An empty list stands for the implicit `$Default` rule.
-            if rules.is_empty() {
-                rules.push(Rule::default_rule());
-            }
             if rules.iter().any(|r| r.name.eq_ignore_ascii_case(&rule.name)) {
                 return Err(Error::EntityAlreadyExists(rule_path(&rule.name)));
             }
             rules.push(rule);
         }
         SubscriptionChange::DeleteRule(rule) => {
-            if rules.is_empty() {
-                rules.push(Rule::default_rule());
-            }
             let before = rules.len();
             rules.retain(|r| !r.name.eq_ignore_ascii_case(&rule));
             if rules.len() == before {
                 return Err(Error::EntityNotFound(rule_path(&rule)));
             }
-            // A definition without rules stands for `$Default`, which matches everything: the
-            // opposite of what removing the last rule means.
-            if rules.is_empty() {
-                return Err(Error::InvalidOperation(
-                    "a subscription keeps at least one rule (add one with a False filter to \
-                     receive nothing)"
-                        .to_owned(),
-                ));
-            }
+            // Removing the last rule leaves a subscription that receives nothing, as in
+            // Service Bus.
         }
     }
     Ok(EntityDefinition::subscription(topic, name, properties, rules))
@@ -1018,14 +1242,38 @@ fn change_subscription(
 /// Encodes records, appends them, and tells the engine where bodies landed.
 fn append_records(engine: &mut Engine, log: &mut Log, records: &[Record]) -> Result<(), Error> {
     for r in records {
-        let payload = postcard::to_allocvec(r)
-            .map_err(|e| Error::Corrupt(format!("cannot encode a log record: {e}")))?;
-        let loc = log.append(Bytes::from(payload)).map_err(storage_error)?;
+        let hint = r.message().map_or(64, |m| m.body.len() + 256);
+        let loc = log
+            .append_with(hint, |buf| {
+                postcard::serialize_with_flavor(r, Encoder(buf)).map_err(|e| e.to_string())
+            })
+            .map_err(storage_error)?;
         if let Some(key) = r.body_key() {
             engine.set_location(key, engine_location(loc)?);
         }
     }
     Ok(())
+}
+
+/// Encodes a record straight into the log's buffer.
+struct Encoder<'a>(&'a mut BytesMut);
+
+impl postcard::ser_flavors::Flavor for Encoder<'_> {
+    type Output = ();
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.put_u8(data);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
+    }
 }
 
 /// Reads the message stored in the record at `loc`.
@@ -1070,5 +1318,94 @@ pub(crate) fn storage_error(e: StorageError) -> Error {
         StorageError::Locked(dir) => Error::DirectoryInUse(dir),
         StorageError::Failed(io) => Error::Io(std::io::Error::new(io.kind(), io.to_string())),
         other => Error::Corrupt(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use twice::{ManualClock, Message};
+
+    use super::*;
+    use crate::Broker;
+    use crate::config::QueueProperties;
+    use crate::storage::WriterGate;
+
+    /// A durable runtime on a thread of its own, and a gate that holds its log writer still.
+    fn start(dir: &std::path::Path, relaxed: bool) -> (Broker, WriterGate) {
+        let clock = SharedClock::from(ManualClock::default());
+        let (tx, rx) = mpsc::channel(64);
+        let options = RuntimeOptions {
+            dir: Some(dir.to_owned()),
+            log: LogOptions::default(),
+            engine: engine::EngineOptions {
+                deferred_serving: true,
+                collect_freed: true,
+                ..engine::EngineOptions::default()
+            },
+            clock: clock.clone(),
+            max_commands_per_turn: 64,
+            definitions: Vec::new(),
+            relaxed_delivery_counts: relaxed,
+        };
+        let runtime = Runtime::open(options, rx).expect("open the runtime");
+        let gate = runtime.log.as_ref().expect("a durable log").writer_gate();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build();
+            rt.expect("a runtime").block_on(runtime.run());
+        });
+        (Broker::from_channel(tx, clock), gate)
+    }
+
+    #[tokio::test]
+    // reason: the guard is the point of the test: held across the calls, it keeps the log
+    // writer (another thread) from making anything durable meanwhile.
+    #[allow(clippy::await_holding_lock)]
+    async fn relaxed_deliveries_do_not_wait_for_their_lock_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (broker, gate) = start(dir.path(), true);
+        broker.create_queue("q", QueueProperties::default()).await.unwrap();
+        broker.send("q", Message::new("a").with_message_id("a")).await.unwrap();
+        // The writer is held: no commit from now on becomes durable, the lock record of the
+        // receive neither. The message itself is durable, so the delivery is answered.
+        let held = gate.hold();
+        let got = broker.receive("q", 10, Duration::ZERO).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].message_id().as_str(), "a");
+        // A message sent now is not durable: a delivery of it waits like its send.
+        let sender = broker.clone();
+        let send = tokio::spawn(async move { sender.send("q", Message::new("b")).await });
+        let receiver = broker.clone();
+        let receive =
+            tokio::spawn(async move { receiver.receive("q", 10, Duration::from_secs(1)).await });
+        drop(held);
+        send.await.unwrap().unwrap();
+        assert_eq!(receive.await.unwrap().unwrap().len(), 1);
+        broker.complete(got[0].lock_token.unwrap()).await.unwrap();
+        assert_eq!(broker.counts("q").await.unwrap().active, 1);
+        broker.shutdown().await;
+    }
+
+    #[tokio::test]
+    // reason: the guard is the point of the test: held across the calls, it keeps the log
+    // writer (another thread) from making anything durable meanwhile.
+    #[allow(clippy::await_holding_lock)]
+    async fn by_default_deliveries_wait_for_their_lock_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (broker, gate) = start(dir.path(), false);
+        broker.create_queue("q", QueueProperties::default()).await.unwrap();
+        broker.send("q", Message::new("a")).await.unwrap();
+        let held = gate.hold();
+        let receiver = broker.clone();
+        let receive = tokio::spawn(async move { receiver.receive("q", 10, Duration::ZERO).await });
+        // The receive cannot be answered while its lock record cannot become durable.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!receive.is_finished());
+        drop(held);
+        assert_eq!(receive.await.unwrap().unwrap().len(), 1);
+        broker.shutdown().await;
     }
 }

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use twice::Timestamp;
 
-use super::record::{BodyKey, EntityId, PlacedState, Placement, Record, StoreKey};
+use super::record::{BodyKey, EntityId, PlacedState, Placement, Record, StoreKey, live_rules};
 use super::state::{
     BodyData, Dedup, Entity, Kind, Meta, NO_SESSION, St, Store, StoreIx, attach, detach, place,
     unplace,
 };
-use super::{Counters, Engine, Location, WaitKind};
+use super::{Counters, Engine, Location, Lock, WaitKind};
 use crate::config::EntityDefinition;
 use crate::error::Error;
 
@@ -267,6 +267,7 @@ impl Engine {
             session,
             state: p.state.into(),
             pinned: false,
+            changed: 0,
         };
         let Engine { entities, aux, .. } = self;
         let e = entities
@@ -303,7 +304,7 @@ impl Engine {
                         return Err(corrupt("RequiresSession changed"));
                     }
                     *props = properties.clone();
-                    *rules = new_rules.clone();
+                    *rules = live_rules(new_rules);
                 }
                 _ => return Err(corrupt("an entity changed kind")),
             }
@@ -338,7 +339,7 @@ impl Engine {
                         topic: t,
                         name: name.clone(),
                         props: properties.clone(),
-                        rules: rules.clone(),
+                        rules: live_rules(rules),
                     },
                     properties.requires_session,
                 )
@@ -375,8 +376,10 @@ impl Engine {
         let tokens: Vec<_> =
             self.locks.iter().filter(|(_, l)| l.six.slot() == slot).map(|(t, _)| *t).collect();
         for t in tokens {
-            if let Some(l) = self.locks.remove(&t) {
-                self.lock_timers.remove(&(l.until, t));
+            if let Some(Lock { until, timer: Some(key), .. }) = self.locks.remove(&t) {
+                let locks = &self.locks;
+                self.lock_timers
+                    .remove(key, until, t, |k, u| locks.get(k).is_some_and(|l| l.until == u));
             }
         }
         let sessions: Vec<_> = self

@@ -79,15 +79,14 @@ impl Engine {
 
     pub(super) fn random_message_id(&mut self) -> MessageId {
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut id = String::with_capacity(32);
-        for word in [self.next_u64(), self.next_u64()] {
-            for i in (0..16).rev() {
-                id.push(char::from(
-                    HEX[usize::from(u8::try_from((word >> (i * 4)) & 0xf).unwrap_or(0))],
-                ));
-            }
+        let mut id = [0u8; 32];
+        let words = [self.next_u64(), self.next_u64()];
+        for (i, digit) in id.iter_mut().enumerate() {
+            let word = words[i / 16];
+            let shift = 60 - 4 * (i % 16);
+            *digit = HEX[usize::try_from((word >> shift) & 0xf).unwrap_or(0)];
         }
-        MessageId::new(id)
+        MessageId::new(std::str::from_utf8(&id).map(str::to_owned).unwrap_or_default())
     }
 
     /// Applies a record made by a call and keeps it for the log.
@@ -181,7 +180,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn validate_batch(&self, slot: u32, messages: &[Message]) -> Result<(), Error> {
+    pub(super) fn validate_batch(&self, slot: u32, messages: &[Arc<Message>]) -> Result<(), Error> {
         if messages.len() > MAX_BATCH_MESSAGES {
             return Err(Error::InvalidArgument(format!(
                 "a batch holds at most {MAX_BATCH_MESSAGES} messages, not {}",
@@ -229,7 +228,7 @@ impl Engine {
         &mut self,
         now: Timestamp,
         slot: u32,
-        messages: Vec<Message>,
+        messages: Vec<Arc<Message>>,
         dedup: bool,
     ) -> Result<Vec<SendOutcome>, Error> {
         let n = messages.len();
@@ -245,7 +244,7 @@ impl Engine {
                 self.count(slot, |c| c.duplicates += 1);
                 continue;
             }
-            let message = Arc::new(m);
+            let message = m;
             let mut router = Router::new(now);
             let mut placements = Vec::new();
             let seq = self.route_send(&mut router, slot, &message, &mut placements)?;
@@ -311,7 +310,12 @@ impl Engine {
         let lock = self.locks.remove(token)?;
         match lock.session {
             None => {
-                self.lock_timers.remove(&(lock.until, *token));
+                if let Some(key) = lock.timer {
+                    let locks = &self.locks;
+                    self.lock_timers.remove(key, lock.until, *token, |k, u| {
+                        locks.get(k).is_some_and(|l| l.until == u)
+                    });
+                }
             }
             Some(sl) => {
                 if let Some(&(six, sid)) = self.session_locks.get(&sl) {
@@ -379,6 +383,9 @@ impl Engine {
                 Ok(out)
             }
             ReceiveMode::PeekLock => {
+                // The stamps from before the lock, which changes them.
+                let changed: Vec<u16> =
+                    seqs.iter().map(|&s| self.meta(six, s).map_or(0, |m| m.changed)).collect();
                 self.emit(Record::Locked { store: key, sequences: seqs.clone() })?;
                 let (duration, session_until) = match session {
                     Some(sl) => {
@@ -396,24 +403,25 @@ impl Engine {
                     }
                 };
                 let mut out = Vec::with_capacity(seqs.len());
-                for seq in seqs {
+                for (i, seq) in seqs.into_iter().enumerate() {
                     let token = self.next_token();
                     let until = session_until.unwrap_or(now + duration);
-                    self.locks.insert(token, Lock { six, seq, until, session });
-                    match session {
-                        None => {
-                            self.lock_timers.insert((until, token));
-                        }
+                    let timer = match session {
+                        None => Some(self.lock_timers.insert(until, token, duration)),
                         Some(sl) => {
                             if let Some(&(s6, sid)) = self.session_locks.get(&sl) {
                                 if let Some(s) = self.session_mut(s6, sid) {
                                     s.locks.push(token);
                                 }
                             }
+                            None
                         }
-                    }
+                    };
+                    self.locks.insert(token, Lock { six, seq, until, session, timer });
                     if let Some(m) = self.meta(six, seq) {
-                        out.push(self.delivery(seq, m, Some((token, until))));
+                        let mut d = self.delivery(seq, m, Some((token, until)));
+                        d.changed = changed.get(i).copied().unwrap_or(d.changed);
+                        out.push(d);
                     }
                 }
                 Ok(out)
@@ -428,6 +436,7 @@ impl Engine {
         lock: Option<(LockToken, Timestamp)>,
     ) -> Delivery {
         Delivery {
+            changed: m.changed,
             body: self.aux.bodies.body(m.body),
             meta: DeliveryMeta {
                 sequence_number: SequenceNumber::new(seq),
@@ -635,11 +644,11 @@ impl Engine {
             self.aux.sched_timers.pop_first();
             self.activate(now, six, seq)?;
         }
-        while let Some(&(t, token)) = self.lock_timers.first() {
-            if t > now {
-                break;
-            }
-            self.lock_timers.pop_first();
+        loop {
+            let locks = &self.locks;
+            let due =
+                self.lock_timers.pop_due(now, |k, u| locks.get(k).is_some_and(|l| l.until == u));
+            let Some((_, token)) = due else { break };
             if let Some(lock) = self.locks.remove(&token) {
                 self.count(lock.six.slot(), |c| c.lock_lost += 1);
                 self.unlock_counted(now, lock.six, lock.seq, None)?;
@@ -721,12 +730,20 @@ impl Engine {
         self.emit(Record::Moved { from: key, sequence: seq, to })
     }
 
-    /// Serves parked waiters of the stores that got available messages.
+    /// Serves parked waiters of the stores that got available messages, unless serving is
+    /// deferred to [`Engine::serve_waiters`].
     pub(super) fn pump(&mut self, now: Timestamp) {
         if self.waiters.is_empty() {
             self.aux.dirty.clear();
             return;
         }
+        if !self.opts.deferred_serving {
+            self.serve_dirty(now);
+        }
+    }
+
+    /// Serves parked waiters of every store that got available messages.
+    pub(super) fn serve_dirty(&mut self, now: Timestamp) {
         while let Some((six, sid)) = self.aux.dirty.pop() {
             // Errors here are internal inconsistencies; a waiter left unserved times out.
             let _ = self.pump_one(now, six, sid);

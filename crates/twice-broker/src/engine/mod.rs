@@ -2,18 +2,22 @@
 //!
 //! **API in one paragraph.** [`Engine`] owns every entity, message and lock; it does no I/O and
 //! reads no clock: every call that depends on time takes `now`. Resolve a path once with
-//! [`Engine::resolve`] and pass the [`EntityRef`] to [`Engine::send`] / [`Engine::schedule`],
+//! [`Engine::resolve`] and pass the [`EntityRef`] to [`Engine::send_shared`] /
+//! [`Engine::schedule`],
 //! [`Engine::receive`] (peek-lock or receive-and-delete, up to N, parking a [`WaiterId`] when
 //! nothing is there), and settle by [`LockToken`] with [`Engine::complete`] / `abandon` /
 //! `dead_letter` / `defer` / `release` / `renew_lock`. Sessions: [`Engine::accept_session`]
 //! returns an [`AcceptedSession`] whose [`SessionLock`] is used for `receive_session`,
 //! `renew_session_lock`, `release_session` and session state. After any batch of calls the
-//! runtime drains [`Engine::take_records`] (write, fsync once, then reply),
-//! [`Engine::take_ready`] / [`Engine::take_ready_sessions`] (parked waiters that were served),
-//! and sleeps until [`Engine::next_deadline`] to call [`Engine::tick`]. A [`Delivery`] carries
-//! the message in memory or the [`Location`] of the record holding it;
-//! [`received_message`] turns it into a [`twice::ReceivedMessage`]. Durability goes through
-//! [`Record`]s: [`Engine::set_location`] once a record carrying a body is written,
+//! runtime calls [`Engine::serve_waiters`] (with [`EngineOptions::deferred_serving`]), drains
+//! [`Engine::take_records`] (write, fsync once, then reply), [`Engine::take_ready`] /
+//! [`Engine::take_ready_sessions`] (parked waiters that were served) and
+//! [`Engine::take_freed`], numbers the next batch with [`Engine::set_turn`], and sleeps until
+//! [`Engine::next_deadline`] to call [`Engine::tick`]. A [`Delivery`] carries the message in
+//! memory or the [`Location`] of the record holding it, and the turn its message last changed
+//! in; [`received_message`] turns it into a [`twice::ReceivedMessage`]. Durability goes through
+//! [`Record`]s: [`Engine::set_location`] once a record carrying a body is written (the body
+//! stays in memory while [`EngineOptions::body_cache_bytes`] allows),
 //! [`Engine::replay`] + [`Engine::finish_recovery`] at start, and for compaction
 //! [`Engine::checkpoint_records`], [`Engine::segment_refs`], [`Engine::live_in_segment`] and
 //! [`Engine::relocate`]. Entities come from [`Engine::create_entity`],
@@ -79,6 +83,7 @@ mod record;
 mod route;
 mod seqmap;
 mod state;
+mod timers;
 
 #[cfg(test)]
 mod tests;
@@ -100,8 +105,9 @@ use self::internals::{
     check_id, check_immutable, check_max, non_empty, placement_of, unlocked_state,
 };
 use self::route::{Item, Router};
-use self::state::{Aux, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
-use crate::config::EntityDefinition;
+use self::state::{Aux, Bodies, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
+use self::timers::{LockTimers, TimerKey};
+use crate::config::{EntityDefinition, Rule};
 use crate::error::Error;
 
 /// Service Bus's largest batch, in messages.
@@ -139,15 +145,32 @@ pub(crate) struct EngineOptions {
     /// Seed of the lock tokens, session locks and assigned message ids. Must differ between
     /// runs of the same log, so that a token from before a restart never matches a new lock.
     pub(crate) seed: u64,
+    /// How many bytes of recently stored messages stay in memory after
+    /// [`Engine::set_location`], so that they are delivered without reading the log (oldest
+    /// first out). 0 drops each as soon as its record is written.
+    pub(crate) body_cache_bytes: usize,
+    /// Whether parked waiters are served only by [`Engine::serve_waiters`] (and before any
+    /// receive that could overtake them) rather than at the end of every call. The runtime
+    /// serves them once per turn, so that a receiver woken under load takes a batch instead
+    /// of the first message that arrived.
+    pub(crate) deferred_serving: bool,
+    /// Whether messages the engine lets go of are kept for [`Engine::take_freed`] rather than
+    /// dropped, so that the runtime can have them freed by its callers (on the threads that
+    /// allocated them, off the broker's task).
+    pub(crate) collect_freed: bool,
 }
 
 impl Default for EngineOptions {
-    /// Durable, 256 KiB messages, a random seed.
+    /// Durable, 256 KiB messages, a random seed, no body cache, waiters served at once, freed
+    /// messages dropped.
     fn default() -> Self {
         Self {
             durable: true,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             seed: uuid::Uuid::new_v4().as_u64_pair().0,
+            body_cache_bytes: 0,
+            deferred_serving: false,
+            collect_freed: false,
         }
     }
 }
@@ -228,6 +251,9 @@ pub(crate) struct DeliveryMeta {
 pub(crate) struct Delivery {
     pub(crate) body: Body,
     pub(crate) meta: DeliveryMeta,
+    /// The turn (see [`Engine::set_turn`]) in which the message's state last changed before
+    /// this delivery: the records it was delivered on are in that turn's commit or earlier.
+    pub(crate) changed: u16,
 }
 
 /// A session locked by a receiver.
@@ -236,6 +262,16 @@ pub(crate) struct AcceptedSession {
     pub(crate) lock: SessionLock,
     pub(crate) session_id: SessionId,
     pub(crate) locked_until: Timestamp,
+}
+
+/// A session listed by [`Engine::sessions`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SessionSummary {
+    pub(crate) session_id: SessionId,
+    /// Whether it has a message that has not expired (in any state: available, locked,
+    /// deferred or scheduled).
+    pub(crate) has_messages: bool,
+    pub(crate) state: Option<Bytes>,
 }
 
 /// Runtime counts of an entity (Service Bus `CountDetails`).
@@ -281,6 +317,9 @@ struct Lock {
     seq: i64,
     until: Timestamp,
     session: Option<SessionLock>,
+    /// Where its deadline is filed; `None` for a session's message, which the session lock
+    /// times.
+    timer: Option<TimerKey>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -310,7 +349,7 @@ pub(crate) struct Engine {
     next_entity_id: u64,
     aux: Aux,
     locks: FastMap<LockToken, Lock>,
-    lock_timers: std::collections::BTreeSet<(Timestamp, LockToken)>,
+    lock_timers: LockTimers,
     session_locks: FastMap<SessionLock, (StoreIx, u32)>,
     session_timers: std::collections::BTreeSet<(Timestamp, SessionLock)>,
     /// (end of the oldest window, slot) per entity with duplicate-detection history.
@@ -329,15 +368,18 @@ impl Engine {
     /// An engine with no entities.
     pub(crate) fn new(options: EngineOptions) -> Self {
         let rng = options.seed;
+        let mut bodies = Bodies::with_cache(options.body_cache_bytes);
+        if options.collect_freed {
+            bodies.collect_freed();
+        }
         Self {
-            opts: options,
             entities: Vec::new(),
             by_path: HashMap::new(),
             by_id: FastMap::default(),
             next_entity_id: 1,
-            aux: Aux::default(),
+            aux: Aux { bodies, ..Aux::default() },
             locks: FastMap::default(),
-            lock_timers: Default::default(),
+            lock_timers: LockTimers::default(),
             session_locks: FastMap::default(),
             session_timers: Default::default(),
             dedup_timers: Default::default(),
@@ -348,6 +390,7 @@ impl Engine {
             pending_batch: Vec::new(),
             rng,
             totals: Counters::default(),
+            opts: options,
         }
     }
 
@@ -356,13 +399,20 @@ impl Engine {
     /// Resolves `queue`, `topic`, `topic/Subscriptions/sub`, and any of these followed by
     /// `/$DeadLetterQueue` (case-insensitive, as every entity path).
     pub(crate) fn resolve(&self, path: &str) -> Result<EntityRef, Error> {
-        let lower = path.to_ascii_lowercase();
-        let dlq_suffix = DEAD_LETTER_SUFFIX.to_ascii_lowercase();
-        let (base, dead_letter) = match lower.strip_suffix(&dlq_suffix) {
-            Some(base) => (base, true),
-            None => (lower.as_str(), false),
+        let n = path.len().saturating_sub(DEAD_LETTER_SUFFIX.len());
+        let (base, dead_letter) = match (path.get(..n), path.get(n..)) {
+            (Some(base), Some(tail)) if tail.eq_ignore_ascii_case(DEAD_LETTER_SUFFIX) => {
+                (base, true)
+            }
+            _ => (path, false),
         };
-        let slot = *self.by_path.get(base).ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
+        // Most paths are already lower case: look them up without a copy.
+        let slot = if base.bytes().any(|b| b.is_ascii_uppercase()) {
+            self.by_path.get(&base.to_ascii_lowercase())
+        } else {
+            self.by_path.get(base)
+        };
+        let slot = *slot.ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
         let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
         if dead_letter && e.is_topic() {
             return Err(Error::EntityNotFound(path.to_owned()));
@@ -377,13 +427,14 @@ impl Engine {
         definition: EntityDefinition,
     ) -> Result<EntityRef, Error> {
         self.tick(now);
+        let definition = with_default_rule(definition);
         self.check_definition(&definition, &[])?;
         let path = definition.path();
         if self.by_path.contains_key(&path.to_ascii_lowercase()) {
             return Err(Error::EntityAlreadyExists(path));
         }
         let id = EntityId(self.next_entity_id);
-        self.emit(Record::Entity { id, definition: Box::new(definition), next_sequence: 1 })?;
+        self.emit(Record::entity(id, definition, 1))?;
         self.resolve(&path)
     }
 
@@ -404,7 +455,7 @@ impl Engine {
         let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
         check_immutable(e, &definition)?;
         let (id, next_sequence) = (e.id, e.next_seq);
-        self.emit(Record::Entity { id, definition: Box::new(definition), next_sequence })
+        self.emit(Record::entity(id, definition, next_sequence))
     }
 
     /// Creates the entities that do not exist and updates those that do, all or nothing
@@ -429,22 +480,17 @@ impl Engine {
         }
         for d in definitions {
             let path = d.path();
+            // A configuration declares each subscription whole: one declared without rules
+            // has the `$Default` rule, whatever was done to its rules since.
+            let d = with_default_rule(d.clone());
             match self.by_path.get(&path.to_ascii_lowercase()).and_then(|&s| self.ent(s)) {
                 Some(e) => {
                     let (id, next_sequence) = (e.id, e.next_seq);
-                    self.emit(Record::Entity {
-                        id,
-                        definition: Box::new(d.clone()),
-                        next_sequence,
-                    })?;
+                    self.emit(Record::entity(id, d, next_sequence))?;
                 }
                 None => {
                     let id = EntityId(self.next_entity_id);
-                    self.emit(Record::Entity {
-                        id,
-                        definition: Box::new(d.clone()),
-                        next_sequence: 1,
-                    })?;
+                    self.emit(Record::entity(id, d, 1))?;
                 }
             }
         }
@@ -534,18 +580,31 @@ impl Engine {
     ///
     /// Batch rules (Service Bus): at most 4500 messages, and the batch's total size at most
     /// the maximum message size.
+    #[cfg(test)]
     pub(crate) fn send(
         &mut self,
         now: Timestamp,
         entity: EntityRef,
-        mut messages: Vec<Message>,
+        messages: Vec<Message>,
+    ) -> Result<Vec<SendOutcome>, Error> {
+        self.send_shared(now, entity, messages.into_iter().map(Arc::new).collect())
+    }
+
+    /// [`Engine::send`] of messages already shared: the engine keeps them as they are (a
+    /// message without a message id is copied once to get one).
+    pub(crate) fn send_shared(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        mut messages: Vec<Arc<Message>>,
     ) -> Result<Vec<SendOutcome>, Error> {
         self.tick(now);
         let slot = self.send_target(entity)?;
         self.validate_batch(slot, &messages)?;
         for m in &mut messages {
             if m.message_id.is_none() {
-                m.message_id = Some(self.random_message_id());
+                let id = self.random_message_id();
+                Arc::make_mut(m).message_id = Some(id);
             }
         }
         let out = self.enqueue(now, slot, messages, true)?;
@@ -558,13 +617,15 @@ impl Engine {
         &mut self,
         now: Timestamp,
         entity: EntityRef,
-        mut messages: Vec<Message>,
+        messages: Vec<Message>,
         at: Timestamp,
     ) -> Result<Vec<SequenceNumber>, Error> {
         self.tick(now);
         let slot = self.send_target(entity)?;
+        let mut messages: Vec<Arc<Message>> = messages.into_iter().map(Arc::new).collect();
         self.validate_batch(slot, &messages)?;
         for m in &mut messages {
+            let m = Arc::make_mut(m);
             m.scheduled_enqueue_time = Some(at);
             if m.message_id.is_none() {
                 m.message_id = Some(self.random_message_id());
@@ -626,6 +687,8 @@ impl Engine {
         waiter: Option<WaiterId>,
     ) -> Result<Vec<Delivery>, Error> {
         self.tick(now);
+        // Waiters parked earlier come first.
+        self.serve_waiters(now);
         let six = self.receive_store(entity)?;
         check_max(max)?;
         self.check_waiter(waiter)?;
@@ -718,6 +781,31 @@ impl Engine {
             .take(max)
             .map(|(seq, m)| self.delivery(seq, m, None))
             .collect())
+    }
+
+    /// Serves the parked waiters of every store that got available messages since they were
+    /// last served. With [`EngineOptions::deferred_serving`], call it after each batch of
+    /// calls, before [`Engine::take_ready`]; otherwise every call already did.
+    pub(crate) fn serve_waiters(&mut self, now: Timestamp) {
+        if self.waiters.is_empty() {
+            self.aux.dirty.clear();
+        } else {
+            self.serve_dirty(now);
+        }
+    }
+
+    /// Messages the engine let go of since the last call, with
+    /// [`EngineOptions::collect_freed`]: dropping them frees them.
+    pub(crate) fn take_freed(&mut self) -> Vec<Arc<Message>> {
+        self.aux.bodies.take_freed()
+    }
+
+    /// Numbers the turn whose records the next calls make: every message whose state changes
+    /// is stamped with `turn` (modulo 2^16), and deliveries carry the stamp their message had
+    /// (see [`Delivery::changed`]). The runtime passes the number of the commit those records
+    /// will go to, so a delivery tells which commit it depends on.
+    pub(crate) fn set_turn(&mut self, turn: u64) {
+        self.aux.turn = u16::try_from(turn & 0xffff).unwrap_or(0);
     }
 
     /// Parked waiters that were served since the last call, with their messages (empty when
@@ -889,10 +977,18 @@ impl Engine {
                 None => {
                     let d = self.ent(lock.six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
                     let until = now + d;
-                    self.lock_timers.remove(&(lock.until, *t));
-                    self.lock_timers.insert((until, *t));
                     if let Some(l) = self.locks.get_mut(t) {
                         l.until = until;
+                    }
+                    if let Some(key) = lock.timer {
+                        let locks = &self.locks;
+                        self.lock_timers.remove(key, lock.until, *t, |k, u| {
+                            locks.get(k).is_some_and(|l| l.until == u)
+                        });
+                    }
+                    let key = self.lock_timers.insert(until, *t, d);
+                    if let Some(l) = self.locks.get_mut(t) {
+                        l.timer = Some(key);
                     }
                     until
                 }
@@ -971,6 +1067,7 @@ impl Engine {
         waiter: Option<WaiterId>,
     ) -> Result<Option<AcceptedSession>, Error> {
         self.tick(now);
+        self.serve_waiters(now);
         let six = self.receive_store(entity)?;
         self.check_waiter(waiter)?;
         let e = self.entity(entity)?;
@@ -1032,6 +1129,7 @@ impl Engine {
         waiter: Option<WaiterId>,
     ) -> Result<Vec<Delivery>, Error> {
         self.tick(now);
+        self.serve_waiters(now);
         let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
         check_max(max)?;
         self.check_waiter(waiter)?;
@@ -1083,6 +1181,52 @@ impl Engine {
         Ok(())
     }
 
+    /// The sessions of a session-enabled queue or subscription that hold messages or state:
+    /// first those with a message that has not expired, in order of their oldest such
+    /// message, then those with state only, by id. Reads message metadata, never a body, and
+    /// stops once every session with messages was seen.
+    pub(crate) fn sessions(
+        &self,
+        now: Timestamp,
+        entity: EntityRef,
+    ) -> Result<Vec<SessionSummary>, Error> {
+        let six = self.receive_store(entity)?;
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
+        let Some(ss) = &store.sessions else {
+            return Err(Error::SessionsNotEnabled(self.entity_info(entity)?.path));
+        };
+        let with_messages = ss.table.values().filter(|s| s.refs > 0).count();
+        let mut seen: FastMap<u32, ()> = FastMap::default();
+        let mut out = Vec::new();
+        for (_, m) in store.msgs.iter() {
+            if seen.len() == with_messages {
+                break;
+            }
+            if m.expires > now && seen.insert(m.session, ()).is_none() {
+                if let Some(id) = self.aux.names.name(m.session) {
+                    let state = ss.table.get(&m.session).and_then(|s| s.state.clone());
+                    out.push(SessionSummary { session_id: id.clone(), has_messages: true, state });
+                }
+            }
+        }
+        let mut state_only: Vec<SessionSummary> = ss
+            .table
+            .iter()
+            .filter(|(sid, s)| s.state.is_some() && !seen.contains_key(*sid))
+            .filter_map(|(sid, s)| {
+                Some(SessionSummary {
+                    session_id: self.aux.names.name(*sid)?.clone(),
+                    has_messages: false,
+                    state: s.state.clone(),
+                })
+            })
+            .collect();
+        state_only.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+        out.extend(state_only);
+        Ok(out)
+    }
+
     /// The state of a held session.
     pub(crate) fn session_state(&self, lock: SessionLock) -> Result<Option<Bytes>, Error> {
         let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
@@ -1120,7 +1264,7 @@ impl Engine {
     /// The earliest time at which [`Engine::tick`] has something to do.
     pub(crate) fn next_deadline(&self) -> Option<Timestamp> {
         [
-            self.lock_timers.first().map(|t| t.0),
+            self.lock_timers.first(),
             self.session_timers.first().map(|t| t.0),
             self.aux.ttl_timers.first().map(|t| t.0),
             self.aux.sched_timers.first().map(|t| t.0),
@@ -1149,6 +1293,13 @@ impl Engine {
     /// only then release the replies of the calls that made them.
     pub(crate) fn take_records(&mut self) -> Vec<Record> {
         std::mem::take(&mut self.records)
+    }
+
+    /// [`Engine::take_records`] by swapping with `out`, an empty vector: the engine goes on
+    /// with `out`'s memory, so that neither side grows a vector from nothing on every turn.
+    pub(crate) fn swap_records(&mut self, out: &mut Vec<Record>) {
+        out.clear();
+        std::mem::swap(&mut self.records, out);
     }
 
     /// Tells the engine where a record carrying a body ([`Record::body_key`]) was written: the
@@ -1209,11 +1360,7 @@ impl Engine {
     pub(crate) fn checkpoint_records(&self) -> Vec<Record> {
         let mut out = Vec::new();
         for e in self.entities.iter().flatten() {
-            out.push(Record::Entity {
-                id: e.id,
-                definition: Box::new(self.definition_of(e)),
-                next_sequence: e.next_seq,
-            });
+            out.push(Record::entity(e.id, self.definition_of(e), e.next_seq));
         }
         for e in self.entities.iter().flatten() {
             if let Some(ss) = &e.main.sessions {
@@ -1310,6 +1457,16 @@ impl Engine {
     }
 }
 
+/// A subscription created without rules gets the `$Default` rule, as in Service Bus.
+fn with_default_rule(definition: EntityDefinition) -> EntityDefinition {
+    match definition {
+        EntityDefinition::Subscription { topic, name, properties, rules } if rules.is_empty() => {
+            EntityDefinition::subscription(topic, name, properties, vec![Rule::default_rule()])
+        }
+        d => d,
+    }
+}
+
 /// The size a message counts for against the size limit: its body, its header strings, and
 /// its application property names and values.
 pub(crate) fn message_size(m: &Message) -> usize {
@@ -1346,7 +1503,12 @@ fn value_size(v: &Value) -> usize {
 /// reason and description as the application properties `DeadLetterReason` and
 /// `DeadLetterErrorDescription` (which is where the AMQP wire has them).
 pub(crate) fn received_message(message: &Message, meta: &DeliveryMeta) -> ReceivedMessage {
-    let mut m = message.clone();
+    received_message_owned(message.clone(), meta)
+}
+
+/// [`received_message`] of a message the caller owns.
+pub(crate) fn received_message_owned(message: Message, meta: &DeliveryMeta) -> ReceivedMessage {
+    let mut m = message;
     let mut r_extra = None;
     if let Some(extra) = &meta.extra {
         let props = &mut m.application_properties;

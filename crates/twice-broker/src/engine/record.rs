@@ -6,7 +6,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use twice::{Message, MessageId, Properties, SessionId, Timestamp};
 
-use crate::config::EntityDefinition;
+use crate::config::{EntityDefinition, Filter, Rule};
 
 /// The persistent id of an entity: assigned at creation, never reused, restated by every
 /// checkpoint. Records name entities by it rather than by path, so that a deleted and
@@ -121,6 +121,25 @@ impl Default for BodyKey {
     /// [`BodyKey::NONE`]: a deserialized record names no in-memory body.
     fn default() -> Self {
         Self::NONE
+    }
+}
+
+/// The rule recorded for a subscription that has none: its name is one no caller can give.
+fn no_rules_marker() -> Rule {
+    Rule::new("", Filter::False)
+}
+
+/// A subscription's rules as a [`Record::Entity`] holds them, turned into the rules it has.
+///
+/// An empty recorded list is the `$Default` rule: logs written before a subscription could
+/// lose all its rules say so. A subscription without rules is recorded with one rule that
+/// matches nothing and has an empty name (which no caller can create), so a build that knows
+/// nothing of this still reads such a subscription as receiving nothing.
+pub(crate) fn live_rules(recorded: &[Rule]) -> Vec<Rule> {
+    match recorded {
+        [] => vec![Rule::default_rule()],
+        [only] if only.name.is_empty() && only.filter == Filter::False => Vec::new(),
+        rules => rules.to_vec(),
     }
 }
 
@@ -239,11 +258,35 @@ pub(crate) enum Record {
 }
 
 impl Record {
+    /// A [`Record::Entity`], with a subscription's rules in their recorded form (see
+    /// [`live_rules`]).
+    pub(crate) fn entity(id: EntityId, definition: EntityDefinition, next_sequence: i64) -> Record {
+        let definition = match definition {
+            EntityDefinition::Subscription { topic, name, properties, rules }
+                if rules.is_empty() =>
+            {
+                EntityDefinition::subscription(topic, name, properties, vec![no_rules_marker()])
+            }
+            d => d,
+        };
+        Record::Entity { id, definition: Box::new(definition), next_sequence }
+    }
+
     /// The message this record carries, if it is a [`Record::Sent`] or [`Record::Snapshot`]:
     /// what a delivery whose body is stored at this record's location holds.
     pub(crate) fn message(&self) -> Option<&Arc<Message>> {
         match self {
             Record::Sent { message, .. } | Record::Snapshot { message, .. } => Some(&message.0),
+            _ => None,
+        }
+    }
+
+    /// The message this record carries, taken out of it.
+    pub(crate) fn into_message(self) -> Option<Message> {
+        match self {
+            Record::Sent { message, .. } | Record::Snapshot { message, .. } => {
+                Some(Arc::try_unwrap(message.0).unwrap_or_else(|shared| (*shared).clone()))
+            }
             _ => None,
         }
     }

@@ -201,16 +201,14 @@ impl Engine {
         });
     }
 
-    /// Whether any rule of a subscription selects the message. Without the message in memory
-    /// only rules that need nothing of it (the true filter) can match; the engine keeps the
-    /// message in memory wherever it may have to be routed later, so that does not happen.
+    /// Whether any rule of a subscription selects the message (none does when it has no
+    /// rules). Without the message in memory only rules that need nothing of it (the true
+    /// filter) can match; the engine keeps the message in memory wherever it may have to be
+    /// routed later, so that does not happen.
     fn sub_matches(&self, sub: u32, message: Option<&Message>) -> bool {
         let Some(Kind::Subscription { rules, .. }) = self.ent(sub).map(|e| &e.kind) else {
             return false;
         };
-        if rules.is_empty() {
-            return true;
-        }
         rules.iter().any(|rule| match (&rule.filter, message) {
             (Filter::True, _) => true,
             (f, Some(m)) => f.matches(m),

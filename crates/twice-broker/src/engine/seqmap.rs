@@ -77,10 +77,10 @@ impl<V> SeqMap<V> {
             return c.vals.get_mut(i).map(|old| std::mem::replace(old, v));
         }
         if c.vals.len() == c.vals.capacity() {
-            // Grow by half (at least one), never past a full chunk: a sparse chunk stays
-            // small and a dense one ends exactly full.
+            // Double (from 2), never past a full chunk: a sparse chunk stays small, a dense
+            // one ends exactly full, and a chunk filled in order grows only four times.
             let len = c.vals.len();
-            c.vals.reserve_exact((len / 2).clamp(1, MAP_CHUNK_LEN - len));
+            c.vals.reserve_exact(len.max(2).min(MAP_CHUNK_LEN - len));
         }
         c.vals.insert(i, v);
         c.mask |= 1 << bit;

@@ -142,6 +142,8 @@ pub(super) struct Meta {
     pub(super) state: St,
     /// Whether this message holds a pin on its body (keeps the message in memory).
     pub(super) pinned: bool,
+    /// The turn its state last changed in (see [`super::Engine::set_turn`]).
+    pub(super) changed: u16,
 }
 
 impl Meta {
@@ -368,6 +370,8 @@ pub(super) enum BodyData {
     Memory(Arc<Message>),
     /// In the log.
     Stored(Location),
+    /// In the log, and still in memory: it was stored recently (see [`Bodies::with_cache`]).
+    Cached(Location, Arc<Message>),
 }
 
 #[derive(Debug)]
@@ -382,6 +386,12 @@ struct BodySlot {
     pins: u32,
 }
 
+/// What a cached message counts for against the cache's bound: its body and a rough
+/// allowance for its headers and the allocation.
+fn cached_size(m: &Message) -> usize {
+    m.body.len() + 256
+}
+
 /// Message bodies, shared by every placement of the same message (a topic's subscriptions, a
 /// dead-lettered copy, a resubmitted one).
 #[derive(Debug, Default)]
@@ -392,9 +402,46 @@ pub(super) struct Bodies {
     pinned: FastMap<u32, Arc<Message>>,
     /// Live bodies per log segment.
     pub(super) seg_refs: FastMap<u32, usize>,
+    /// [`BodyData::Cached`] slots, oldest first, with their generation and size. A freed slot
+    /// leaves its entry behind; the generation tells it apart.
+    recent: VecDeque<(u32, u32, usize)>,
+    /// The bytes of the live cached bodies.
+    recent_bytes: usize,
+    /// The bound of `recent_bytes`.
+    cache_bytes: usize,
+    /// Messages this store let go of, kept for [`Bodies::take_freed`] when collecting them.
+    freed: Option<Vec<Arc<Message>>>,
 }
 
 impl Bodies {
+    /// Bodies that stay in memory after they are stored, up to `cache_bytes` of the most
+    /// recent ones: a queue whose receivers keep up then never reads a body back from disk.
+    pub(super) fn with_cache(cache_bytes: usize) -> Self {
+        Self { cache_bytes, ..Self::default() }
+    }
+
+    /// Keeps the messages this store lets go of for [`Bodies::take_freed`] instead of dropping
+    /// them.
+    pub(super) fn collect_freed(&mut self) {
+        self.freed.get_or_insert_with(Vec::new);
+    }
+
+    /// The messages let go of since the last call (see [`Bodies::collect_freed`]).
+    pub(super) fn take_freed(&mut self) -> Vec<Arc<Message>> {
+        // The next batch is likely as large as this one: start it at that size.
+        self.freed
+            .as_mut()
+            .map(|f| std::mem::replace(f, Vec::with_capacity(f.len().min(4096))))
+            .unwrap_or_default()
+    }
+
+    /// Lets go of a message: dropped here, or kept for the caller of `take_freed`.
+    fn free_message(&mut self, m: Arc<Message>) {
+        if let Some(f) = &mut self.freed {
+            f.push(m);
+        }
+    }
+
     /// A new slot with no references.
     pub(super) fn alloc(&mut self, data: BodyData) -> u32 {
         if let BodyData::Stored(loc) = &data {
@@ -438,10 +485,19 @@ impl Bodies {
             let old = std::mem::replace(&mut s.data, BodyData::Empty);
             s.pins = 0;
             s.generation = s.generation.wrapping_add(1);
-            if let BodyData::Stored(loc) = old {
-                self.dec_segment(loc.segment);
+            match old {
+                BodyData::Stored(loc) => self.dec_segment(loc.segment),
+                BodyData::Cached(loc, m) => {
+                    self.dec_segment(loc.segment);
+                    self.recent_bytes = self.recent_bytes.saturating_sub(cached_size(&m));
+                    self.free_message(m);
+                }
+                BodyData::Memory(m) => self.free_message(m),
+                BodyData::Empty => {}
             }
-            self.pinned.remove(&i);
+            if let Some(m) = self.pinned.remove(&i) {
+                self.free_message(m);
+            }
             self.free.push(i);
         }
     }
@@ -465,7 +521,9 @@ impl Bodies {
         if let Some(s) = self.slots.get_mut(i as usize) {
             s.pins = s.pins.saturating_sub(1);
             if s.pins == 0 {
-                self.pinned.remove(&i);
+                if let Some(m) = self.pinned.remove(&i) {
+                    self.free_message(m);
+                }
             }
         }
     }
@@ -479,8 +537,10 @@ impl Bodies {
         }
     }
 
-    /// Records where the body was written; drops the in-memory copy unless pinned.
+    /// Records where the body was written. The in-memory copy stays while the cache has room
+    /// (the oldest cached bodies are dropped to make it), or while the body is pinned.
     pub(super) fn set_location(&mut self, i: u32, generation: u32, loc: Location) {
+        let cache = self.cache_bytes > 0;
         let Some(s) = self.slots.get_mut(i as usize) else { return };
         if s.generation != generation || s.refs == 0 {
             return;
@@ -490,17 +550,61 @@ impl Bodies {
         *self.seg_refs.entry(loc.segment).or_default() += 1;
         match old {
             BodyData::Stored(o) => self.dec_segment(o.segment),
+            BodyData::Cached(o, m) => {
+                // Relocated while cached: it keeps its place in the cache.
+                s.data = BodyData::Cached(loc, m);
+                self.dec_segment(o.segment);
+            }
+            BodyData::Memory(m) if cache => {
+                let size = cached_size(&m);
+                s.data = BodyData::Cached(loc, m);
+                self.recent.push_back((i, generation, size));
+                self.recent_bytes += size;
+                self.evict();
+            }
             BodyData::Memory(m) if pinned => {
                 self.pinned.insert(i, m);
             }
-            _ => {}
+            BodyData::Memory(_) | BodyData::Empty => {}
+        }
+    }
+
+    /// Drops the oldest cached bodies until the cache is within its bound.
+    fn evict(&mut self) {
+        while self.recent_bytes > self.cache_bytes {
+            let Some((i, generation, size)) = self.recent.pop_front() else {
+                self.recent_bytes = 0;
+                return;
+            };
+            let Some(s) = self.slots.get_mut(i as usize) else { continue };
+            // A freed (or freed and reused) slot was already subtracted.
+            if s.generation != generation {
+                continue;
+            }
+            let BodyData::Cached(loc, _) = s.data else { continue };
+            self.recent_bytes = self.recent_bytes.saturating_sub(size);
+            if let BodyData::Cached(_, m) = std::mem::replace(&mut s.data, BodyData::Stored(loc)) {
+                if s.pins > 0 {
+                    self.pinned.insert(i, m);
+                } else {
+                    self.free_message(m);
+                }
+            }
+        }
+        // Entries of freed slots pile up when messages leave faster than the cache turns
+        // over: drop them from the front.
+        while let Some(&(i, generation, _)) = self.recent.front() {
+            if self.slots.get(i as usize).is_some_and(|s| s.generation == generation) {
+                break;
+            }
+            self.recent.pop_front();
         }
     }
 
     /// The message, if it is in memory.
     pub(super) fn message(&self, i: u32) -> Option<Arc<Message>> {
         match &self.slots.get(i as usize)?.data {
-            BodyData::Memory(m) => Some(Arc::clone(m)),
+            BodyData::Memory(m) | BodyData::Cached(_, m) => Some(Arc::clone(m)),
             BodyData::Stored(_) => self.pinned.get(&i).cloned(),
             BodyData::Empty => None,
         }
@@ -509,7 +613,7 @@ impl Bodies {
     /// The body as a delivery carries it: in memory if it is, else its location.
     pub(super) fn body(&self, i: u32) -> Body {
         match self.slots.get(i as usize).map(|s| &s.data) {
-            Some(BodyData::Memory(m)) => Body::Memory(Arc::clone(m)),
+            Some(BodyData::Memory(m) | BodyData::Cached(_, m)) => Body::Memory(Arc::clone(m)),
             Some(BodyData::Stored(loc)) => match self.pinned.get(&i) {
                 Some(m) => Body::Memory(Arc::clone(m)),
                 None => Body::Stored(*loc),
@@ -521,7 +625,7 @@ impl Bodies {
 
     pub(super) fn location(&self, i: u32) -> Option<Location> {
         match self.slots.get(i as usize)?.data {
-            BodyData::Stored(loc) => Some(loc),
+            BodyData::Stored(loc) | BodyData::Cached(loc, _) => Some(loc),
             _ => None,
         }
     }
@@ -539,6 +643,8 @@ pub(super) struct Aux {
     pub(super) sched_timers: BTreeSet<(Timestamp, StoreIx, i64)>,
     /// Stores (and sessions) that got an available message since the last pump.
     pub(super) dirty: Vec<(StoreIx, u32)>,
+    /// The current turn, stamped on every message whose state changes.
+    pub(super) turn: u16,
 }
 
 /// Removes a message from every index of its current state.
@@ -581,6 +687,7 @@ pub(super) fn attach(
     meta: &mut Meta,
     store_pins: bool,
 ) {
+    meta.changed = aux.turn;
     match meta.state {
         St::Available => {
             store.avail_insert(seq, meta.session);

@@ -61,6 +61,7 @@ pub(crate) fn frame_crc(len: u32, payload: &[u8]) -> u32 {
 }
 
 /// Appends the frame of `payload` to `buf`. The caller has checked the length.
+#[cfg(test)]
 pub(crate) fn encode_frame(buf: &mut Vec<u8>, len: u32, payload: &[u8]) {
     buf.reserve(payload.len() + 8);
     buf.extend_from_slice(&len.to_le_bytes());

@@ -26,17 +26,20 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::sync::watch;
 
 pub(crate) use format::{FRAME_LEN, HEADER_LEN, MAX_RECORD_LEN};
-use format::{any_valid_after, check_header, encode_frame, frame_crc, frame_header};
+use format::{any_valid_after, check_header, frame_crc, frame_header};
 use writer::{Chunk, DurableState, Job, Shared, Writer, sync_dir};
 
 /// The default size at which the log starts a new segment: 64 MiB.
 pub(crate) const DEFAULT_SEGMENT_SIZE: u64 = 64 << 20;
 /// The default bound of the read cache of recent records: 32 MiB.
 pub(crate) const DEFAULT_CACHE_BYTES: usize = 32 << 20;
+/// The size of the blocks records are encoded into. A block is freed once the writer has
+/// written every frame cut from it and the read cache has let them go.
+const ARENA_BLOCK: usize = 256 << 10;
 
 /// An error of the log.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +74,9 @@ pub(crate) enum StorageError {
         /// The version in its header.
         version: u32,
     },
+    /// A record could not be encoded.
+    #[error("a log record cannot be encoded: {0}")]
+    Encode(String),
     /// A record is larger than the log accepts.
     #[error("a log record of {len} bytes exceeds the limit of {max} bytes")]
     RecordTooLarge {
@@ -222,6 +228,8 @@ pub(crate) struct Log {
     segments: BTreeSet<u64>,
     /// Records appended since the last commit.
     pending: Vec<Chunk>,
+    /// Room for the next records: each is encoded at its end and split off as a frame.
+    arena: BytesMut,
     /// The number of the last commit handed to the writer.
     last_seq: u64,
     cache: Cache,
@@ -265,7 +273,13 @@ impl Log {
         };
         let shared = Arc::new(Shared::new());
         let (tx, rx) = mpsc::channel();
-        let writer = Writer { dir: dir.to_owned(), shared: shared.clone(), files, durable_seq: 0 };
+        let writer = Writer {
+            dir: dir.to_owned(),
+            shared: shared.clone(),
+            files,
+            durable_seq: 0,
+            buf: Vec::new(),
+        };
         let handle = std::thread::Builder::new()
             .name("twice-log-writer".into())
             .spawn(move || writer.run(rx))
@@ -284,6 +298,7 @@ impl Log {
             active_len,
             segments: ids,
             pending: Vec::new(),
+            arena: BytesMut::new(),
             last_seq: 0,
             cache: Cache::default(),
             readers: Mutex::new(HashMap::new()),
@@ -298,20 +313,47 @@ impl Log {
 
     /// Buffers a record and returns where it will live. It is durable once the next
     /// [`Log::commit`] is.
+    #[cfg(test)]
     pub(crate) fn append(&mut self, payload: Bytes) -> Result<Location, StorageError> {
-        let len = u32::try_from(payload.len())
-            .ok()
-            .filter(|&l| l <= MAX_RECORD_LEN)
-            .ok_or(StorageError::RecordTooLarge { len: payload.len(), max: MAX_RECORD_LEN })?;
+        self.append_with(payload.len(), |buf| {
+            buf.extend_from_slice(&payload);
+            Ok(())
+        })
+    }
+
+    /// Buffers a record whose payload `encode` writes at the end of the buffer it is given
+    /// (about `size_hint` bytes), and returns where it will live. Encoding in place saves a
+    /// buffer and a copy per record: frames are cut from large shared blocks, which both the
+    /// writer and the read cache then refer to.
+    pub(crate) fn append_with(
+        &mut self,
+        size_hint: usize,
+        encode: impl FnOnce(&mut BytesMut) -> Result<(), String>,
+    ) -> Result<Location, StorageError> {
+        let frame_len = usize::try_from(FRAME_LEN).unwrap_or(8);
+        if self.arena.capacity() < frame_len + size_hint {
+            self.arena.reserve(ARENA_BLOCK.max(frame_len + size_hint));
+        }
+        self.arena.extend_from_slice(&[0u8; 8]);
+        if let Err(e) = encode(&mut self.arena) {
+            self.arena.clear();
+            return Err(StorageError::Encode(e));
+        }
+        let payload_len = self.arena.len() - frame_len;
+        let Some(len) = u32::try_from(payload_len).ok().filter(|&l| l <= MAX_RECORD_LEN) else {
+            self.arena.clear();
+            return Err(StorageError::RecordTooLarge { len: payload_len, max: MAX_RECORD_LEN });
+        };
+        let crc = frame_crc(len, &self.arena[frame_len..]);
+        self.arena[..4].copy_from_slice(&len.to_le_bytes());
+        self.arena[4..8].copy_from_slice(&crc.to_le_bytes());
+        let frame = self.arena.split().freeze();
+        let payload = frame.slice(frame_len..);
         let offset = self.active_len;
         let segment = self.active;
         match self.pending.last_mut() {
-            Some(c) if c.segment == segment => encode_frame(&mut c.bytes, len, &payload),
-            _ => {
-                let mut bytes = Vec::new();
-                encode_frame(&mut bytes, len, &payload);
-                self.pending.push(Chunk { segment, offset, create: false, bytes });
-            }
+            Some(c) if c.segment == segment => c.frames.push(frame),
+            _ => self.pending.push(Chunk { segment, offset, create: false, frames: vec![frame] }),
         }
         self.active_len += FRAME_LEN + u64::from(len);
         self.cache_insert(segment, offset, payload);
@@ -332,7 +374,7 @@ impl Log {
             segment: self.active,
             offset: 0,
             create: true,
-            bytes: format::segment_header(self.active).to_vec(),
+            frames: vec![Bytes::copy_from_slice(&format::segment_header(self.active))],
         });
         self.active
     }
@@ -376,6 +418,12 @@ impl Log {
     pub(crate) fn flush_blocking(&mut self) -> Result<(), StorageError> {
         let seq = self.commit()?;
         self.durable.wait_blocking(seq)
+    }
+
+    /// A handle that holds the writer still, for tests of what waits for durability.
+    #[cfg(test)]
+    pub(crate) fn writer_gate(&self) -> WriterGate {
+        WriterGate(self.shared.clone())
     }
 
     /// How many `fdatasync` calls the writer has made on segment files.
@@ -487,6 +535,19 @@ impl Drop for Log {
         // Whatever was committed is written before the thread ends; uncommitted appends were
         // never acknowledged and are dropped.
         self.stop_writer();
+    }
+}
+
+/// Holds the writer still while a guard from [`WriterGate::hold`] lives: commits queue up
+/// and none becomes durable.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct WriterGate(Arc<Shared>);
+
+#[cfg(test)]
+impl WriterGate {
+    pub(crate) fn hold(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.0.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

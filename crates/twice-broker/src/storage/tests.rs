@@ -241,3 +241,43 @@ fn oversized_records_are_refused() {
     let big = Bytes::from(vec![0u8; usize::try_from(MAX_RECORD_LEN).unwrap() + 1]);
     assert!(matches!(log.append(big), Err(StorageError::RecordTooLarge { .. })));
 }
+
+#[test]
+fn records_encoded_in_place_span_blocks_and_a_failed_encoding_leaves_no_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, _) = Log::open(dir.path(), opts(64 << 20, 0)).unwrap();
+    let mut locs = Vec::new();
+    // Enough large records to need several arena blocks, with a commit now and then so that
+    // frames of one block go to the writer in different commits.
+    for i in 0..600 {
+        let body = vec![u8::try_from(i % 251).unwrap(); 1000 + i];
+        let loc = log
+            .append_with(16, |buf| {
+                buf.extend_from_slice(&body);
+                Ok(())
+            })
+            .unwrap();
+        locs.push((loc, body));
+        if i % 50 == 0 {
+            log.commit().unwrap();
+        }
+        if i % 100 == 7 {
+            let err = log
+                .append_with(16, |buf| {
+                    buf.extend_from_slice(b"half a record");
+                    Err("no".to_owned())
+                })
+                .unwrap_err();
+            assert!(matches!(err, StorageError::Encode(_)));
+        }
+    }
+    log.close().unwrap();
+    let (log, replay) = Log::open(dir.path(), opts(64 << 20, 0)).unwrap();
+    let got = replay_all(replay).unwrap();
+    assert_eq!(got.len(), locs.len());
+    for ((loc, bytes), (want_loc, body)) in got.iter().zip(&locs) {
+        assert_eq!(loc, want_loc);
+        assert_eq!(bytes.as_ref(), body.as_slice());
+        assert_eq!(log.read(*loc).unwrap().as_ref(), body.as_slice());
+    }
+}

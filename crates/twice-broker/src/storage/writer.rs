@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex};
 
+use bytes::Bytes;
 use tokio::sync::watch;
 
 use super::format::segment_file_name;
@@ -25,7 +26,14 @@ pub(crate) struct Chunk {
     pub(crate) offset: u64,
     /// Whether this chunk starts a new segment file (it then begins with the header).
     pub(crate) create: bool,
-    pub(crate) bytes: Vec<u8>,
+    /// Framed records (or a segment header), back to back from `offset`.
+    pub(crate) frames: Vec<Bytes>,
+}
+
+impl Chunk {
+    fn len(&self) -> u64 {
+        self.frames.iter().map(|f| len_u64(f)).sum()
+    }
 }
 
 /// Work for the writer thread, in order.
@@ -96,6 +104,9 @@ pub(crate) struct Writer {
     /// Open write handles, normally only the active segment.
     pub(crate) files: HashMap<u64, File>,
     pub(crate) durable_seq: u64,
+    /// Where a run of frames is gathered for one write; kept between commits so that its
+    /// memory is reused.
+    pub(crate) buf: Vec<u8>,
 }
 
 impl Writer {
@@ -152,21 +163,29 @@ impl Writer {
     /// Writes `chunks` (contiguous runs per segment, in segment order) with one write and one
     /// fdatasync per segment, then publishes `seq` as durable.
     fn flush(&mut self, chunks: Vec<Chunk>, seq: u64) -> io::Result<()> {
-        let mut runs: Vec<Chunk> = Vec::new();
+        // Contiguous chunks of one segment form a run: one write, one sync.
+        let mut runs: Vec<Vec<Chunk>> = Vec::new();
         for c in chunks {
-            match runs.last_mut() {
-                Some(last)
-                    if last.segment == c.segment
-                        && last.offset + len_u64(&last.bytes) == c.offset =>
-                {
-                    last.bytes.extend_from_slice(&c.bytes);
+            match runs.last_mut().and_then(|r| r.last().map(|l| (l.segment, l.offset + l.len()))) {
+                Some((segment, end)) if segment == c.segment && end == c.offset && !c.create => {
+                    if let Some(run) = runs.last_mut() {
+                        run.push(c);
+                    }
                 }
-                _ => runs.push(c),
+                _ => runs.push(vec![c]),
             }
         }
         let n = runs.len();
         for (i, run) in runs.into_iter().enumerate() {
-            if run.create {
+            let (segment, offset, create) = (run[0].segment, run[0].offset, run[0].create);
+            self.buf.clear();
+            for frame in run.iter().flat_map(|c| &c.frames) {
+                self.buf.extend_from_slice(frame);
+            }
+            // The frames go now: the blocks they were cut from are freed as soon as the read
+            // cache lets go too.
+            drop(run);
+            if create {
                 // A segment file exists only once every earlier segment is complete on disk
                 // (the previous run was synced below), so a crash never leaves a hole in a
                 // segment that is not the last one.
@@ -175,35 +194,42 @@ impl Writer {
                     .write(true)
                     .create(true)
                     .truncate(true)
-                    .open(self.dir.join(segment_file_name(run.segment)))?;
+                    .open(self.dir.join(segment_file_name(segment)))?;
                 // Only the newest segment is written to from now on.
                 self.files.clear();
-                self.files.insert(run.segment, f);
+                self.files.insert(segment, f);
             }
-            let file = match self.files.get(&run.segment) {
+            let file = match self.files.get(&segment) {
                 Some(f) => f,
                 None => {
                     let f = OpenOptions::new()
                         .write(true)
-                        .open(self.dir.join(segment_file_name(run.segment)))?;
-                    self.files.entry(run.segment).or_insert(f)
+                        .open(self.dir.join(segment_file_name(segment)))?;
+                    self.files.entry(segment).or_insert(f)
                 }
             };
-            file.write_all_at(&run.bytes, run.offset)?;
+            file.write_all_at(&self.buf, offset)?;
             if i + 1 == n {
                 self.shared.written.store(seq, Ordering::Release);
             }
             file.sync_data()?;
             self.shared.fsyncs.fetch_add(1, Ordering::Relaxed);
-            if run.create {
+            if create {
                 sync_dir(&self.dir)?;
             }
+        }
+        // A burst of large commits should not keep its buffer for good.
+        if self.buf.capacity() > MAX_KEPT_BUFFER {
+            self.buf = Vec::new();
         }
         self.durable_seq = seq;
         self.shared.publish(DurableState { seq, failed: None });
         Ok(())
     }
 }
+
+/// The largest write buffer the writer keeps between commits.
+const MAX_KEPT_BUFFER: usize = 8 << 20;
 
 fn len_u64(b: &[u8]) -> u64 {
     u64::try_from(b.len()).unwrap_or(u64::MAX)

@@ -1,9 +1,11 @@
 //! Integration tests of twice-broker: durability across restarts, corruption, crashes under
-//! load, memory with a large backlog, long polls, and the in-process transport.
+//! load, memory with a large backlog, long polls, subscription rules and session listing, and
+//! the in-process transport.
 
 mod corruption;
 mod crash;
 mod durability;
+mod management;
 mod memory;
 mod receive;
 mod support;

@@ -37,7 +37,7 @@ use crate::config::{
 };
 use crate::engine::{
     Body, Delivery, Engine, EngineOptions, Location, ReceiveMode, Record, SendOutcome, SessionLock,
-    WaiterId,
+    SessionSummary, WaiterId,
 };
 use crate::error::Error;
 
@@ -429,6 +429,25 @@ impl World {
                 let w = o.get("wait").map(|w| self.waiter(w));
                 let ds = self.engine.receive_session(now, self.session(args[0]), mode, n, w)?;
                 Ok(self.fmt_deliveries(&ds))
+            }
+            "sessions" => {
+                let e = self.engine.resolve(args[0])?;
+                let list = self.engine.sessions(now, e)?;
+                let fmt = |s: &SessionSummary| {
+                    let mut out = s.session_id.to_string();
+                    if !s.has_messages {
+                        out.push_str(" (state only)");
+                    }
+                    if let Some(b) = &s.state {
+                        out.push_str(&format!(" state={}", String::from_utf8_lossy(b)));
+                    }
+                    out
+                };
+                Ok(if list.is_empty() {
+                    "none".to_owned()
+                } else {
+                    list.iter().map(fmt).collect::<Vec<_>>().join(", ")
+                })
             }
             "srenew" => {
                 let t = self.engine.renew_session_lock(now, self.session(args[0]))?;

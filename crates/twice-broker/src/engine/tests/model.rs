@@ -14,6 +14,9 @@
 //! live locks", "a session is never held twice" and "FIFO within a session" are checked: the
 //! engine may only deliver what the model says is available, in sequence order.
 //!
+//! Even seeds run the engine with the options of the broker's runtime (a body cache, deferred
+//! serving of waiters, freed messages collected), odd seeds with the defaults.
+//!
 //! `TWICE_MODEL_SEEDS=n` runs n seeds (default 200), `TWICE_MODEL_STEPS=n` makes each seed
 //! run n steps (default 1000, which keeps the default run near 10 s in a debug build on two
 //! cores), and `TWICE_MODEL_SEED=s` runs one seed.
@@ -41,6 +44,20 @@ const RECEIVERS: usize = 3;
 const SESSIONS: [&str; 3] = ["a", "b", "c"];
 /// Steps per seed by default; `TWICE_MODEL_STEPS` changes it.
 const STEPS: usize = 1000;
+
+/// Half the seeds run with the options the broker's runtime uses: a small cache of stored
+/// bodies (so that bodies are often evicted), deferred serving of waiters, and freed messages
+/// collected.
+fn engine_options(seed: u64, engine_seed: u64) -> EngineOptions {
+    let runtime = seed % 2 == 0;
+    EngineOptions {
+        seed: engine_seed,
+        body_cache_bytes: if runtime { 2048 } else { 0 },
+        deferred_serving: runtime,
+        collect_freed: runtime,
+        ..EngineOptions::default()
+    }
+}
 
 #[test]
 fn model() {
@@ -327,8 +344,7 @@ struct Sim {
 impl Sim {
     fn new(seed: u64) -> Self {
         let now = Timestamp::from_millis(1_893_456_000_000);
-        let mut engine =
-            Engine::new(EngineOptions { seed: seed * 1000, ..EngineOptions::default() });
+        let mut engine = Engine::new(engine_options(seed, seed * 1000));
         let q = QueueProperties::default()
             .with_lock_duration(LOCK)
             .with_max_delivery_count(MAX_DC)
@@ -430,6 +446,9 @@ impl Sim {
                 self.trace.drain(..32);
             }
             self.one_step();
+            // What a runtime does after each turn.
+            self.engine.serve_waiters(self.now);
+            drop(self.engine.take_freed());
             self.sync();
             // Keep the log short, as a runtime does: rotate full segments, compact old ones.
             if self.segments.last().is_some_and(|s| s.records.len() > 64) {
@@ -996,8 +1015,7 @@ impl Sim {
     fn restart(&mut self) {
         self.trace.push("restart".to_owned());
         self.sync();
-        let mut engine =
-            Engine::new(EngineOptions { seed: self.rng.next(), ..EngineOptions::default() });
+        let mut engine = Engine::new(engine_options(self.seed, self.rng.next()));
         for seg in &self.segments {
             for (i, r) in seg.records.iter().enumerate() {
                 let loc = Location { segment: seg.id, offset: i as u64, len: 0 };

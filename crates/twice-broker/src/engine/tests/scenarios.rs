@@ -145,6 +145,62 @@ fn topic_copies_to_every_matching_subscription() {
 }
 
 #[test]
+fn a_subscription_without_rules_receives_nothing() {
+    check(
+        r"
+        topic t
+        sub t s
+        sub t r rule=red:label=red
+        send t a label=red
+        update sub t s
+        update sub t r
+        send t b label=red
+        restart
+        send t c label=red
+        peek t/Subscriptions/s
+        peek t/Subscriptions/r
+        update sub t s rule=all:true
+        send t d
+        peek t/Subscriptions/s
+        ",
+        r"
+        send t a label=red => 1
+        send t b label=red => 2
+        send t c label=red => 3
+        peek t/Subscriptions/s => a#1 dc=1
+        peek t/Subscriptions/r => a#1 dc=1
+        send t d => 4
+        peek t/Subscriptions/s => a#1 dc=1, d#4 dc=1
+        ",
+    );
+}
+
+#[test]
+fn a_subscription_recorded_with_an_empty_rule_list_has_the_default_rule() {
+    // Logs written before a subscription could lose all its rules record `$Default` as an
+    // empty list.
+    let mut w = super::harness::World::new();
+    w.run("topic t");
+    w.sync();
+    let sub = crate::config::EntityDefinition::subscription("t", "s", Default::default(), vec![]);
+    w.log.push(crate::engine::Record::Entity {
+        id: crate::engine::EntityId(2),
+        definition: Box::new(sub),
+        next_sequence: 1,
+    });
+    w.restart().unwrap();
+    let out = w.run("send t a\npeek t/Subscriptions/s");
+    assert_eq!(out.trim(), "send t a => 1\npeek t/Subscriptions/s => a#1 dc=1");
+    let s = w.engine.resolve("t/Subscriptions/s").unwrap();
+    let crate::config::EntityDefinition::Subscription { rules, .. } =
+        w.engine.definition(s).unwrap()
+    else {
+        panic!("not a subscription")
+    };
+    assert_eq!(rules, vec![crate::config::Rule::default_rule()]);
+}
+
+#[test]
 fn correlation_filter_fields() {
     check(
         r"
@@ -1281,6 +1337,43 @@ fn a_topic_message_without_session_is_dead_lettered_in_a_session_subscription() 
     );
 }
 
+#[test]
+fn sessions_are_listed_by_their_oldest_message_then_state_only() {
+    check(
+        r"
+        queue q session
+        sessions q
+        send q a session=s2
+        send q b session=s1
+        send q c session=s2
+        sessions q
+        accept q s1
+        srecv s1
+        sstate s1 = x
+        sessions q
+        complete b
+        send q d session=s3 at=+10s
+        sessions q
+        sessions q/$DeadLetterQueue
+        ",
+        r#"
+        sessions q => none
+        send q a session=s2 => 1
+        send q b session=s1 => 2
+        send q c session=s2 => 3
+        sessions q => s2, s1
+        accept q s1 => s1 until=+60s
+        srecv s1 => b#2 dc=1 s=s1
+        sstate s1 = x => ok
+        sessions q => s2, s1 state=x
+        complete b => ok
+        send q d session=s3 at=+10s => 4
+        sessions q => s2, s3, s1 (state only) state=x
+        sessions q/$DeadLetterQueue => err SessionsNotEnabled("q/$DeadLetterQueue")
+        "#,
+    );
+}
+
 // ----- 11. peek, DLQ, resubmit ------------------------------------------------------------------
 
 #[test]
@@ -1695,4 +1788,35 @@ fn monotone_counters() {
     assert_eq!(w.engine.total_counters(), c);
     let names: Vec<String> = w.engine.entities().into_iter().map(|(_, p)| p).collect();
     assert_eq!(names, ["q"]);
+}
+
+#[test]
+fn deferred_serving_hands_a_parked_receiver_a_batch_and_keeps_it_first() {
+    use crate::config::EntityDefinition;
+    use crate::engine::{Engine, EngineOptions, ReceiveMode, WaiterId};
+    use twice::Message;
+    let now = twice::Timestamp::from_millis(1_893_456_000_000);
+    let mut e = Engine::new(EngineOptions { deferred_serving: true, ..EngineOptions::default() });
+    let q = e.create_entity(now, EntityDefinition::queue("q", Default::default())).unwrap();
+    let parked = e.receive(now, q, ReceiveMode::PeekLock, 10, Some(WaiterId(1))).unwrap();
+    assert!(parked.is_empty());
+    for id in ["a", "b"] {
+        e.send(now, q, vec![Message::new("x").with_message_id(id)]).unwrap();
+    }
+    // Sends leave the waiter parked: it is served once, with both messages.
+    assert!(e.take_ready().is_empty());
+    // A receive that comes later does not overtake it.
+    let later = e.receive(now, q, ReceiveMode::PeekLock, 10, None).unwrap();
+    assert!(later.is_empty());
+    let ready = e.take_ready();
+    assert_eq!(ready.len(), 1);
+    let (w, got) = &ready[0];
+    assert_eq!(*w, WaiterId(1));
+    let seqs: Vec<i64> = got.iter().map(|d| d.meta.sequence_number.get()).collect();
+    assert_eq!(seqs, [1, 2]);
+    // With nobody parked, serving does nothing and messages wait for the next receive.
+    e.send(now, q, vec![Message::new("x").with_message_id("c")]).unwrap();
+    e.serve_waiters(now);
+    assert!(e.take_ready().is_empty());
+    assert_eq!(e.receive(now, q, ReceiveMode::PeekLock, 10, None).unwrap().len(), 1);
 }

@@ -1,0 +1,64 @@
+//! Subscription rules and session listing through the broker's API.
+
+use twice::{ManualClock, Message, SessionId};
+use twice_broker::config::{
+    Filter, QueueProperties, Rule, SubscriptionProperties, TopicProperties,
+};
+
+use crate::support::{NOW, open};
+
+#[tokio::test]
+async fn a_subscription_whose_rules_are_all_deleted_receives_nothing_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::default();
+    let broker = open(dir.path(), &clock).await;
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    broker.create_subscription("t", "s", SubscriptionProperties::default()).await.unwrap();
+    // Created without rules, it has the `$Default` rule, as in Service Bus.
+    assert_eq!(broker.get_rules("t", "s").await.unwrap(), vec![Rule::default_rule()]);
+    broker.send("t", Message::new("one")).await.unwrap();
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 1);
+
+    broker.delete_rule("t", "s", Rule::DEFAULT_NAME).await.unwrap();
+    assert_eq!(broker.get_rules("t", "s").await.unwrap(), vec![]);
+    broker.send("t", Message::new("two")).await.unwrap();
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 1);
+    broker.shutdown().await;
+
+    let broker = open(dir.path(), &clock).await;
+    assert_eq!(broker.get_rules("t", "s").await.unwrap(), vec![]);
+    broker.send("t", Message::new("three")).await.unwrap();
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 1);
+    broker.create_rule("t", "s", Rule::new("all", Filter::True)).await.unwrap();
+    broker.send("t", Message::new("four")).await.unwrap();
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 2);
+    broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn sessions_are_listed_in_order_of_their_oldest_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::default();
+    let broker = open(dir.path(), &clock).await;
+    broker.create_queue("q", QueueProperties::default().with_requires_session(true)).await.unwrap();
+    assert!(broker.list_sessions("q").await.unwrap().is_empty());
+    for (i, session) in ["s2", "s1", "s2", "s3"].into_iter().enumerate() {
+        let m = Message::new(format!("m{i}")).with_session_id(session);
+        broker.send("q", m).await.unwrap();
+    }
+    let s1 = SessionId::from("s1");
+    // A session whose message is locked is still listed; one whose messages are all gone is
+    // not, even with state.
+    let held = broker.accept_session("q", &s1).await.unwrap();
+    let got = held.receive(1, NOW).await.unwrap();
+    let ids = |v: Vec<SessionId>| v.into_iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(ids(broker.list_sessions("q").await.unwrap()), ["s2", "s1", "s3"]);
+    held.set_state(Some("state".into())).await.unwrap();
+    held.complete(got[0].lock_token.unwrap()).await.unwrap();
+    assert_eq!(ids(broker.list_sessions("q").await.unwrap()), ["s2", "s3"]);
+    assert!(matches!(
+        broker.list_sessions("q/$DeadLetterQueue").await,
+        Err(twice_broker::Error::SessionsNotEnabled(_))
+    ));
+    broker.shutdown().await;
+}
