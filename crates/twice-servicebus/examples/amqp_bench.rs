@@ -1,16 +1,38 @@
-//! Throughput and latency of the AMQP front end on a durable broker: publish 1 KiB messages
-//! with 256 in flight, then receive and complete them with 256 credits, from a Rust client on
-//! the same machine. Prints msgs/s, p50/p99 latency and server CPU time per message.
+//! `twice serve` next to RabbitMQ, measured in one run on this machine: durable 1 KiB messages
+//! published with 256 in flight (each acknowledged once on disk), then received and settled one
+//! by one with 256 credits (RabbitMQ: prefetch 256), from Rust clients on the same machine.
 //!
-//! `cargo run --release -p twice-servicebus --example amqp_bench -- [messages]`
+//! twice is driven over AMQP 1.0 by a minimal client (peek-lock, settle mode second: each
+//! completion waits for the server's echo); RabbitMQ by lapin on a quorum queue with publisher
+//! confirms, persistent messages and one manual ack per message. Prints msgs/s, latency
+//! percentiles, and the server's and the client's CPU time per message (from `/proc`), the
+//! median of the runs, side by side; then how fast the `twice` binary starts and how much
+//! memory it holds idle.
+//!
+//! ```text
+//! cargo build --release -p twice-cli
+//! cargo run --release -p twice-servicebus --example amqp_bench -- \
+//!     [--messages 50000] [--runs 3] [--twice target/release/twice | --in-process] \
+//!     [--rabbitmq amqp://guest:guest@127.0.0.1:5672/%2f | --no-rabbitmq]
+//! ```
+//!
+//! With `--in-process` (or when the binary is missing) the server runs inside this process on a
+//! runtime of its own, and its CPU time is that of its threads.
 
-#![allow(clippy::disallowed_methods)] // reason: a benchmark measures elapsed time with a monotonic clock
-#![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)] // reason: report arithmetic on small counts
+#![allow(clippy::disallowed_methods)] // reason: a benchmark measures elapsed real time with a monotonic clock
+#![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)] // reason: report arithmetic on counts far below 2^52
+#![allow(clippy::unwrap_used, clippy::expect_used)] // reason: a benchmark stops loudly on setup errors
 
 use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use bytes::Bytes;
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use twice_broker::config::Config;
@@ -24,14 +46,85 @@ use twice_servicebus::performative::{
 use twice_servicebus::{Server, ServerOptions};
 
 const IN_FLIGHT: usize = 256;
+const BODY: usize = 1024;
+const QUEUE: &str = "bench";
+const CONFIG: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Queues":[{"Name":"bench","Properties":{"LockDuration":"PT5M","MaxDeliveryCount":10}}],"Topics":[]}]}}"#;
 
-fn cpu_time() -> Duration {
-    // utime + stime of this process, in clock ticks (100 per second on Linux).
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// Clock ticks per second of `/proc/*/stat` (`getconf CLK_TCK`, 100 on Linux).
+const TICKS: u64 = 100;
+
+/// One phase of one run.
+#[derive(Clone, Copy, Debug)]
+struct Phase {
+    rate: f64,
+    p50: Option<Duration>,
+    p99: Option<Duration>,
+    server_cpu: Duration,
+    client_cpu: Duration,
+    messages: usize,
+}
+
+impl Phase {
+    fn server_us(&self) -> f64 {
+        self.server_cpu.as_secs_f64() * 1e6 / self.messages as f64
+    }
+
+    fn client_us(&self) -> f64 {
+        self.client_cpu.as_secs_f64() * 1e6 / self.messages as f64
+    }
+}
+
+/// What a phase measures its server's CPU time from.
+#[derive(Clone, Debug)]
+enum Cpu {
+    /// Another process.
+    Process(u32),
+    /// The threads of this process whose names start with `twice-`.
+    Threads,
+}
+
+impl Cpu {
+    fn read(&self) -> Duration {
+        match self {
+            Cpu::Process(pid) => stat_cpu(&format!("/proc/{pid}/stat")),
+            Cpu::Threads => server_threads_cpu(),
+        }
+    }
+}
+
+/// utime + stime of a `/proc/.../stat` file.
+fn stat_cpu(path: &str) -> Duration {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
     let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
     let ticks: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
         + fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+    Duration::from_millis(ticks * 1000 / TICKS)
+}
+
+/// The CPU time of this process's server threads (`twice-server`, `twice-broker`,
+/// `twice-log-writer`).
+fn server_threads_cpu() -> Duration {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return Duration::ZERO };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("twice-"))
+        })
+        .map(|t| stat_cpu(&t.path().join("stat").to_string_lossy()))
+        .sum()
+}
+
+fn own_cpu() -> Duration {
+    stat_cpu("/proc/self/stat")
+}
+
+/// The pid of the RabbitMQ server (its Erlang VM).
+fn rabbitmq_pid() -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim() == "beam.smp").then_some(pid)
+    })
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -42,6 +135,32 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// A phase from its wall time, latencies and CPU readings.
+fn phase(
+    messages: usize,
+    elapsed: Duration,
+    mut latencies: Vec<Duration>,
+    server_cpu: Duration,
+    client_cpu: Duration,
+) -> Phase {
+    latencies.sort();
+    let (p50, p99) = if latencies.is_empty() {
+        (None, None)
+    } else {
+        (Some(percentile(&latencies, 0.5)), Some(percentile(&latencies, 0.99)))
+    };
+    Phase {
+        rate: messages as f64 / elapsed.as_secs_f64(),
+        p50,
+        p99,
+        server_cpu,
+        client_cpu,
+        messages,
+    }
+}
+
+// ----- twice: a minimal AMQP 1.0 client --------------------------------------------------------
+
 struct Client {
     reader: FrameReader<tokio::net::tcp::OwnedReadHalf>,
     writer: tokio::net::tcp::OwnedWriteHalf,
@@ -49,8 +168,8 @@ struct Client {
 }
 
 impl Client {
-    async fn connect(port: u16) -> anyhow::Result<Self> {
-        let s = TcpStream::connect(("127.0.0.1", port)).await?;
+    async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
+        let s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
         let (r, w) = s.into_split();
         let mut c = Self { reader: FrameReader::new(r, 1 << 20), writer: w, out: Vec::new() };
@@ -88,14 +207,13 @@ impl Client {
         Ok(c)
     }
 
-    async fn next(&mut self) -> anyhow::Result<(Performative, Bytes)> {
+    async fn next(&mut self) -> anyhow::Result<Performative> {
         loop {
             let f = self.reader.read_frame().await?;
             if f.body.is_empty() {
                 continue;
             }
-            let (p, payload) = Performative::decode(&f.body)?;
-            return Ok((p, Bytes::copy_from_slice(payload)));
+            return Ok(Performative::decode(&f.body)?.0);
         }
     }
 
@@ -109,17 +227,13 @@ impl Client {
         Ok(())
     }
 
-    async fn attach(
-        &mut self,
-        handle: u32,
-        client_receives: bool,
-        address: &str,
-    ) -> anyhow::Result<()> {
+    /// Attaches a link; for a sender, returns how many transfers the server's credit allows.
+    async fn attach(&mut self, handle: u32, client_receives: bool) -> anyhow::Result<u32> {
         let t = |code, a: &str| described_list(code, vec![Value::string(a)]);
         let (source, target) = if client_receives {
-            (t(0x28, address), t(0x29, "bench"))
+            (t(0x28, QUEUE), t(0x29, "bench"))
         } else {
-            (t(0x28, "bench"), t(0x29, address))
+            (t(0x28, "bench"), t(0x29, QUEUE))
         };
         self.push(
             Performative::Attach(Attach {
@@ -137,44 +251,40 @@ impl Client {
         );
         self.flush().await?;
         self.next().await?;
-        if !client_receives {
-            self.next().await?; // credit
+        if client_receives {
+            return Ok(0);
         }
-        Ok(())
+        match self.next().await? {
+            Performative::Flow(f) => Ok(f.delivery_count.unwrap_or(0) + f.link_credit.unwrap_or(0)),
+            other => anyhow::bail!("expected credit, got {other:?}"),
+        }
     }
 }
 
-fn message(i: usize, body: &[u8]) -> Vec<u8> {
-    let m = twice::Message::new(body.to_vec()).with_message_id(format!("m{i}"));
-    twice_servicebus::mapping::encode_message(&m)
+fn flow(handle: u32, delivery_count: u32, credit: u32) -> Performative {
+    Performative::Flow(Flow {
+        next_incoming_id: Some(0),
+        incoming_window: u32::MAX / 2,
+        next_outgoing_id: 0,
+        outgoing_window: u32::MAX / 2,
+        handle: Some(handle),
+        delivery_count: Some(delivery_count),
+        link_credit: Some(credit),
+        ..Flow::default()
+    })
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> anyhow::Result<()> {
-    let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(50_000);
-    let dir = tempfile::tempdir()?;
-    let config = Config::from_json(
-        r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Queues":[{"Name":"bench","Properties":{"LockDuration":"PT5M","MaxDeliveryCount":10}}],"Topics":[]}]}}"#,
-    )?;
-    let broker = Broker::open(BrokerOptions::durable(dir.path()).with_config(config)).await?;
-    let options = ServerOptions::new().amqp_addr("127.0.0.1:0".parse()?).http_addr(None);
-    let server = Server::bind(options, broker.clone()).await?;
-    let port = server.amqp_addr().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.run(async move {
-        let _ = stopped.await;
-    }));
-    let body = vec![b'x'; 1024];
-
-    // Publish, 256 unsettled transfers in flight.
-    let mut c = Client::connect(port).await?;
-    c.attach(0, false, "bench").await?;
+/// Publishes `n` messages, 256 unsettled transfers in flight; latency is send to `accepted`.
+async fn twice_publish(addr: SocketAddr, n: usize, cpu: &Cpu) -> anyhow::Result<Phase> {
+    let body = vec![b'x'; BODY];
+    let mut c = Client::connect(addr).await?;
+    let mut credit = c.attach(0, false).await?;
     let mut sent_at: HashMap<u32, Instant> = HashMap::new();
     let mut latencies = Vec::with_capacity(n);
-    let (cpu0, t0) = (cpu_time(), Instant::now());
+    let (server0, client0, t0) = (cpu.read(), own_cpu(), Instant::now());
     let mut next = 0usize;
     while latencies.len() < n {
-        while next < n && sent_at.len() < IN_FLIGHT {
+        while next < n && sent_at.len() < IN_FLIGHT && credit > 0 {
             let id = u32::try_from(next)?;
             let t = Transfer {
                 handle: 0,
@@ -184,65 +294,71 @@ async fn main() -> anyhow::Result<()> {
                 settled: Some(false),
                 ..Transfer::default()
             };
-            c.push(Performative::Transfer(t), &message(next, &body));
+            let m = twice::Message::new(body.clone()).with_message_id(format!("m{next}"));
+            c.push(Performative::Transfer(t), &twice_servicebus::mapping::encode_message(&m));
             sent_at.insert(id, Instant::now());
+            credit -= 1;
             next += 1;
         }
         c.flush().await?;
-        if let (Performative::Disposition(d), _) = c.next().await? {
-            for id in d.first..=d.last.unwrap_or(d.first) {
-                if let Some(at) = sent_at.remove(&id) {
-                    latencies.push(at.elapsed());
+        match c.next().await? {
+            Performative::Disposition(d) => {
+                for id in d.first..=d.last.unwrap_or(d.first) {
+                    if let Some(at) = sent_at.remove(&id) {
+                        latencies.push(at.elapsed());
+                    }
                 }
             }
+            // The server's credit: delivery-count plus link-credit is where sending may go.
+            Performative::Flow(f) => {
+                let limit = f.delivery_count.unwrap_or(0) + f.link_credit.unwrap_or(0);
+                credit = limit.saturating_sub(u32::try_from(next)?);
+            }
+            _ => {}
         }
     }
-    let (publish_time, publish_cpu) = (t0.elapsed(), cpu_time().saturating_sub(cpu0));
-    latencies.sort();
-    println!(
-        "publish          {:>8.0} msg/s  p50 {:>7.2} ms  p99 {:>7.2} ms  cpu {:>6.1} µs/msg",
-        n as f64 / publish_time.as_secs_f64(),
-        percentile(&latencies, 0.5).as_secs_f64() * 1e3,
-        percentile(&latencies, 0.99).as_secs_f64() * 1e3,
-        publish_cpu.as_secs_f64() * 1e6 / n as f64,
-    );
+    let elapsed = t0.elapsed();
+    let (server, client) = (cpu.read() - server0, own_cpu() - client0);
+    Ok(phase(n, elapsed, latencies, server, client.saturating_sub(own_share(cpu, server))))
+}
 
-    // Receive and complete: 256 credits, each completion waits for the server's echo.
-    let mut r = Client::connect(port).await?;
-    r.attach(1, true, "bench").await?;
+/// This process's CPU time that is the server's (when it runs in this process).
+fn own_share(cpu: &Cpu, server: Duration) -> Duration {
+    match cpu {
+        Cpu::Threads => server,
+        Cpu::Process(_) => Duration::ZERO,
+    }
+}
+
+/// Receives and completes `n` messages with 256 credits, refilled at half; latency is from a
+/// delivery's arrival to the echo of its completion.
+async fn twice_receive(addr: SocketAddr, n: usize, cpu: &Cpu) -> anyhow::Result<Phase> {
+    let mut r = Client::connect(addr).await?;
+    r.attach(1, true).await?;
     let mut delivered: VecDeque<(u32, Instant)> = VecDeque::new();
     let mut pending: HashMap<u32, Instant> = HashMap::new();
     let mut completed = 0usize;
     let mut latencies = Vec::with_capacity(n);
     let mut delivery_count = 0u32;
     let mut granted_at = 0u32;
-    let (cpu0, t0) = (cpu_time(), Instant::now());
-    let flow = |dc: u32, credit: u32| {
-        Performative::Flow(Flow {
-            next_incoming_id: Some(0),
-            incoming_window: u32::MAX / 2,
-            next_outgoing_id: 0,
-            outgoing_window: u32::MAX / 2,
-            handle: Some(1),
-            delivery_count: Some(dc),
-            link_credit: Some(credit),
-            ..Flow::default()
-        })
-    };
-    r.push(flow(0, u32::try_from(IN_FLIGHT)?), &[]);
+    let in_flight = u32::try_from(IN_FLIGHT)?;
+    let (server0, client0, t0) = (cpu.read(), own_cpu(), Instant::now());
+    r.push(flow(1, 0, in_flight), &[]);
     r.flush().await?;
     while completed < n {
         match r.next().await? {
-            (Performative::Transfer(t), _) => {
+            Performative::Transfer(t) => {
                 if let Some(id) = t.delivery_id {
                     delivered.push_back((id, Instant::now()));
                     delivery_count += 1;
                 }
             }
-            (Performative::Disposition(d), _) => {
-                if let Some(at) = pending.remove(&d.first) {
-                    latencies.push(at.elapsed());
-                    completed += 1;
+            Performative::Disposition(d) => {
+                for id in d.first..=d.last.unwrap_or(d.first) {
+                    if let Some(at) = pending.remove(&id) {
+                        latencies.push(at.elapsed());
+                        completed += 1;
+                    }
                 }
             }
             _ => {}
@@ -258,24 +374,356 @@ async fn main() -> anyhow::Result<()> {
             r.push(Performative::Disposition(done), &[]);
             pending.insert(id, at);
         }
-        if delivery_count - granted_at >= u32::try_from(IN_FLIGHT / 2)? {
+        if delivery_count - granted_at >= in_flight / 2 {
             granted_at = delivery_count;
-            r.push(flow(delivery_count, u32::try_from(IN_FLIGHT)?), &[]);
+            r.push(flow(1, delivery_count, in_flight), &[]);
         }
         r.flush().await?;
     }
-    let (receive_time, receive_cpu) = (t0.elapsed(), cpu_time().saturating_sub(cpu0));
-    latencies.sort();
+    let elapsed = t0.elapsed();
+    let (server, client) = (cpu.read() - server0, own_cpu() - client0);
+    Ok(phase(n, elapsed, latencies, server, client.saturating_sub(own_share(cpu, server))))
+}
+
+// ----- RabbitMQ with lapin ----------------------------------------------------------------------
+
+async fn rabbitmq_run(uri: &str, n: usize, run: usize) -> anyhow::Result<(Phase, Phase)> {
+    use lapin::options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+        ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+    let cpu = Cpu::Process(rabbitmq_pid().context("no beam.smp process: is RabbitMQ running?")?);
+    let queue = format!("twice-bench-{}-{run}", std::process::id());
+    let conn = Connection::connect(uri, ConnectionProperties::default())
+        .await
+        .with_context(|| format!("connecting to RabbitMQ at {uri}"))?;
+    let ch = conn.create_channel().await?;
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    ch.queue_declare(queue.as_str().into(), durable, args).await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+
+    let body = vec![b'x'; BODY];
+    let persistent = BasicProperties::default().with_delivery_mode(2);
+    let mut in_flight = FuturesUnordered::new();
+    let mut latencies = Vec::with_capacity(n);
+    let (server0, client0, t0) = (cpu.read(), own_cpu(), Instant::now());
+    for _ in 0..n {
+        if in_flight.len() >= IN_FLIGHT {
+            if let Some(r) = in_flight.next().await {
+                latencies.push(r?);
+            }
+        }
+        let at = Instant::now();
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                persistent.clone(),
+            )
+            .await?;
+        in_flight.push(async move {
+            let c = confirm.await?;
+            anyhow::ensure!(c.is_ack(), "RabbitMQ did not confirm a publish");
+            Ok::<_, anyhow::Error>(at.elapsed())
+        });
+    }
+    while let Some(r) = in_flight.next().await {
+        latencies.push(r?);
+    }
+    let elapsed = t0.elapsed();
+    let publish = phase(n, elapsed, latencies, cpu.read() - server0, own_cpu() - client0);
+
+    let consumer_ch = conn.create_channel().await?;
+    consumer_ch.basic_qos(u16::try_from(IN_FLIGHT)?, BasicQosOptions::default()).await?;
+    let (server0, client0, t0) = (cpu.read(), own_cpu(), Instant::now());
+    let mut consumer = consumer_ch
+        .basic_consume(
+            queue.as_str().into(),
+            "twice-bench".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut acked = 0;
+    while acked < n {
+        let delivery = consumer.next().await.context("the consumer ended")??;
+        delivery.ack(BasicAckOptions::default()).await?;
+        acked += 1;
+    }
+    let elapsed = t0.elapsed();
+    // An ack has no confirmation in AMQP 0-9-1: there is no settlement latency to report.
+    let consume = phase(n, elapsed, Vec::new(), cpu.read() - server0, own_cpu() - client0);
+    consumer_ch.close(200, "done".into()).await?;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    conn.close(200, "done".into()).await?;
+    Ok((publish, consume))
+}
+
+// ----- the twice server under test --------------------------------------------------------------
+
+/// A `twice serve` child process; killed when dropped.
+struct Serve {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts `twice serve` on a fresh data directory; returns it and how long it took to accept a
+/// TCP connection after the spawn.
+fn spawn_serve(binary: &Path) -> anyhow::Result<(Serve, Duration)> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let t0 = Instant::now();
+    let child = Command::new(binary)
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .arg("--amqp")
+        .arg(addr.to_string())
+        .arg("--no-http")
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let mut serve = Serve { child, addr, _dir: dir };
+    loop {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Ok((serve, t0.elapsed()));
+        }
+        if let Some(status) = serve.child.try_wait()? {
+            anyhow::bail!("{} exited with {status}", binary.display());
+        }
+        anyhow::ensure!(t0.elapsed() < Duration::from_secs(10), "twice serve did not start");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Resident memory of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A server for one run: the binary, or one inside this process.
+enum Target {
+    Binary(Serve),
+    InProcess {
+        addr: SocketAddr,
+        stop: tokio::sync::oneshot::Sender<()>,
+        rt: tokio::runtime::Runtime,
+    },
+}
+
+impl Target {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            Target::Binary(s) => s.addr,
+            Target::InProcess { addr, .. } => *addr,
+        }
+    }
+
+    fn cpu(&self) -> Cpu {
+        match self {
+            Target::Binary(s) => Cpu::Process(s.child.id()),
+            Target::InProcess { .. } => Cpu::Threads,
+        }
+    }
+
+    fn stop(self) {
+        if let Target::InProcess { stop, rt, .. } = self {
+            let _ = stop.send(());
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+fn in_process() -> anyhow::Result<Target> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("twice-server")
+        .enable_all()
+        .build()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let addr = rt.block_on(async {
+        let dir = tempfile::tempdir()?;
+        let options = BrokerOptions::durable(dir.path()).with_config(Config::from_json(CONFIG)?);
+        let broker = Broker::open(options).await?;
+        let options = ServerOptions::new().amqp_addr("127.0.0.1:0".parse()?).http_addr(None);
+        let server = Server::bind(options, broker.clone()).await?;
+        let addr = server.amqp_addr();
+        tokio::spawn(async move {
+            let _ = server.run(async move { drop(stopped.await) }).await;
+            broker.shutdown().await;
+            drop(dir);
+        });
+        Ok::<_, anyhow::Error>(addr)
+    })?;
+    Ok(Target::InProcess { addr, stop, rt })
+}
+
+// ----- report ------------------------------------------------------------------------------------
+
+struct Args {
+    messages: usize,
+    runs: usize,
+    twice: Option<PathBuf>,
+    rabbitmq: Option<String>,
+}
+
+fn args() -> anyhow::Result<Args> {
+    let default_binary = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/release/twice");
+    let mut a = Args {
+        messages: 50_000,
+        runs: 3,
+        twice: default_binary.exists().then_some(default_binary),
+        rabbitmq: Some("amqp://guest:guest@127.0.0.1:5672/%2f".to_owned()),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--messages" => a.messages = it.next().context("--messages N")?.parse()?,
+            "--runs" => a.runs = it.next().context("--runs N")?.parse::<usize>()?.max(1),
+            "--twice" => a.twice = Some(it.next().context("--twice PATH")?.into()),
+            "--in-process" => a.twice = None,
+            "--rabbitmq" => a.rabbitmq = Some(it.next().context("--rabbitmq URI")?),
+            "--no-rabbitmq" => a.rabbitmq = None,
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    Ok(a)
+}
+
+/// The run with the median rate.
+fn median(mut phases: Vec<Phase>) -> Phase {
+    phases.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    phases[phases.len() / 2]
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map_or_else(|| "—".to_owned(), |d| format!("{:.2}", d.as_secs_f64() * 1e3))
+}
+
+fn row(what: &str, system: &str, p: &Phase) {
     println!(
-        "receive+complete {:>8.0} msg/s  p50 {:>7.2} ms  p99 {:>7.2} ms  cpu {:>6.1} µs/msg",
-        n as f64 / receive_time.as_secs_f64(),
-        percentile(&latencies, 0.5).as_secs_f64() * 1e3,
-        percentile(&latencies, 0.99).as_secs_f64() * 1e3,
-        receive_cpu.as_secs_f64() * 1e6 / n as f64,
+        "| {what} | {system} | {:.0} | {} | {} | {:.1} | {:.1} |",
+        p.rate,
+        ms(p.p50),
+        ms(p.p99),
+        p.server_us(),
+        p.client_us()
     );
-    println!("(cpu is the whole process: broker, AMQP server and this client)");
-    let _ = stop.send(());
-    let _ = serving.await;
-    broker.shutdown().await;
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = args()?;
+    let n = args.messages;
+    let client = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+
+    // `twice serve`: start-up time and idle memory, over a few starts.
+    let mut startup = Vec::new();
+    let mut idle_rss = Vec::new();
+    if let Some(binary) = &args.twice {
+        for _ in 0..5 {
+            let (serve, took) = spawn_serve(binary)?;
+            startup.push(took);
+            std::thread::sleep(Duration::from_secs(1));
+            idle_rss.push(rss(serve.child.id()));
+        }
+    }
+
+    let (mut tw_pub, mut tw_recv, mut rb_pub, mut rb_recv) = (vec![], vec![], vec![], vec![]);
+    for run in 0..args.runs {
+        let target = match &args.twice {
+            Some(binary) => Target::Binary(spawn_serve(binary)?.0),
+            None => in_process()?,
+        };
+        let (addr, cpu) = (target.addr(), target.cpu());
+        let p = client.block_on(twice_publish(addr, n, &cpu))?;
+        let r = client.block_on(twice_receive(addr, n, &cpu))?;
+        eprintln!("run {run}: twice publish {:.0}/s, receive+complete {:.0}/s", p.rate, r.rate);
+        tw_pub.push(p);
+        tw_recv.push(r);
+        target.stop();
+        if let Some(uri) = &args.rabbitmq {
+            let (p, r) = client.block_on(rabbitmq_run(uri, n, run))?;
+            eprintln!("run {run}: RabbitMQ publish {:.0}/s, consume+ack {:.0}/s", p.rate, r.rate);
+            rb_pub.push(p);
+            rb_recv.push(r);
+        }
+    }
+
+    let server = match &args.twice {
+        Some(b) => format!("`{}` (child process)", b.canonicalize().unwrap_or(b.clone()).display()),
+        None => "in-process server (its threads)".to_owned(),
+    };
+    println!();
+    println!("{n} durable 1 KiB messages per phase, median of {} runs; twice: {server}", args.runs);
+    println!();
+    println!(
+        "| phase | system | msg/s | p50 ms | p99 ms | server CPU µs/msg | client CPU µs/msg |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let (tp, tr) = (median(tw_pub), median(tw_recv));
+    row("publish, 256 in flight", "twice", &tp);
+    if !rb_pub.is_empty() {
+        let (rp, rr) = (median(rb_pub), median(rb_recv));
+        row("publish, 256 in flight", "RabbitMQ quorum", &rp);
+        row("receive + settle, 256 credit", "twice", &tr);
+        row("receive + settle, 256 credit", "RabbitMQ quorum", &rr);
+        println!();
+        println!(
+            "twice / RabbitMQ: publish {:.2}× the rate at {:.2}× the server CPU per message; \
+             receive+settle {:.2}× the rate at {:.2}× the server CPU per message",
+            tp.rate / rp.rate,
+            tp.server_us() / rp.server_us(),
+            tr.rate / rr.rate,
+            tr.server_us() / rr.server_us(),
+        );
+    } else {
+        row("receive + settle, 256 credit", "twice", &tr);
+    }
+    if !startup.is_empty() {
+        startup.sort();
+        idle_rss.sort_unstable();
+        println!();
+        println!(
+            "twice serve: spawn to accepting TCP {:.1} ms median ({:.1}–{:.1} over {} starts); \
+             idle RSS {:.1} MiB median ({:.1}–{:.1})",
+            startup[startup.len() / 2].as_secs_f64() * 1e3,
+            startup[0].as_secs_f64() * 1e3,
+            startup[startup.len() - 1].as_secs_f64() * 1e3,
+            startup.len(),
+            idle_rss[idle_rss.len() / 2] as f64 / 1048576.0,
+            idle_rss[0] as f64 / 1048576.0,
+            idle_rss[idle_rss.len() - 1] as f64 / 1048576.0,
+        );
+    }
     Ok(())
 }

@@ -214,8 +214,38 @@ pub trait BackendSession: Send + Sync + std::fmt::Debug + 'static {
         how: Settlement,
     ) -> impl Future<Output = Result<(), BackendError>> + Send;
 
+    /// Completes messages of this session; one result per lock, in order.
+    ///
+    /// The default settles them one by one; a broker that can complete many in one durable
+    /// write should do so.
+    fn complete_many(
+        &self,
+        locks: Vec<LockToken>,
+    ) -> impl Future<Output = Vec<Result<(), BackendError>>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(locks.len());
+            for lock in locks {
+                out.push(self.settle(lock, Settlement::Complete).await);
+            }
+            out
+        }
+    }
+
     /// Renews the session lock.
     fn renew(&self) -> impl Future<Output = Result<Timestamp, BackendError>> + Send;
+
+    /// Checks, on the broker's clock, that the session lock is still held: `Ok` while it is,
+    /// [`BackendError::SessionLockLost`] once it expired or was released. It must not renew
+    /// the lock.
+    ///
+    /// The default asks for no deferred messages, which checks the lock and takes nothing.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it changes nothing.
+    fn check_lock(&self) -> impl Future<Output = Result<(), BackendError>> + Send {
+        async move { self.receive_deferred(ReceiveMode::PeekLock, Vec::new()).await.map(drop) }
+    }
 
     /// The session state.
     fn get_state(&self) -> impl Future<Output = Result<Option<Bytes>, BackendError>> + Send;
@@ -285,6 +315,24 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         lock: LockToken,
         how: Settlement,
     ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Completes locked messages of `entity`; one result per lock, in order.
+    ///
+    /// The default settles them one by one; a broker that can complete many in one durable
+    /// write should do so.
+    fn complete_many(
+        &self,
+        entity: &str,
+        locks: Vec<LockToken>,
+    ) -> impl Future<Output = Vec<Result<(), BackendError>>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(locks.len());
+            for lock in locks {
+                out.push(self.settle(entity, lock, Settlement::Complete).await);
+            }
+            out
+        }
+    }
 
     /// Renews a message lock.
     fn renew_lock(

@@ -70,6 +70,19 @@ fn split_subscription(path: &str) -> Result<(&str, &str), BackendError> {
     Ok((topic, sub))
 }
 
+/// Completes many locks in one broker command (one durable write); when that fails (it is all
+/// or nothing), one by one, so each lock gets its own answer.
+async fn complete_many(broker: &Broker, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {
+    if locks.len() > 1 && broker.complete_many(&locks).await.is_ok() {
+        return locks.iter().map(|_| Ok(())).collect();
+    }
+    let mut out = Vec::with_capacity(locks.len());
+    for lock in locks {
+        out.push(broker.complete(lock).await.map_err(map_err));
+    }
+    out
+}
+
 async fn settle(broker: &Broker, lock: LockToken, how: Settlement) -> Result<(), BackendError> {
     match how {
         Settlement::Complete => broker.complete(lock).await,
@@ -193,6 +206,14 @@ impl Backend for Broker {
         how: Settlement,
     ) -> Result<(), BackendError> {
         settle(self, lock, how).await
+    }
+
+    async fn complete_many(
+        &self,
+        _entity: &str,
+        locks: Vec<LockToken>,
+    ) -> Vec<Result<(), BackendError>> {
+        complete_many(self, locks).await
     }
 
     async fn renew_lock(&self, _entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
@@ -362,6 +383,21 @@ impl BackendSession for BrokerSession {
             return Err(BackendError::SessionLockLost);
         }
         settle(&self.broker, lock, how).await
+    }
+
+    async fn complete_many(&self, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {
+        if self.inner.read().await.is_none() {
+            return locks.iter().map(|_| Err(BackendError::SessionLockLost)).collect();
+        }
+        complete_many(&self.broker, locks).await
+    }
+
+    async fn check_lock(&self) -> Result<(), BackendError> {
+        let guard = self.inner.read().await;
+        let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
+        // An empty receive by sequence number checks the lock on the broker's clock (expiring
+        // it if its time has come) and takes nothing.
+        s.receive_deferred(&[]).await.map(drop).map_err(map_err)
     }
 
     async fn renew(&self) -> Result<Timestamp, BackendError> {

@@ -1,9 +1,21 @@
 //! One AMQP connection: handshake, sessions, links, credit, settlement, `$cbs` and
 //! `$management`.
 //!
-//! A connection is one task that owns all of its state. Frames are read and handled in order;
-//! receiver links that wait for messages have a pump task each, which reports batches back to
-//! the connection task over a channel, so the connection task is the only writer.
+//! A connection is one task that owns all of its state and is the only writer of its socket.
+//! It never waits for the broker: every broker call runs in a task of the link it serves, which
+//! reports back over a channel, so frames keep being read (and sends, settlements and receives
+//! of many links stay in flight together) while the broker writes to disk:
+//!
+//! - a client sender link has a *sender task* that stores its messages in order, grouping what
+//!   has queued up into one broker call;
+//! - a client receiver link has a *pump* that takes messages within the link credit, and a
+//!   *settler* that applies the client's dispositions in order, completing runs of them in one
+//!   broker call, and releases the link's session lock last;
+//! - a `$management` link has a *request task* that answers its requests in order;
+//! - a session receiver link has a timer that notices a lost session lock while the link idles.
+//!
+//! Outgoing transfers respect the peer's session incoming window: deliveries wait in the
+//! session's queue until the peer's flow makes room.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -11,8 +23,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, watch};
-use twice::{LockToken, ReceivedMessage, SessionId};
+use tokio::sync::{mpsc, oneshot, watch};
+use twice::{LockToken, ReceivedMessage, SessionId, SharedClock};
 use uuid::Uuid;
 
 use crate::address::{self, Node};
@@ -20,7 +32,7 @@ use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveM
 use crate::codec::Value;
 use crate::frame::{self, Frame, FrameReader, ReadError};
 use crate::mapping::{self, Presentation};
-use crate::metrics::Counter;
+use crate::metrics::{Counter, Metrics};
 use crate::mgmt;
 use crate::performative::{
     AmqpError, Attach, Begin, Detach, Disposition, Flow, Open, Outcome, Performative,
@@ -32,12 +44,16 @@ use crate::server::Shared;
 const SENDER_CREDIT: u32 = 1000;
 /// The session window twice advertises.
 const SESSION_WINDOW: u32 = 5000;
-/// How long a pump waits in one receive call before looping.
+/// How long a pump waits in one receive call before asking again.
 const PUMP_WAIT: Duration = Duration::from_secs(30);
 /// How long an accept-next-session waits when the client gives no `com.microsoft:timeout`.
 const DEFAULT_SESSION_WAIT: Duration = Duration::from_secs(65);
 /// How long the opening handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most settlements a settler takes from its queue at once.
+const SETTLE_BATCH: usize = 1024;
+/// The most messages a pump asks for in one receive, whatever the credit.
+const PUMP_BATCH: u64 = 512;
 
 /// AMQP and Service Bus error conditions twice sends.
 pub(crate) mod cond {
@@ -85,6 +101,14 @@ pub(crate) fn not_found(path: &str) -> AmqpError {
     )
 }
 
+/// The error a lost session lock detaches its link with.
+fn session_lock_lost() -> AmqpError {
+    AmqpError::new(
+        cond::SESSION_LOCK_LOST,
+        "The session lock has expired on the MessageSession. Accept a new MessageSession.",
+    )
+}
+
 /// Why a connection ends.
 #[derive(Debug)]
 enum End {
@@ -95,11 +119,15 @@ enum End {
 }
 
 /// What the pump of a receiver link may take.
-#[derive(Clone, Copy, Debug, Default)]
+///
+/// `limit` counts messages the pump has handed over since the link was attached: the pump may
+/// take more while it has handed over fewer. Counting in absolute terms means a batch still on
+/// its way to the connection is never counted twice. `drain` is the number of the drain the
+/// client asked for last (0 when it is not draining).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct PumpCtl {
-    credit: u32,
-    drain: bool,
-    generation: u64,
+    limit: u64,
+    drain: u64,
 }
 
 /// Where a receiver link takes messages from.
@@ -117,13 +145,22 @@ impl<S> Clone for Source<S> {
     }
 }
 
+/// A delivery outcome to echo: delivery id, outcome, and whether the client waits for it.
+type Echo = (u32, Outcome, bool);
+
 /// Reports from the tasks a connection spawned.
 enum Event<S> {
+    /// The pump took messages (or answers drain number `drain` with what it found).
     Batch {
         link: u64,
-        generation: u64,
-        drain: bool,
+        drain: u64,
+        source: Source<S>,
         result: Result<Vec<ReceivedMessage>, BackendError>,
+    },
+    /// The broker knows the entity of an attach (or not).
+    Resolved {
+        link: u64,
+        kind: Option<EntityKind>,
     },
     SessionAccepted {
         link: u64,
@@ -132,9 +169,24 @@ enum Event<S> {
     /// Sends of one sender link stored (or refused): delivery id, settled by the client,
     /// message count, outcome.
     Sent {
-        channel: u16,
+        link: u64,
         entity: String,
         results: Vec<(u32, bool, usize, Outcome)>,
+    },
+    /// Dispositions the settler applied.
+    Settled {
+        link: u64,
+        results: Vec<Echo>,
+    },
+    /// A management request answered; `settled` are the locks it settled.
+    Replied {
+        link: u64,
+        reply: mgmt::Reply,
+        settled: Vec<LockToken>,
+    },
+    /// The session lock of a session receiver link is gone.
+    SessionLockLost {
+        link: u64,
     },
 }
 
@@ -145,12 +197,39 @@ struct PendingSend {
     messages: Vec<twice::Message>,
 }
 
+/// Work for a receiver link's settler, applied in the order queued.
+enum Job {
+    /// A client's disposition: apply `how` (nothing for a non-terminal state), then echo
+    /// `echo` (or the error the broker gave) if `reply`.
+    Settle {
+        delivery_id: u32,
+        lock: LockToken,
+        how: Option<Settlement>,
+        echo: Outcome,
+        reply: bool,
+    },
+    /// Complete a message delivered settled (receive-and-delete) once it is written.
+    Complete(LockToken),
+    /// Release a message taken but never delivered.
+    Release(LockToken),
+}
+
+impl Job {
+    /// The lock of a completion, which runs with its neighbours in one broker call.
+    fn completes(&self) -> Option<LockToken> {
+        match self {
+            Job::Settle { lock, how: Some(Settlement::Complete), .. } | Job::Complete(lock) => {
+                Some(*lock)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// A delivery twice sent and the client has not settled.
-struct Unsettled<S> {
+struct Unsettled {
     link: u64,
-    entity: String,
     lock: LockToken,
-    session: Option<Arc<S>>,
 }
 
 #[derive(Default)]
@@ -162,6 +241,39 @@ struct Partial {
     oversize: bool,
 }
 
+/// A delivery on its way out, frame by frame as the peer's session window allows.
+struct Outgoing {
+    link: u64,
+    remote_handle: u32,
+    local_handle: u32,
+    delivery_id: u32,
+    tag: Bytes,
+    settled: bool,
+    payload: Vec<u8>,
+    /// Payload bytes already written.
+    written: usize,
+    started: bool,
+    /// The broker lock of the message: completed once written when `settled`
+    /// (receive-and-delete), released if the delivery is dropped before it is written.
+    lock: Option<LockToken>,
+}
+
+/// What waits in a session's outgoing queue: deliveries, and the link flows that must not
+/// overtake them (a drain answer counts the deliveries before it).
+enum Queued {
+    Delivery(Outgoing),
+    Flow { link: u64, flow: Flow },
+}
+
+impl Queued {
+    fn link(&self) -> u64 {
+        match self {
+            Queued::Delivery(o) => o.link,
+            Queued::Flow { link, .. } => *link,
+        }
+    }
+}
+
 struct Link<S> {
     id: u64,
     name: String,
@@ -169,6 +281,7 @@ struct Link<S> {
     /// The client receives on this link (twice sends).
     client_receives: bool,
     node: Node,
+    path: String,
     target_address: Option<String>,
     attach: Attach,
     /// twice has sent its attach.
@@ -179,17 +292,34 @@ struct Link<S> {
     mode: ReceiveMode,
     delivery_count: u32,
     credit: u32,
+    /// A drain the client asked for is not answered yet.
     drain: bool,
+    /// The number of the client's last drain.
+    drain_seq: u64,
+    /// Messages the pump handed over (see [`PumpCtl`]).
+    taken: u64,
     unsettled: u32,
     pump: Option<watch::Sender<PumpCtl>>,
-    generation: u64,
     session: Option<Arc<S>>,
+    settle: Option<mpsc::UnboundedSender<Job>>,
+    /// Dropping it stops the link's session lock timer.
+    lock_watch: Option<oneshot::Sender<()>>,
     replies: VecDeque<Vec<u8>>,
     // Twice as receiver.
     rx_delivery_count: u32,
     rx_credit: u32,
     partial: Option<Partial>,
     sends: Option<mpsc::UnboundedSender<PendingSend>>,
+    requests: Option<mpsc::UnboundedSender<(mgmt::Request, Option<Arc<S>>)>>,
+}
+
+impl<S> Link<S> {
+    /// Queues work for the link's settler.
+    fn job(&self, job: Job) {
+        if let Some(tx) = &self.settle {
+            let _ = tx.send(job);
+        }
+    }
 }
 
 struct Session<S> {
@@ -198,9 +328,12 @@ struct Session<S> {
     next_delivery_id: u32,
     next_incoming_id: u32,
     incoming_window: u32,
+    /// How many more transfer frames the peer takes (its incoming window as twice sees it).
+    remote_incoming_window: u32,
     frames_since_flow: u32,
     links: HashMap<u32, Link<S>>,
-    unsettled: HashMap<u32, Unsettled<S>>,
+    unsettled: HashMap<u32, Unsettled>,
+    outgoing: VecDeque<Queued>,
 }
 
 /// The session fields of a flow, read field by field so a link of the session may stay
@@ -221,6 +354,65 @@ impl<S> Session<S> {
     fn free_handle(&self) -> u32 {
         (0..).find(|h| !self.links.values().any(|l| l.local_handle == *h)).unwrap_or(0)
     }
+
+    /// Queues a delivery on the link with this remote handle; returns its delivery id.
+    fn deliver(
+        &mut self,
+        remote_handle: u32,
+        tag: Bytes,
+        settled: bool,
+        payload: Vec<u8>,
+        lock: Option<LockToken>,
+    ) -> Option<u32> {
+        let l = self.links.get(&remote_handle)?;
+        let delivery_id = self.next_delivery_id;
+        self.next_delivery_id = self.next_delivery_id.wrapping_add(1);
+        self.outgoing.push_back(Queued::Delivery(Outgoing {
+            link: l.id,
+            remote_handle,
+            local_handle: l.local_handle,
+            delivery_id,
+            tag,
+            settled,
+            payload,
+            written: 0,
+            started: false,
+            lock,
+        }));
+        Some(delivery_id)
+    }
+
+    /// Queues a settled reply on a management or CBS receiver link.
+    fn send_reply(&mut self, handle: u32, payload: Vec<u8>) {
+        let Some(l) = self.links.get_mut(&handle) else { return };
+        l.credit = l.credit.saturating_sub(1);
+        l.delivery_count = l.delivery_count.wrapping_add(1);
+        let tag = Bytes::copy_from_slice(&u64::from(l.delivery_count).to_be_bytes());
+        self.deliver(handle, tag, true, payload, None);
+    }
+
+    /// Queues a link flow behind the deliveries already queued.
+    fn link_flow(&mut self, link: u64, flow: Flow) {
+        self.outgoing.push_back(Queued::Flow { link, flow });
+    }
+
+    /// Drops the queued deliveries of one link (or of all), releasing their messages.
+    fn discard_outgoing(&mut self, link: Option<u64>) {
+        let queued = std::mem::take(&mut self.outgoing);
+        for q in queued {
+            if link.is_some_and(|id| id != q.link()) {
+                self.outgoing.push_back(q);
+                continue;
+            }
+            let Queued::Delivery(o) = q else { continue };
+            self.unsettled.remove(&o.delivery_id);
+            if let Some(lock) = o.lock {
+                if let Some(l) = self.links.get(&o.remote_handle).filter(|l| l.id == o.link) {
+                    l.job(Job::Release(lock));
+                }
+            }
+        }
+    }
 }
 
 /// Bytes waiting to be written, and how to split transfers.
@@ -235,39 +427,46 @@ impl Out {
         frame::write_frame(&mut self.buf, frame::TYPE_AMQP, channel, p, &[]);
     }
 
-    /// Sends one delivery, split into frames that fit the peer's limit.
-    fn transfer<S>(
-        &mut self,
-        s: &mut Session<S>,
-        handle: u32,
-        tag: Bytes,
-        settled: bool,
-        payload: &[u8],
-    ) -> u32 {
-        let delivery_id = s.next_delivery_id;
-        s.next_delivery_id = s.next_delivery_id.wrapping_add(1);
-        tracing::trace!(
-            channel = s.local_channel,
-            handle,
-            delivery_id,
-            settled,
-            bytes = payload.len(),
-            "send transfer"
-        );
+    /// Writes what a session has queued while the peer's window has room: deliveries split
+    /// into frames that fit the peer's frame size, and the link flows between them.
+    fn flush<S>(&mut self, s: &mut Session<S>) {
         let max = usize::try_from(self.peer_max_frame).unwrap_or(usize::MAX);
-        // Room for the frame header and the largest transfer performative twice writes.
-        let room = max.saturating_sub(8 + 64 + tag.len()).max(64);
-        let mut chunks = payload.chunks(room).peekable();
-        let mut first = true;
         loop {
-            let chunk = chunks.next().unwrap_or(&[]);
-            let more = chunks.peek().is_some();
+            let o = match s.outgoing.front_mut() {
+                None => break,
+                Some(Queued::Flow { .. }) => {
+                    let Some(Queued::Flow { flow, .. }) = s.outgoing.pop_front() else { break };
+                    // The session fields as they are now, not as they were when it was queued.
+                    let flow = Flow { ..flow_with_session(flow, s) };
+                    self.send(s.local_channel, &Performative::Flow(flow));
+                    continue;
+                }
+                Some(Queued::Delivery(o)) => o,
+            };
+            if s.remote_incoming_window == 0 {
+                break;
+            }
+            // Room for the frame header and the largest transfer performative twice writes.
+            let room = max.saturating_sub(8 + 64 + o.tag.len()).max(64);
+            let end = o.payload.len().min(o.written + room);
+            let more = end < o.payload.len();
+            let first = !o.started;
+            if first {
+                tracing::trace!(
+                    channel = s.local_channel,
+                    handle = o.local_handle,
+                    delivery_id = o.delivery_id,
+                    settled = o.settled,
+                    bytes = o.payload.len(),
+                    "send transfer"
+                );
+            }
             let t = Transfer {
-                handle,
-                delivery_id: first.then_some(delivery_id),
-                delivery_tag: first.then(|| tag.clone()),
+                handle: o.local_handle,
+                delivery_id: first.then_some(o.delivery_id),
+                delivery_tag: first.then(|| o.tag.clone()),
                 message_format: first.then_some(0),
-                settled: Some(settled),
+                settled: Some(o.settled),
                 more,
                 ..Transfer::default()
             };
@@ -276,19 +475,40 @@ impl Out {
                 frame::TYPE_AMQP,
                 s.local_channel,
                 &Performative::Transfer(t),
-                chunk,
+                o.payload.get(o.written..end).unwrap_or(&[]),
             );
+            o.written = end;
+            o.started = true;
             s.next_outgoing_id = s.next_outgoing_id.wrapping_add(1);
-            first = false;
-            if !more {
-                break;
+            s.remote_incoming_window -= 1;
+            if more {
+                continue;
+            }
+            let Some(Queued::Delivery(done)) = s.outgoing.pop_front() else { break };
+            if let (true, Some(lock)) = (done.settled, done.lock) {
+                // Receive-and-delete: the message is the client's now.
+                if let Some(l) = s.links.get(&done.remote_handle).filter(|l| l.id == done.link) {
+                    l.job(Job::Complete(lock));
+                }
             }
         }
-        delivery_id
     }
 }
 
-pub(crate) struct Conn<B: Backend> {
+/// A link flow with the session's current fields.
+fn flow_with_session<S>(link: Flow, s: &Session<S>) -> Flow {
+    Flow {
+        handle: link.handle,
+        delivery_count: link.delivery_count,
+        link_credit: link.link_credit,
+        available: link.available,
+        drain: link.drain,
+        echo: link.echo,
+        ..sflow!(s)
+    }
+}
+
+struct Conn<B: Backend> {
     shared: Arc<Shared<B>>,
     out: Out,
     sessions: HashMap<u16, Session<B::Session>>,
@@ -306,8 +526,8 @@ pub(crate) struct Conn<B: Backend> {
 ///
 /// # Cancel safety
 ///
-/// Dropping the future drops the connection without a close frame; sessions held by its links
-/// are released by their pump tasks ending.
+/// Dropping the future drops the connection without a close frame; the tasks of its links end
+/// when they notice, releasing what they hold.
 pub(crate) async fn serve<B, IO>(
     io: IO,
     shared: Arc<Shared<B>>,
@@ -361,7 +581,7 @@ pub(crate) async fn serve<B, IO>(
             f = reader.read_frame() => match f {
                 Ok(f) => {
                     conn.heard = true;
-                    conn.on_frame(f).await
+                    conn.on_frame(&f)
                 }
                 Err(ReadError::TooLarge { size, max }) => Err(End::Close(Some(AmqpError::new(
                     cond::FRAME_TOO_LARGE,
@@ -373,7 +593,14 @@ pub(crate) async fn serve<B, IO>(
                 )))),
                 Err(_) => Err(End::Drop),
             },
-            Some(ev) = rx.recv() => conn.on_event(ev).await,
+            Some(ev) = rx.recv() => {
+                conn.on_event(ev);
+                // Take whatever else has been reported, so one write carries it all.
+                while let Ok(ev) = rx.try_recv() {
+                    conn.on_event(ev);
+                }
+                Ok(())
+            }
             _ = ticker.tick() => {
                 if conn.heard {
                     silent_ticks = 0;
@@ -403,6 +630,35 @@ pub(crate) async fn serve<B, IO>(
         }
     };
     conn.finish(&mut wr, end).await;
+}
+
+/// Answers a connection over the limit: the handshake, then `open` and a `close` with
+/// `amqp:resource-limit-exceeded`, so the client sees why (a quota error) instead of a reset.
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the connection.
+pub(crate) async fn refuse<B, IO>(io: IO, shared: Arc<Shared<B>>, error: AmqpError)
+where
+    B: Backend,
+    IO: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let (rd, mut wr) = tokio::io::split(io);
+    let mut reader = FrameReader::new(rd, shared.options.max_frame_size);
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        handshake(&mut reader, &mut wr, &shared).await.ok()?;
+        let f = reader.read_frame().await.ok()?;
+        if !matches!(Performative::decode(&f.body), Ok((Performative::Open(_), _))) {
+            return None;
+        }
+        let mut out = Vec::new();
+        let open = Open { container_id: "twice".into(), max_frame_size: 65536, ..Open::default() };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Close(Some(error)), &[]);
+        wr.write_all(&out).await.ok()?;
+        wr.shutdown().await.ok()
+    })
+    .await;
 }
 
 /// Protocol headers and SASL. Returns whether SASL PLAIN authenticated with a configured key.
@@ -522,7 +778,7 @@ impl<B: Backend> Conn<B> {
         Ok((beat, ticks))
     }
 
-    async fn on_frame(&mut self, f: Frame) -> Result<(), End> {
+    fn on_frame(&mut self, f: &Frame) -> Result<(), End> {
         if f.body.is_empty() {
             return Ok(());
         }
@@ -563,7 +819,10 @@ impl<B: Backend> Conn<B> {
                 }
                 Ok(())
             }
-            Performative::Attach(a) => self.on_attach(ch, a).await,
+            Performative::Attach(a) => {
+                self.on_attach(ch, a);
+                Ok(())
+            }
             Performative::Detach(d) => {
                 self.on_detach(ch, &d);
                 Ok(())
@@ -573,12 +832,11 @@ impl<B: Backend> Conn<B> {
                 Ok(())
             }
             Performative::Transfer(t) => {
-                let payload = Bytes::copy_from_slice(payload);
-                self.on_transfer(ch, t, payload).await;
+                self.on_transfer(ch, t, payload);
                 Ok(())
             }
             Performative::Disposition(d) => {
-                self.on_disposition(ch, d).await;
+                self.on_disposition(ch, &d);
                 Ok(())
             }
             Performative::SaslMechanisms(_)
@@ -605,9 +863,11 @@ impl<B: Backend> Conn<B> {
                 next_delivery_id: 0,
                 next_incoming_id: b.next_outgoing_id,
                 incoming_window: SESSION_WINDOW,
+                remote_incoming_window: b.incoming_window,
                 frames_since_flow: 0,
                 links: HashMap::new(),
                 unsettled: HashMap::new(),
+                outgoing: VecDeque::new(),
             },
         );
         self.out.send(
@@ -627,6 +887,7 @@ impl<B: Backend> Conn<B> {
     /// Forgets a session and everything its links hold (without sending anything).
     fn drop_session(&mut self, ch: u16) {
         let Some(mut s) = self.sessions.remove(&ch) else { return };
+        s.discard_outgoing(None);
         for (_, link) in s.links.drain() {
             self.links.remove(&link.id);
             release_link(link);
@@ -637,13 +898,18 @@ impl<B: Backend> Conn<B> {
         self.grants.iter().any(|g| g.is_empty() || path == g || path.starts_with(&format!("{g}/")))
     }
 
-    async fn on_attach(&mut self, ch: u16, a: Attach) -> Result<(), End> {
+    /// Records a link and checks what needs no broker; the broker's answer about the entity
+    /// comes back as [`Event::Resolved`].
+    fn on_attach(&mut self, ch: u16, a: Attach) {
         let max_links = self.shared.options.max_links_per_session;
-        let Some(s) = self.sessions.get_mut(&ch) else { return Ok(()) };
-        if let Some(old) = s.links.remove(&a.handle) {
+        let Some(s) = self.sessions.get_mut(&ch) else { return };
+        if let Some(old) = s.links.get(&a.handle).map(|l| l.id) {
             // A reused handle: the client forgot the old link; so does twice.
-            self.links.remove(&old.id);
-            release_link(old);
+            s.discard_outgoing(Some(old));
+            if let Some(old) = s.links.remove(&a.handle) {
+                self.links.remove(&old.id);
+                release_link(old);
+            }
         }
         let client_receives = a.role == ROLE_RECEIVER;
         let terminus = crate::performative::Terminus::parse(
@@ -667,129 +933,154 @@ impl<B: Backend> Conn<B> {
             local_handle,
             client_receives,
             node: node.clone(),
+            path: path.clone(),
             target_address,
-            attach: a.clone(),
+            rx_delivery_count: a.initial_delivery_count.unwrap_or(0),
+            attach: a,
             attached: false,
             detached: false,
             mode,
             delivery_count: 0,
             credit: 0,
             drain: false,
+            drain_seq: 0,
+            taken: 0,
             unsettled: 0,
             pump: None,
-            generation: 0,
             session: None,
+            settle: None,
+            lock_watch: None,
             replies: VecDeque::new(),
-            rx_delivery_count: a.initial_delivery_count.unwrap_or(0),
             rx_credit: 0,
             partial: None,
             sends: None,
+            requests: None,
         };
+        let handle = link.attach.handle;
         let too_many = s.links.len() >= max_links;
-        s.links.insert(a.handle, link);
-        self.links.insert(id, (ch, a.handle));
+        s.links.insert(handle, link);
+        self.links.insert(id, (ch, handle));
         if too_many {
-            self.refuse(
-                ch,
-                a.handle,
-                AmqpError::new(
-                    cond::RESOURCE_LIMIT,
-                    format!("a session may attach at most {max_links} links"),
-                ),
+            let error = AmqpError::new(
+                cond::RESOURCE_LIMIT,
+                format!("a session may attach at most {max_links} links"),
             );
-            return Ok(());
+            self.refuse(ch, handle, error);
+            return;
         }
-        // Which entity, and may this connection use it?
-        let backend = &self.shared.backend;
         let entity = match &node {
-            Node::Cbs => None,
-            Node::Management(e) | Node::Entity(e) => Some(e.clone()),
+            Node::Cbs => {
+                self.accept_attach(ch, handle, None);
+                return;
+            }
+            Node::Management(e) | Node::Entity(e) => e.clone(),
         };
-        if let Some(e) = &entity {
-            // A token for the entity covers its management node; so does one for the node.
-            if !self.authorized(&path) {
-                self.refuse(
-                    ch,
-                    a.handle,
-                    AmqpError::new(
-                        cond::UNAUTHORIZED,
-                        format!("unauthorized access to '{e}': put a valid token to $cbs first"),
-                    ),
-                );
-                return Ok(());
-            }
-            let kind = backend.entity(e).await;
-            let Some(kind) = kind else {
-                self.refuse(ch, a.handle, not_found(e));
-                return Ok(());
-            };
-            if let Node::Entity(_) = node {
-                let filter = terminus.filter.as_ref();
-                let session_filter = filter.and_then(|f| f.as_map()).and_then(|m| {
-                    m.iter()
-                        .find(|(k, _)| k.as_str() == Some(cond::SESSION_FILTER))
-                        .map(|(_, v)| v.undescribed().clone())
-                });
-                if client_receives {
-                    if kind == EntityKind::Topic {
-                        self.refuse(ch, a.handle, AmqpError::new(cond::NOT_ALLOWED, format!("cannot receive from topic '{e}'; receive from one of its subscriptions")));
-                        return Ok(());
-                    }
-                    if let Some(want) = session_filter {
-                        let want = want.as_str().map(SessionId::new);
-                        let wait = a
-                            .properties
-                            .as_ref()
-                            .and_then(|p| p.get("com.microsoft:timeout"))
-                            .and_then(Value::as_i64)
-                            .and_then(|ms| u64::try_from(ms).ok())
-                            .map_or(DEFAULT_SESSION_WAIT, Duration::from_millis);
-                        let wait = if want.is_some() { Duration::ZERO } else { wait };
-                        let backend = backend.clone();
-                        let events = self.events.clone();
-                        let e = e.clone();
-                        tokio::spawn(async move {
-                            // Bounded in real time whatever clock the broker runs on.
-                            let result = match tokio::time::timeout(
-                                wait + Duration::from_millis(50),
-                                backend.accept_session(&e, want, wait),
-                            )
-                            .await
-                            {
-                                Ok(r) => r,
-                                Err(_) => Ok(None),
-                            };
-                            if let Err(mpsc::error::SendError(Event::SessionAccepted {
-                                result: Ok(Some(s)),
-                                ..
-                            })) = events.send(Event::SessionAccepted { link: id, result })
-                            {
-                                s.close().await;
-                            }
-                        });
-                        return Ok(());
-                    }
-                    if kind.requires_session() {
-                        self.refuse(ch, a.handle, AmqpError::new(cond::NOT_ALLOWED, "It is not possible for an entity that requires sessions to create a non-sessionful message receiver."));
-                        return Ok(());
-                    }
-                } else if matches!(kind, EntityKind::Subscription { .. } | EntityKind::DeadLetter) {
-                    self.refuse(
-                        ch,
-                        a.handle,
-                        AmqpError::new(cond::NOT_ALLOWED, format!("cannot send to '{e}'")),
-                    );
-                    return Ok(());
-                }
-            }
+        // A token for the entity covers its management node; so does one for the node.
+        if !self.authorized(&path) {
+            let error = AmqpError::new(
+                cond::UNAUTHORIZED,
+                format!("unauthorized access to '{entity}': put a valid token to $cbs first"),
+            );
+            self.refuse(ch, handle, error);
+            return;
         }
-        self.accept_attach(ch, a.handle, None);
-        Ok(())
+        let backend = self.shared.backend.clone();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let kind = backend.entity(&entity).await;
+            let _ = events.send(Event::Resolved { link: id, kind });
+        });
     }
 
-    /// Sends twice's attach for a link, then the credit a client sender needs or the pump a
-    /// client receiver needs.
+    /// Finishes an attach once the broker said what its entity is.
+    fn on_resolved(&mut self, link: u64, kind: Option<EntityKind>) {
+        let Some(&(ch, handle)) = self.links.get(&link) else { return };
+        let Some(l) = self.sessions.get(&ch).and_then(|s| s.links.get(&handle)) else { return };
+        let (e, node) = match &l.node {
+            Node::Cbs => return,
+            Node::Management(e) | Node::Entity(e) => (e.clone(), l.node.clone()),
+        };
+        let Some(kind) = kind else {
+            self.refuse(ch, handle, not_found(&e));
+            return;
+        };
+        if let Node::Management(_) = node {
+            self.accept_attach(ch, handle, None);
+            return;
+        }
+        let client_receives = l.client_receives;
+        if !client_receives {
+            if matches!(kind, EntityKind::Subscription { .. } | EntityKind::DeadLetter) {
+                let error = AmqpError::new(cond::NOT_ALLOWED, format!("cannot send to '{e}'"));
+                self.refuse(ch, handle, error);
+            } else {
+                self.accept_attach(ch, handle, None);
+            }
+            return;
+        }
+        if kind == EntityKind::Topic {
+            let error = AmqpError::new(
+                cond::NOT_ALLOWED,
+                format!("cannot receive from topic '{e}'; receive from one of its subscriptions"),
+            );
+            self.refuse(ch, handle, error);
+            return;
+        }
+        let terminus = crate::performative::Terminus::parse(l.attach.source.as_ref(), true);
+        let session_filter = terminus.filter.as_ref().and_then(|f| f.as_map()).and_then(|m| {
+            m.iter()
+                .find(|(k, _)| k.as_str() == Some(cond::SESSION_FILTER))
+                .map(|(_, v)| v.undescribed().clone())
+        });
+        let Some(want) = session_filter else {
+            if kind.requires_session() {
+                let error = AmqpError::new(
+                    cond::NOT_ALLOWED,
+                    "It is not possible for an entity that requires sessions to create a non-sessionful message receiver.",
+                );
+                self.refuse(ch, handle, error);
+            } else {
+                self.accept_attach(ch, handle, None);
+            }
+            return;
+        };
+        let want = want.as_str().map(SessionId::new);
+        let wait = l
+            .attach
+            .properties
+            .as_ref()
+            .and_then(|p| p.get("com.microsoft:timeout"))
+            .and_then(Value::as_i64)
+            .and_then(|ms| u64::try_from(ms).ok())
+            .map_or(DEFAULT_SESSION_WAIT, Duration::from_millis);
+        let wait = if want.is_some() { Duration::ZERO } else { wait };
+        let backend = self.shared.backend.clone();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            // Bounded in real time whatever clock the broker runs on.
+            let result = match tokio::time::timeout(
+                wait + Duration::from_millis(50),
+                backend.accept_session(&e, want, wait),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Ok(None),
+            };
+            if let Err(mpsc::error::SendError(Event::SessionAccepted {
+                result: Ok(Some(s)), ..
+            })) = events.send(Event::SessionAccepted { link, result })
+            {
+                s.close().await;
+            }
+        });
+    }
+
+    /// Sends twice's attach for a link, then the credit a client sender needs, or starts the
+    /// tasks a client receiver needs.
     fn accept_attach(&mut self, ch: u16, handle: u32, session: Option<B::Session>) {
+        let shared = self.shared.clone();
+        let events = self.events.clone();
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         let Some(l) = s.links.get_mut(&handle) else { return };
         let mut source = l.attach.source.clone();
@@ -817,7 +1108,7 @@ impl<B: Backend> Conn<B> {
             source,
             target: l.attach.target.clone(),
             initial_delivery_count: l.client_receives.then_some(0),
-            max_message_size: Some(self.shared.options.max_message_size),
+            max_message_size: Some(shared.options.max_message_size),
             properties,
         };
         l.attached = true;
@@ -831,22 +1122,40 @@ impl<B: Backend> Conn<B> {
                 ..sflow!(s)
             };
             self.out.send(s.local_channel, &Performative::Flow(fl));
-        } else if let Node::Entity(e) = &l.node {
-            let source = match &l.session {
-                Some(sess) => Source::Session(sess.clone()),
-                None => Source::Entity(e.clone()),
-            };
-            let (tx, rx) = watch::channel(PumpCtl::default());
-            l.pump = Some(tx);
-            tokio::spawn(pump(
-                self.shared.backend.clone(),
-                source,
-                l.mode,
-                rx,
-                self.events.clone(),
+            return;
+        }
+        let Node::Entity(e) = &l.node else { return };
+        let source = match &l.session {
+            Some(sess) => Source::Session(sess.clone()),
+            None => Source::Entity(e.clone()),
+        };
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        tokio::spawn(settler(
+            shared.backend.clone(),
+            e.clone(),
+            l.session.clone(),
+            shared.metrics.clone(),
+            settle_rx,
+            events.clone(),
+            l.id,
+        ));
+        l.settle = Some(settle_tx);
+        if let Some(sess) = &l.session {
+            let (stop, stopped) = oneshot::channel();
+            tokio::spawn(watch_session_lock(
+                sess.clone(),
+                shared.clock.clone(),
+                stopped,
+                events.clone(),
                 l.id,
             ));
+            l.lock_watch = Some(stop);
         }
+        let (tx, rx) = watch::channel(PumpCtl::default());
+        tokio::spawn(pump(shared.backend.clone(), source, rx, events, l.id));
+        l.pump = Some(tx);
+        // Credit the client granted before the attach was answered counts from now.
+        update_pump(l, shared.options.max_unsettled_per_link);
     }
 
     /// Refuses a link: attach with a null source (or target) and detach with the error.
@@ -878,6 +1187,9 @@ impl<B: Backend> Conn<B> {
 
     fn on_detach(&mut self, ch: u16, d: &Detach) {
         let Some(s) = self.sessions.get_mut(&ch) else { return };
+        let Some(id) = s.links.get(&d.handle).map(|l| l.id) else { return };
+        // Releases of what never went out are queued before the settler learns the link ended.
+        s.discard_outgoing(Some(id));
         let Some(l) = s.links.remove(&d.handle) else { return };
         self.links.remove(&l.id);
         let local = s.local_channel;
@@ -898,14 +1210,24 @@ impl<B: Backend> Conn<B> {
     fn on_flow(&mut self, ch: u16, f: &Flow) {
         let max_unsettled = self.shared.options.max_unsettled_per_link;
         let Some(s) = self.sessions.get_mut(&ch) else { return };
+        // The peer's incoming window, per the specification: its next-incoming-id plus its
+        // window, less what twice has sent (a next-incoming-id it does not know yet is our
+        // initial 0).
+        let limit = f.next_incoming_id.unwrap_or(0).wrapping_add(f.incoming_window);
+        let window = limit.wrapping_sub(s.next_outgoing_id);
+        s.remote_incoming_window = if window > u32::MAX / 2 { 0 } else { window };
         let Some(handle) = f.handle else {
             if f.echo {
                 let fl = sflow!(s);
                 self.out.send(s.local_channel, &Performative::Flow(fl));
             }
+            self.out.flush(s);
             return;
         };
-        let Some(l) = s.links.get_mut(&handle) else { return };
+        let Some(l) = s.links.get_mut(&handle) else {
+            self.out.flush(s);
+            return;
+        };
         if !l.client_receives {
             if f.echo {
                 let fl = Flow {
@@ -916,17 +1238,21 @@ impl<B: Backend> Conn<B> {
                 };
                 self.out.send(s.local_channel, &Performative::Flow(fl));
             }
+            self.out.flush(s);
             return;
         }
         // Credit per the specification: the receiver's delivery-count plus its credit, less what
         // twice has sent.
         let theirs = f.delivery_count.unwrap_or(0);
         let total = theirs.wrapping_add(f.link_credit.unwrap_or(0));
-        l.credit = total.wrapping_sub(l.delivery_count).min(1_000_000);
-        if total.wrapping_sub(l.delivery_count) > u32::MAX / 2 {
-            l.credit = 0;
+        let credit = total.wrapping_sub(l.delivery_count);
+        l.credit = if credit > u32::MAX / 2 { 0 } else { credit.min(1_000_000) };
+        if f.drain {
+            l.drain = true;
+            l.drain_seq += 1;
+        } else {
+            l.drain = false;
         }
-        l.drain = f.drain;
         // Replies queued on a management or CBS link go out first.
         loop {
             let Some(l) = s.links.get_mut(&handle) else { return };
@@ -934,46 +1260,33 @@ impl<B: Backend> Conn<B> {
                 break;
             }
             let Some(payload) = l.replies.pop_front() else { break };
-            send_on_link(&mut self.out, s, handle, payload);
+            s.send_reply(handle, payload);
         }
-        let l = match s.links.get_mut(&handle) {
-            Some(l) => l,
-            None => return,
-        };
-        if l.pump.is_some() {
-            if l.drain && l.credit == 0 {
-                // Nothing left to drain; the specification still asks for the flow state.
-                l.drain = false;
-                let fl = Flow {
-                    handle: Some(l.local_handle),
-                    delivery_count: Some(l.delivery_count),
-                    link_credit: Some(0),
-                    drain: true,
-                    ..sflow!(s)
-                };
-                self.out.send(s.local_channel, &Performative::Flow(fl));
-                update_pump(l, max_unsettled);
-            } else {
-                update_pump(l, max_unsettled);
-            }
-        } else if l.drain || f.echo {
-            if l.drain {
-                l.delivery_count = l.delivery_count.wrapping_add(l.credit);
-                l.credit = 0;
-                l.drain = false;
-            }
-            let fl = Flow {
-                handle: Some(l.local_handle),
-                delivery_count: Some(l.delivery_count),
-                link_credit: Some(l.credit),
-                drain: f.drain,
-                ..sflow!(s)
-            };
-            self.out.send(s.local_channel, &Performative::Flow(fl));
+        let Some(l) = s.links.get_mut(&handle) else { return };
+        let answer_now = l.drain && (l.pump.is_none() || l.credit == 0);
+        if answer_now {
+            // Nothing to wait for: the unused credit is spent, as the specification asks.
+            l.delivery_count = l.delivery_count.wrapping_add(l.credit);
+            l.credit = 0;
+            l.drain = false;
         }
+        let link = l.id;
+        let reply = (answer_now || f.echo).then(|| Flow {
+            handle: Some(l.local_handle),
+            delivery_count: Some(l.delivery_count),
+            link_credit: Some(l.credit),
+            drain: f.drain,
+            ..sflow!(s)
+        });
+        update_pump(l, max_unsettled);
+        if let Some(fl) = reply {
+            // Behind the deliveries still queued, which its delivery-count includes.
+            s.link_flow(link, fl);
+        }
+        self.out.flush(s);
     }
 
-    async fn on_transfer(&mut self, ch: u16, t: Transfer, payload: Bytes) {
+    fn on_transfer(&mut self, ch: u16, t: Transfer, payload: &[u8]) {
         let max_size = usize::try_from(self.shared.options.max_message_size).unwrap_or(usize::MAX);
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         s.next_incoming_id = s.next_incoming_id.wrapping_add(1);
@@ -1005,7 +1318,7 @@ impl<B: Backend> Conn<B> {
             partial.oversize = true;
             partial.buf.clear();
         } else if !partial.oversize {
-            partial.buf.extend_from_slice(&payload);
+            partial.buf.extend_from_slice(payload);
         }
         if t.more && !t.aborted {
             return;
@@ -1018,7 +1331,6 @@ impl<B: Backend> Conn<B> {
         l.rx_credit = l.rx_credit.saturating_sub(1);
         let node = l.node.clone();
         let link_id = l.id;
-        let link_name = l.name.clone();
         let outcome = if done.oversize {
             Outcome::Rejected(Some(AmqpError::new(
                 cond::MESSAGE_SIZE,
@@ -1053,11 +1365,17 @@ impl<B: Backend> Conn<B> {
                     return self.top_up(ch, t.handle);
                 }
                 Node::Management(e) => {
-                    let reply = mgmt::handle(self, e, &link_name, &done.buf).await;
-                    // The request is settled before its reply goes out, as a request/response
-                    // peer expects.
+                    // The request is settled at once; its reply follows from the link's
+                    // request task, as a request/response peer expects.
                     self.settle_request(ch, &done);
-                    self.reply(link_id, reply);
+                    match mgmt::Request::parse(&done.buf) {
+                        Ok(req) => {
+                            let held =
+                                mgmt::session_id(&req).and_then(|sid| self.held_session(e, &sid));
+                            self.queue_request(ch, t.handle, e, req, held);
+                        }
+                        Err(err) => self.reply(link_id, mgmt::decode_error(&err)),
+                    }
                     return self.top_up(ch, t.handle);
                 }
             }
@@ -1122,31 +1440,51 @@ impl<B: Backend> Conn<B> {
                 max,
                 rx,
                 self.events.clone(),
-                ch,
+                l.id,
             ));
             tx
         });
         let _ = tx.send(pending);
     }
 
+    /// Queues a management request on the link's request task, starting it on first use.
+    fn queue_request(
+        &mut self,
+        ch: u16,
+        handle: u32,
+        entity: &str,
+        req: mgmt::Request,
+        held: Option<Arc<B::Session>>,
+    ) {
+        let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) else {
+            return;
+        };
+        let tx = l.requests.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(request_task(
+                self.shared.backend.clone(),
+                self.shared.metrics.clone(),
+                entity.to_owned(),
+                rx,
+                self.events.clone(),
+                l.id,
+            ));
+            tx
+        });
+        let _ = tx.send((req, held));
+    }
+
     /// Settles sends the sender task has stored (or failed to).
-    fn on_sent(&mut self, ch: u16, entity: &str, results: Vec<(u32, bool, usize, Outcome)>) {
-        let Some(s) = self.sessions.get_mut(&ch) else { return };
-        for (delivery_id, settled, n, outcome) in results {
-            if outcome == Outcome::Accepted {
-                self.shared.metrics.add(entity, Counter::Send, u64::try_from(n).unwrap_or(0));
-            }
-            if !settled {
-                let d = Disposition {
-                    role: ROLE_RECEIVER,
-                    first: delivery_id,
-                    last: None,
-                    settled: true,
-                    state: Some(outcome.to_value()),
-                };
-                self.out.send(s.local_channel, &Performative::Disposition(d));
+    fn on_sent(&mut self, link: u64, entity: &str, results: Vec<(u32, bool, usize, Outcome)>) {
+        for (_, _, n, outcome) in &results {
+            if *outcome == Outcome::Accepted {
+                self.shared.metrics.add(entity, Counter::Send, u64::try_from(*n).unwrap_or(0));
             }
         }
+        let Some(&(ch, _)) = self.links.get(&link) else { return };
+        let Some(s) = self.sessions.get_mut(&ch) else { return };
+        let echoes = results.into_iter().map(|(id, settled, _, outcome)| (id, outcome, !settled));
+        send_echoes(&mut self.out, s.local_channel, ROLE_RECEIVER, echoes);
     }
 
     fn on_cbs(&mut self, payload: &[u8]) -> Option<mgmt::Reply> {
@@ -1183,26 +1521,18 @@ impl<B: Backend> Conn<B> {
     }
 
     /// Sends a management or CBS reply on the client's receiver link for it.
-    pub(crate) fn reply(&mut self, request_link: u64, reply: mgmt::Reply) {
+    fn reply(&mut self, request_link: u64, reply: mgmt::Reply) {
         let Some(&(ch, handle)) = self.links.get(&request_link) else { return };
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         let Some(req) = s.links.get(&handle) else { return };
         let node = req.node.clone();
         let to = reply.to.clone();
-        let target = s
-            .links
-            .iter()
-            .filter(|(_, l)| l.client_receives && l.node == node && !l.detached)
-            .map(|(h, l)| (*h, l))
+        let candidates =
+            || s.links.iter().filter(|(_, l)| l.client_receives && l.node == node && !l.detached);
+        let target = candidates()
             .find(|(_, l)| to.is_some() && (l.target_address == to || Some(&l.name) == to.as_ref()))
-            .or_else(|| {
-                s.links
-                    .iter()
-                    .filter(|(_, l)| l.client_receives && l.node == node && !l.detached)
-                    .map(|(h, l)| (*h, l))
-                    .next()
-            })
-            .map(|(h, _)| h);
+            .or_else(|| candidates().next())
+            .map(|(h, _)| *h);
         let Some(target) = target else {
             tracing::debug!("no reply link for a management request");
             return;
@@ -1213,15 +1543,17 @@ impl<B: Backend> Conn<B> {
         if l.credit == 0 {
             l.replies.push_back(payload);
         } else {
-            send_on_link(&mut self.out, s, target, payload);
+            s.send_reply(target, payload);
+            self.out.flush(s);
         }
     }
 
-    async fn on_disposition(&mut self, ch: u16, d: Disposition) {
+    /// Hands the client's dispositions to the settlers of their links; each echo goes out
+    /// when the broker has applied the outcome.
+    fn on_disposition(&mut self, ch: u16, d: &Disposition) {
         if d.role != ROLE_RECEIVER {
             return;
         }
-        let max_unsettled = self.shared.options.max_unsettled_per_link;
         let outcome = match d.state.as_ref().map(Outcome::from_value) {
             Some(Ok(o)) => o,
             Some(Err(_)) | None => Outcome::Other,
@@ -1230,27 +1562,16 @@ impl<B: Backend> Conn<B> {
         if last.wrapping_sub(d.first) > 10_000 {
             return;
         }
+        let Some(s) = self.sessions.get_mut(&ch) else { return };
         let mut id = d.first;
         loop {
-            let taken = self.sessions.get_mut(&ch).and_then(|s| s.unsettled.remove(&id));
-            if let Some(u) = taken {
-                let echo = self.settle(&u, &outcome).await;
-                if let Some(s) = self.sessions.get_mut(&ch) {
-                    if let Some(&(_, handle)) = self.links.get(&u.link) {
-                        if let Some(l) = s.links.get_mut(&handle) {
-                            l.unsettled = l.unsettled.saturating_sub(1);
-                            update_pump(l, max_unsettled);
-                        }
-                    }
-                    if !d.settled {
-                        let reply = Disposition {
-                            role: ROLE_SENDER,
-                            first: id,
-                            last: None,
-                            settled: true,
-                            state: Some(echo.to_value()),
-                        };
-                        self.out.send(s.local_channel, &Performative::Disposition(reply));
+            if let Some(u) = s.unsettled.remove(&id) {
+                let (how, echo) = settlement_of(&outcome);
+                let job =
+                    Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
+                if let Some(&(_, handle)) = self.links.get(&u.link) {
+                    if let Some(l) = s.links.get(&handle) {
+                        l.job(job);
                     }
                 }
             }
@@ -1261,64 +1582,15 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    /// Applies a client's outcome; returns the outcome to echo (research §8.3).
-    async fn settle(&self, u: &Unsettled<B::Session>, outcome: &Outcome) -> Outcome {
-        let (how, echo) = match outcome {
-            Outcome::Accepted => (Settlement::Complete, Outcome::Accepted),
-            Outcome::Released => (Settlement::Release, Outcome::Released),
-            Outcome::Modified { undeliverable_here: true, message_annotations, .. } => (
-                Settlement::Defer(mapping::properties_of(message_annotations.as_ref(), &[])),
-                outcome.clone(),
-            ),
-            Outcome::Modified { message_annotations, .. } => (
-                Settlement::Abandon(mapping::properties_of(message_annotations.as_ref(), &[])),
-                outcome.clone(),
-            ),
-            Outcome::Rejected(err) => (dead_letter_of(err.as_ref()), Outcome::Rejected(None)),
-            Outcome::Other => return Outcome::Accepted,
-        };
-        let counter = match &how {
-            Settlement::Complete => Some(Counter::Complete),
-            Settlement::Abandon(_) => Some(Counter::Abandon),
-            Settlement::DeadLetter { .. } => Some(Counter::DeadLetter),
-            _ => None,
-        };
-        let result = match &u.session {
-            Some(s) => s.settle(u.lock, how).await,
-            None => self.shared.backend.settle(&u.entity, u.lock, how).await,
-        };
-        match result {
-            Ok(()) => {
-                if let Some(c) = counter {
-                    self.shared.metrics.add(&u.entity, c, 1);
-                }
-                echo
-            }
-            Err(e) => {
-                self.shared.metrics.add(&u.entity, Counter::LockLost, 1);
-                let cond = if u.session.is_some() && e == BackendError::SessionLockLost {
-                    cond::SESSION_LOCK_LOST
-                } else if e == BackendError::LockLost || e == BackendError::SessionLockLost {
-                    cond::LOCK_LOST
-                } else {
-                    return Outcome::Rejected(Some(backend_error(&e)));
-                };
-                Outcome::Rejected(Some(AmqpError::new(
-                    cond,
-                    "The lock supplied is invalid. Either the lock expired, or the message has already been removed from the queue.",
-                )))
-            }
-        }
-    }
-
-    async fn on_event(&mut self, ev: Event<B::Session>) -> Result<(), End> {
+    fn on_event(&mut self, ev: Event<B::Session>) {
         match ev {
+            Event::Resolved { link, kind } => self.on_resolved(link, kind),
             Event::SessionAccepted { link, result } => {
                 let Some(&(ch, handle)) = self.links.get(&link) else {
                     if let Ok(Some(s)) = result {
-                        s.close().await;
+                        tokio::spawn(async move { s.close().await });
                     }
-                    return Ok(());
+                    return;
                 };
                 match result {
                     Ok(Some(session)) => self.accept_attach(ch, handle, Some(session)),
@@ -1330,19 +1602,29 @@ impl<B: Backend> Conn<B> {
                     Err(e) => self.refuse(ch, handle, backend_error(&e)),
                 }
             }
-            Event::Sent { channel, entity, results } => self.on_sent(channel, &entity, results),
-            Event::Batch { link, generation, drain, result } => {
-                self.on_batch(link, generation, drain, result)
+            Event::Sent { link, entity, results } => self.on_sent(link, &entity, results),
+            Event::Batch { link, drain, source, result } => {
+                self.on_batch(link, drain, source, result);
+            }
+            Event::Settled { link, results } => self.on_settled(link, results),
+            Event::Replied { link, reply, settled } => {
+                for lock in settled {
+                    self.forget_lock(lock);
+                }
+                self.reply(link, reply);
+            }
+            Event::SessionLockLost { link } => {
+                let Some(&(ch, handle)) = self.links.get(&link) else { return };
+                self.detach_with(ch, handle, session_lock_lost());
             }
         }
-        Ok(())
     }
 
     fn on_batch(
         &mut self,
         link: u64,
-        generation: u64,
-        drain: bool,
+        drain: u64,
+        source: Source<B::Session>,
         result: Result<Vec<ReceivedMessage>, BackendError>,
     ) {
         let max_unsettled = self.shared.options.max_unsettled_per_link;
@@ -1352,9 +1634,7 @@ impl<B: Backend> Conn<B> {
                 tracing::debug!(error = %e, "receive failed");
                 if let Some(&(ch, handle)) = self.links.get(&link) {
                     let err = match e {
-                        BackendError::SessionLockLost => {
-                            AmqpError::new(cond::SESSION_LOCK_LOST, "The session lock has expired.")
-                        }
+                        BackendError::SessionLockLost => session_lock_lost(),
                         other => backend_error(&other),
                     };
                     self.detach_with(ch, handle, err);
@@ -1363,46 +1643,37 @@ impl<B: Backend> Conn<B> {
             }
         };
         let Some(&(ch, handle)) = self.links.get(&link) else {
-            // The link is gone; its messages come back when their locks expire.
+            // The link is gone: what it took goes back.
+            release_all(&self.shared.backend, &source, messages);
             return;
         };
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         let Some(l) = s.links.get_mut(&handle) else { return };
-        let entity = match &l.node {
-            Node::Entity(e) => e.clone(),
-            _ => String::new(),
-        };
-        let mut extra = Vec::new();
+        l.taken += u64::try_from(messages.len()).unwrap_or(u64::MAX);
+        let entity = l.path.clone();
+        let mode = l.mode;
         let mut sent = 0u64;
         for m in messages {
             let Some(l) = s.links.get_mut(&handle) else { break };
+            let Some(lock) = m.lock_token else { continue };
             if l.credit == 0 || l.detached {
-                extra.push(m);
+                // More than the credit: a long poll that finished after a drain.
+                l.job(Job::Release(lock));
                 continue;
             }
             l.credit -= 1;
             l.delivery_count = l.delivery_count.wrapping_add(1);
-            let lh = l.local_handle;
-            let session = l.session.clone();
-            let payload;
-            let tag;
-            let settled = l.mode == ReceiveMode::ReceiveAndDelete || m.lock_token.is_none();
-            if settled {
-                payload = mapping::encode_received(&m, Presentation::Unlocked);
-                tag = Bytes::copy_from_slice(&Uuid::new_v4().to_bytes_le());
-            } else {
-                payload = mapping::encode_received(&m, Presentation::Locked);
-                tag = Bytes::copy_from_slice(
-                    &m.lock_token.map(|t| t.as_uuid().to_bytes_le()).unwrap_or_default(),
-                );
-                l.unsettled += 1;
-            }
-            let id = self.out.transfer(s, lh, tag, settled, &payload);
             sent += 1;
-            if !settled {
-                if let Some(lock) = m.lock_token {
-                    s.unsettled
-                        .insert(id, Unsettled { link, entity: entity.clone(), lock, session });
+            if mode == ReceiveMode::ReceiveAndDelete {
+                let payload = mapping::encode_received(&m, Presentation::Unlocked);
+                let tag = Bytes::copy_from_slice(&Uuid::new_v4().to_bytes_le());
+                s.deliver(handle, tag, true, payload, Some(lock));
+            } else {
+                l.unsettled += 1;
+                let payload = mapping::encode_received(&m, Presentation::Locked);
+                let tag = Bytes::copy_from_slice(&lock.as_uuid().to_bytes_le());
+                if let Some(id) = s.deliver(handle, tag, false, payload, Some(lock)) {
+                    s.unsettled.insert(id, Unsettled { link, lock });
                 }
             }
         }
@@ -1410,7 +1681,7 @@ impl<B: Backend> Conn<B> {
             self.shared.metrics.add(&entity, Counter::Receive, sent);
         }
         let Some(l) = s.links.get_mut(&handle) else { return };
-        if l.generation == generation && drain && l.drain {
+        if drain != 0 && l.drain && drain == l.drain_seq {
             l.delivery_count = l.delivery_count.wrapping_add(l.credit);
             l.credit = 0;
             l.drain = false;
@@ -1421,13 +1692,25 @@ impl<B: Backend> Conn<B> {
                 drain: true,
                 ..sflow!(s)
             };
-            self.out.send(s.local_channel, &Performative::Flow(fl));
+            s.link_flow(link, fl);
         }
-        update_pump(l, max_unsettled);
-        if !extra.is_empty() {
-            let session = l.session.clone();
-            release_all(&self.shared.backend, &entity, session, extra);
+        self.out.flush(s);
+        if let Some(l) = s.links.get_mut(&handle) {
+            update_pump(l, max_unsettled);
         }
+    }
+
+    /// Echoes the outcomes a settler applied, and lets the pump take more.
+    fn on_settled(&mut self, link: u64, results: Vec<Echo>) {
+        let max_unsettled = self.shared.options.max_unsettled_per_link;
+        let Some(&(ch, handle)) = self.links.get(&link) else { return };
+        let Some(s) = self.sessions.get_mut(&ch) else { return };
+        if let Some(l) = s.links.get_mut(&handle) {
+            let n = u32::try_from(results.len()).unwrap_or(u32::MAX);
+            l.unsettled = l.unsettled.saturating_sub(n);
+            update_pump(l, max_unsettled);
+        }
+        send_echoes(&mut self.out, s.local_channel, ROLE_SENDER, results.into_iter());
     }
 
     /// Detaches a link twice's side ends (e.g. a session lock lost).
@@ -1438,28 +1721,18 @@ impl<B: Backend> Conn<B> {
             return;
         }
         l.detached = true;
-        if let Some(p) = l.pump.take() {
-            drop(p);
-        }
-        let lh = l.local_handle;
+        l.pump.take();
+        l.lock_watch.take();
+        let (id, lh) = (l.id, l.local_handle);
+        s.discard_outgoing(Some(id));
         self.out.send(
             s.local_channel,
             &Performative::Detach(Detach { handle: lh, closed: true, error: Some(error) }),
         );
     }
 
-    // ---- accessors for the management handlers ----
-
-    pub(crate) fn backend(&self) -> &B {
-        &self.shared.backend
-    }
-
-    pub(crate) fn metrics(&self) -> &crate::metrics::Metrics {
-        &self.shared.metrics
-    }
-
     /// The session handle a receiver link of this connection holds for `entity`/`sid`.
-    pub(crate) fn held_session(&self, entity: &str, sid: &str) -> Option<Arc<B::Session>> {
+    fn held_session(&self, entity: &str, sid: &str) -> Option<Arc<B::Session>> {
         self.sessions.values().flat_map(|s| s.links.values()).find_map(|l| {
             match (&l.node, &l.session) {
                 (Node::Entity(e), Some(s))
@@ -1473,46 +1746,84 @@ impl<B: Backend> Conn<B> {
     }
 
     /// Forgets a delivery settled through `$management`, so a later disposition is ignored.
-    pub(crate) fn forget_lock(&mut self, lock: LockToken) {
+    fn forget_lock(&mut self, lock: LockToken) {
         for s in self.sessions.values_mut() {
             s.unsettled.retain(|_, u| u.lock != lock);
         }
     }
 }
 
-/// Sends a settled reply on a management or CBS receiver link.
-fn send_on_link<S>(out: &mut Out, s: &mut Session<S>, handle: u32, payload: Vec<u8>) {
-    let Some(l) = s.links.get_mut(&handle) else { return };
-    l.credit = l.credit.saturating_sub(1);
-    l.delivery_count = l.delivery_count.wrapping_add(1);
-    let lh = l.local_handle;
-    let tag = Bytes::copy_from_slice(&u64::from(l.delivery_count).to_be_bytes());
-    out.transfer(s, lh, tag, true, &payload);
-}
-
-/// Tells the pump of a link what it may take now.
-fn update_pump<S>(l: &mut Link<S>, max_unsettled: u32) {
-    let Some(pump) = &l.pump else { return };
-    let room = max_unsettled.saturating_sub(l.unsettled);
-    let credit =
-        if l.mode == ReceiveMode::ReceiveAndDelete { l.credit } else { l.credit.min(room) };
-    l.generation += 1;
-    let _ = pump.send(PumpCtl { credit, drain: l.drain, generation: l.generation });
-}
-
-/// Ends what a link holds: its pump stops, its session lock is released.
-fn release_link<S: BackendSession>(mut l: Link<S>) {
-    l.pump.take();
-    if let Some(s) = l.session.take() {
-        tokio::spawn(async move { s.close().await });
+/// Writes dispositions for settled deliveries, one frame per run of consecutive delivery ids
+/// with the same outcome; those the client does not wait for are skipped.
+fn send_echoes(out: &mut Out, channel: u16, role: bool, echoes: impl Iterator<Item = Echo>) {
+    let mut run: Option<(u32, u32, Outcome)> = None;
+    let emit = |out: &mut Out, (first, last, state): (u32, u32, Outcome)| {
+        let d = Disposition {
+            role,
+            first,
+            last: (last != first).then_some(last),
+            settled: true,
+            state: Some(state.to_value()),
+        };
+        out.send(channel, &Performative::Disposition(d));
+    };
+    for (id, outcome, reply) in echoes {
+        if !reply {
+            continue;
+        }
+        run = match run.take() {
+            Some((first, last, o)) if last.wrapping_add(1) == id && o == outcome => {
+                Some((first, id, o))
+            }
+            Some(done) => {
+                emit(out, done);
+                Some((id, id, outcome))
+            }
+            None => Some((id, id, outcome)),
+        };
+    }
+    if let Some(done) = run {
+        emit(out, done);
     }
 }
 
-/// Unlocks messages a link took but could not deliver.
+/// Tells the pump of a link what it may take now (see [`PumpCtl`]).
+fn update_pump<S>(l: &mut Link<S>, max_unsettled: u32) {
+    let Some(pump) = &l.pump else { return };
+    let credit = if l.mode == ReceiveMode::ReceiveAndDelete {
+        l.credit
+    } else {
+        l.credit.min(max_unsettled.saturating_sub(l.unsettled))
+    };
+    let ctl = PumpCtl {
+        limit: l.taken + u64::from(credit),
+        drain: if l.drain { l.drain_seq } else { 0 },
+    };
+    // Only a change wakes the pump.
+    pump.send_if_modified(|current| {
+        let changed = *current != ctl;
+        *current = ctl;
+        changed
+    });
+}
+
+/// Ends what a link holds: its pump and lock timer stop; its settler finishes the work queued
+/// and then releases the session lock.
+fn release_link<S: BackendSession>(mut l: Link<S>) {
+    l.pump.take();
+    l.lock_watch.take();
+    let session = l.session.take();
+    if l.settle.take().is_none() {
+        if let Some(s) = session {
+            tokio::spawn(async move { s.close().await });
+        }
+    }
+}
+
+/// Unlocks messages taken for a link that cannot deliver them.
 fn release_all<B: Backend>(
     backend: &B,
-    entity: &str,
-    session: Option<Arc<B::Session>>,
+    source: &Source<B::Session>,
     messages: Vec<ReceivedMessage>,
 ) {
     let locks: Vec<LockToken> = messages.iter().filter_map(|m| m.lock_token).collect();
@@ -1520,15 +1831,34 @@ fn release_all<B: Backend>(
         return;
     }
     let backend = backend.clone();
-    let entity = entity.to_owned();
+    let source = source.clone();
     tokio::spawn(async move {
         for lock in locks {
-            let _ = match &session {
-                Some(s) => s.settle(lock, Settlement::Release).await,
-                None => backend.settle(&entity, lock, Settlement::Release).await,
+            let _ = match &source {
+                Source::Session(s) => s.settle(lock, Settlement::Release).await,
+                Source::Entity(e) => backend.settle(e, lock, Settlement::Release).await,
             };
         }
     });
+}
+
+/// What a client's outcome asks of the broker, and the outcome to echo (research §8.3): the
+/// same type, without the dead-letter error a `rejected` came with.
+fn settlement_of(outcome: &Outcome) -> (Option<Settlement>, Outcome) {
+    match outcome {
+        Outcome::Accepted => (Some(Settlement::Complete), Outcome::Accepted),
+        Outcome::Released => (Some(Settlement::Release), Outcome::Released),
+        Outcome::Modified { undeliverable_here: true, message_annotations, .. } => (
+            Some(Settlement::Defer(mapping::properties_of(message_annotations.as_ref(), &[]))),
+            outcome.clone(),
+        ),
+        Outcome::Modified { message_annotations, .. } => (
+            Some(Settlement::Abandon(mapping::properties_of(message_annotations.as_ref(), &[]))),
+            outcome.clone(),
+        ),
+        Outcome::Rejected(err) => (Some(dead_letter_of(err.as_ref())), Outcome::Rejected(None)),
+        Outcome::Other => (None, Outcome::Accepted),
+    }
 }
 
 /// The dead-letter settlement a `rejected` outcome asks for.
@@ -1557,56 +1887,307 @@ fn with_session_filter(source: &Value, sid: &str) -> Value {
     Value::Described(d.clone(), Box::new(Value::List(fields)))
 }
 
-/// A receiver link's pump: waits for messages within the credit and reports them.
+/// Takes up to `max` messages, locked: receive-and-delete links complete theirs once written,
+/// so a message that never reaches the client can always be released.
+///
+/// # Cancel safety
+///
+/// As [`Backend::receive`]. `twice-broker` keeps that promise only until it has answered: a
+/// reply already on its way is lost with the future, its messages locked until their lock
+/// expires. So the pump drops a receive only for a session whose lock it is about to release,
+/// which unlocks them.
+async fn take<B: Backend>(
+    backend: &B,
+    source: &Source<B::Session>,
+    max: usize,
+    wait: Duration,
+) -> Result<Vec<ReceivedMessage>, BackendError> {
+    match source {
+        Source::Entity(e) => backend.receive(e, ReceiveMode::PeekLock, max, wait).await,
+        Source::Session(s) => s.receive(ReceiveMode::PeekLock, max, wait).await,
+    }
+}
+
+/// Reports what the pump took; false when the pump should stop (the receive failed, or the
+/// connection is gone, in which case the messages are released).
+fn report<B: Backend>(
+    backend: &B,
+    source: &Source<B::Session>,
+    events: &mpsc::UnboundedSender<Event<B::Session>>,
+    link: u64,
+    drain: u64,
+    result: Result<Vec<ReceivedMessage>, BackendError>,
+) -> bool {
+    let failed = result.is_err();
+    let batch = Event::Batch { link, drain, source: source.clone(), result };
+    match events.send(batch) {
+        Ok(()) => !failed,
+        Err(mpsc::error::SendError(Event::Batch { result: Ok(messages), .. })) => {
+            release_all(backend, source, messages);
+            false
+        }
+        Err(_) => false,
+    }
+}
+
+/// A receiver link's pump: takes messages within the credit and reports them.
+///
+/// A receive is never dropped while the link lives: a broker reply already on its way would be
+/// lost with it, and its messages would stay locked. A drain that comes during a long poll is
+/// answered at once with nothing (the poll would have ended had anything come), and what the
+/// poll brings later is released by the connection, which has no credit left for it.
 async fn pump<B: Backend>(
     backend: B,
     source: Source<B::Session>,
-    mode: ReceiveMode,
     mut ctl: watch::Receiver<PumpCtl>,
     events: mpsc::UnboundedSender<Event<B::Session>>,
     link: u64,
 ) {
-    let mut reported: Option<u64> = None;
+    let mut handed = 0u64;
+    let mut drained = 0u64;
     loop {
         let c = *ctl.borrow_and_update();
-        if c.credit == 0 || reported == Some(c.generation) {
+        let room = c.limit.saturating_sub(handed);
+        let max = usize::try_from(room.min(PUMP_BATCH)).unwrap_or(1);
+        if c.drain > drained {
+            drained = c.drain;
+            let result = if room == 0 {
+                Ok(Vec::new())
+            } else {
+                take(&backend, &source, max, Duration::ZERO).await
+            };
+            handed += result.as_ref().map_or(0, |m| u64::try_from(m.len()).unwrap_or(u64::MAX));
+            if !report(&backend, &source, &events, link, c.drain, result) {
+                return;
+            }
+            continue;
+        }
+        if room == 0 {
             if ctl.changed().await.is_err() {
                 return;
             }
             continue;
         }
-        let max = usize::try_from(c.credit).unwrap_or(usize::MAX);
-        let wait = if c.drain { Duration::ZERO } else { PUMP_WAIT };
-        let receive = async {
-            match &source {
-                Source::Entity(e) => backend.receive(e, mode, max, wait).await,
-                Source::Session(s) => s.receive(mode, max, wait).await,
-            }
-        };
-        let result = if c.drain {
-            receive.await
-        } else {
+        let receive = take(&backend, &source, max, PUMP_WAIT);
+        tokio::pin!(receive);
+        let result = loop {
             tokio::select! {
-                r = receive => r,
+                biased;
+                r = &mut receive => break r,
                 changed = ctl.changed() => {
                     if changed.is_err() {
+                        // The link is gone. A session's receive is dropped: releasing the
+                        // session, which follows at once, unlocks anything it held. An entity's
+                        // runs to its end and what it took goes back.
+                        if let Source::Entity(_) = source {
+                            if let Ok(messages) = receive.await {
+                                release_all(&backend, &source, messages);
+                            }
+                        }
                         return;
                     }
-                    continue;
+                    let d = ctl.borrow().drain;
+                    if d > drained {
+                        drained = d;
+                        if !report(&backend, &source, &events, link, d, Ok(Vec::new())) {
+                            return;
+                        }
+                    }
                 }
             }
         };
-        if matches!(&result, Ok(v) if v.is_empty()) && !c.drain {
+        if matches!(&result, Ok(m) if m.is_empty()) {
             continue;
         }
-        let failed = result.is_err();
-        reported = Some(c.generation);
-        if events
-            .send(Event::Batch { link, generation: c.generation, drain: c.drain, result })
-            .is_err()
-            || failed
-        {
+        handed += result.as_ref().map_or(0, |m| u64::try_from(m.len()).unwrap_or(u64::MAX));
+        if !report(&backend, &source, &events, link, 0, result) {
             return;
+        }
+    }
+}
+
+/// A receiver link's settler: applies the client's dispositions in order, completing each run
+/// of completions in one broker call (one durable write), and reports the echoes. When the
+/// link ends it finishes what is queued, then releases the link's session lock.
+async fn settler<B: Backend>(
+    backend: B,
+    entity: String,
+    session: Option<Arc<B::Session>>,
+    metrics: Arc<Metrics>,
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    events: mpsc::UnboundedSender<Event<B::Session>>,
+    link: u64,
+) {
+    let mut jobs = Vec::with_capacity(SETTLE_BATCH);
+    while rx.recv_many(&mut jobs, SETTLE_BATCH).await > 0 {
+        let mut echoes = Vec::new();
+        let mut queue = jobs.drain(..).peekable();
+        while let Some(job) = queue.next() {
+            if job.completes().is_some() {
+                let mut run = vec![job];
+                while let Some(next) = queue.next_if(|j| j.completes().is_some()) {
+                    run.push(next);
+                }
+                let locks = run.iter().filter_map(Job::completes).collect();
+                let results = match &session {
+                    Some(s) => s.complete_many(locks).await,
+                    None => backend.complete_many(&entity, locks).await,
+                };
+                let mut results = results.into_iter();
+                for job in run {
+                    let r = results
+                        .next()
+                        .unwrap_or_else(|| Err(BackendError::Unavailable("no answer".into())));
+                    if let Job::Settle { delivery_id, echo, reply, .. } = job {
+                        let echo = echo_of(
+                            &metrics,
+                            &entity,
+                            session.is_some(),
+                            Counter::Complete,
+                            r,
+                            echo,
+                        );
+                        echoes.push((delivery_id, echo, reply));
+                    }
+                }
+                continue;
+            }
+            match job {
+                Job::Release(lock) => {
+                    let _ = settle_one(
+                        &backend,
+                        &entity,
+                        session.as_deref(),
+                        lock,
+                        Settlement::Release,
+                    )
+                    .await;
+                }
+                // Completions ran above.
+                Job::Complete(_) => {}
+                Job::Settle { delivery_id, how: None, echo, reply, .. } => {
+                    echoes.push((delivery_id, echo, reply));
+                }
+                Job::Settle { delivery_id, lock, how: Some(how), echo, reply } => {
+                    let counter = match &how {
+                        Settlement::Abandon(_) => Counter::Abandon,
+                        Settlement::DeadLetter { .. } => Counter::DeadLetter,
+                        // Not counted: completions run above; defer and release have no counter.
+                        _ => Counter::Receive,
+                    };
+                    let r = settle_one(&backend, &entity, session.as_deref(), lock, how).await;
+                    let echo = echo_of(&metrics, &entity, session.is_some(), counter, r, echo);
+                    echoes.push((delivery_id, echo, reply));
+                }
+            }
+        }
+        drop(queue);
+        // A connection that is gone gets no echoes; the work is done all the same.
+        if !echoes.is_empty() {
+            let _ = events.send(Event::Settled { link, results: echoes });
+        }
+    }
+    if let Some(s) = session {
+        s.close().await;
+    }
+}
+
+async fn settle_one<B: Backend>(
+    backend: &B,
+    entity: &str,
+    session: Option<&B::Session>,
+    lock: LockToken,
+    how: Settlement,
+) -> Result<(), BackendError> {
+    match session {
+        Some(s) => s.settle(lock, how).await,
+        None => backend.settle(entity, lock, how).await,
+    }
+}
+
+/// The outcome to echo once the broker answered, counting it.
+fn echo_of(
+    metrics: &Metrics,
+    entity: &str,
+    in_session: bool,
+    counter: Counter,
+    result: Result<(), BackendError>,
+    echo: Outcome,
+) -> Outcome {
+    let e = match result {
+        Ok(()) => {
+            if counter != Counter::Receive {
+                metrics.add(entity, counter, 1);
+            }
+            return echo;
+        }
+        Err(e) => e,
+    };
+    metrics.add(entity, Counter::LockLost, 1);
+    let cond = if in_session && e == BackendError::SessionLockLost {
+        cond::SESSION_LOCK_LOST
+    } else if e == BackendError::LockLost || e == BackendError::SessionLockLost {
+        cond::LOCK_LOST
+    } else {
+        return Outcome::Rejected(Some(backend_error(&e)));
+    };
+    Outcome::Rejected(Some(AmqpError::new(
+        cond,
+        "The lock supplied is invalid. Either the lock expired, or the message has already been removed from the queue.",
+    )))
+}
+
+/// A `$management` link's request task: answers its requests in order.
+async fn request_task<B: Backend>(
+    backend: B,
+    metrics: Arc<Metrics>,
+    entity: String,
+    mut rx: mpsc::UnboundedReceiver<(mgmt::Request, Option<Arc<B::Session>>)>,
+    events: mpsc::UnboundedSender<Event<B::Session>>,
+    link: u64,
+) {
+    while let Some((req, held)) = rx.recv().await {
+        let (reply, settled) = mgmt::handle(&backend, &metrics, held, &entity, req).await;
+        if events.send(Event::Replied { link, reply, settled }).is_err() {
+            return;
+        }
+    }
+}
+
+/// Watches the lock of a session receiver link on the server's clock, so a lock that expires
+/// while the link idles (no credit, so no receive to fail) detaches it with
+/// `com.microsoft:session-lock-lost`. Ends when `stop` is dropped.
+async fn watch_session_lock<S: BackendSession>(
+    session: Arc<S>,
+    clock: SharedClock,
+    mut stop: oneshot::Receiver<()>,
+    events: mpsc::UnboundedSender<Event<S>>,
+    link: u64,
+) {
+    let mut deadline = session.locked_until();
+    let period = deadline.duration_since(clock.now()).max(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            () = clock.sleep_until(deadline) => {}
+            _ = &mut stop => return,
+        }
+        let renewed = session.locked_until();
+        if renewed > deadline {
+            deadline = renewed;
+            continue;
+        }
+        let checked = tokio::select! {
+            r = session.check_lock() => r,
+            _ = &mut stop => return,
+        };
+        match checked {
+            Err(BackendError::SessionLockLost) => {
+                let _ = events.send(Event::SessionLockLost { link });
+                return;
+            }
+            // Still held: renewed through one of its messages, which this handle does not see.
+            // Look again a lock period from now.
+            _ => deadline = clock.now() + period,
         }
     }
 }
@@ -1619,19 +2200,13 @@ async fn sender_task<B: Backend>(
     max_batch_bytes: usize,
     mut rx: mpsc::UnboundedReceiver<PendingSend>,
     events: mpsc::UnboundedSender<Event<B::Session>>,
-    channel: u16,
+    link: u64,
 ) {
     fn size(p: &PendingSend) -> usize {
         p.messages.iter().map(|m| m.body.len() + 256).sum()
     }
-    while let Some(first) = rx.recv().await {
-        let mut group = vec![first];
-        while group.len() < 256 {
-            match rx.try_recv() {
-                Ok(next) => group.push(next),
-                Err(_) => break,
-            }
-        }
+    let mut group = Vec::with_capacity(256);
+    while rx.recv_many(&mut group, 256).await > 0 {
         let mut results = Vec::with_capacity(group.len());
         let mut start = 0;
         while start < group.len() {
@@ -1673,7 +2248,9 @@ async fn sender_task<B: Backend>(
             }
             start = end;
         }
-        if events.send(Event::Sent { channel, entity: entity.clone(), results }).is_err() {
+        group.clear();
+        let entity = entity.clone();
+        if events.send(Event::Sent { link, entity, results }).is_err() {
             return;
         }
     }

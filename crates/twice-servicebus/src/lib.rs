@@ -31,6 +31,38 @@
 //! `/entities`); [`Server::run`] serves a [`Backend`] (a `twice_broker::Broker`, or anything
 //! else that implements the trait) until the shutdown future resolves. [`serve`] does both.
 //!
+//! # Durability and flow
+//!
+//! A send is accepted, and a settlement echoed, only once the broker has made it durable. A
+//! connection never waits for that itself: each link has a task that calls the broker, so the
+//! sends, settlements and receives of every link stay in flight together and the broker writes
+//! them in groups. A settlement is echoed with the outcome type the client sent (without
+//! the dead-letter error a `rejected` carried, which the SDKs would take for a failure), or
+//! with `com.microsoft:message-lock-lost` when the lock was gone. Receive-and-delete
+//! messages are completed once they are written to the socket, so a message taken for a link
+//! that closes first goes back to the queue.
+//!
+//! Outgoing transfers keep within the link credit, the client's session incoming window and
+//! [`ServerOptions::max_unsettled_per_link`]. A session receiver whose session lock expires is
+//! detached with `com.microsoft:session-lock-lost` even while it idles. A connection over
+//! [`ServerOptions::max_connections`] is answered with `open` and a `close` carrying
+//! `amqp:resource-limit-exceeded` (the SDKs' quota error); an attach over
+//! [`ServerOptions::max_links_per_session`] is refused with the same condition.
+//!
+//! # Known client issues
+//!
+//! The Rust `azservicebus` crate (0.25, on `fe2o3-amqp` 0.14) has a race in its sender: it
+//! registers a delivery as unsettled only after handing the transfer to its session task
+//! (`SenderLink::send_payload_with_transfer`). When the server's `accepted` disposition arrives
+//! before that, the client drops it and `send_message` never returns. Across a network the
+//! disposition cannot arrive that fast; on loopback against an in-memory broker it sometimes
+//! does. If you test with `azservicebus` against a local server, put a little latency between
+//! them (this crate's tests use a proxy that delays the server's bytes by 1 ms), or bound each
+//! send with a timeout and resend (with duplicate detection on the queue the resend is
+//! harmless). The Python and JavaScript SDKs are not affected.
+//!
+//! # Layers
+//!
 //! The layers, bottom up: [`codec`] (AMQP types), [`frame`] (framing and protocol headers),
 //! [`performative`] (typed frame bodies), the connection engine (sessions, links, credit, drain,
 //! settlement echoes, `$cbs` with [`sas`] validation, `$management`), [`mapping`] (AMQP messages

@@ -4,6 +4,8 @@
 //! A reply carries `correlation-id` = the request's `message-id` with its AMQP type, and the
 //! status as `statusCode` (int) / `statusDescription` / `errorCondition` (symbol).
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use twice::{LockToken, Message, MessageId, SequenceNumber, SessionId};
 
@@ -13,7 +15,7 @@ use crate::backend::{
 use crate::codec::{DecodeError, Decoder, Value};
 use crate::connection::{backend_error, cond};
 use crate::mapping::{self, Presentation, Sections};
-use crate::metrics::Counter;
+use crate::metrics::{Counter, Metrics};
 use crate::performative::described_list;
 
 /// A request on `$management` or `$cbs`.
@@ -162,27 +164,62 @@ impl Status {
     }
 }
 
-/// Handles one `$management` request for `entity` on the connection.
+/// The reply to a request that could not be parsed.
+pub(crate) fn decode_error(e: &DecodeError) -> Reply {
+    reply(None, Value::Null, Status::error(400, cond::DECODE_ERROR, e.to_string()))
+}
+
+/// The `session-id` a request names, if any.
+pub(crate) fn session_id(req: &Request) -> Option<String> {
+    text(&req.body, "session-id")
+}
+
+/// Handles one `$management` request for `entity`. `held` is the session this connection
+/// holds under the request's `session-id`, if it names one. Returns the reply and the locks the
+/// request settled (so the connection ignores later dispositions for them).
+///
+/// # Cancel safety
+///
+/// Not cancel safe: a request dropped half way may have settled some of its locks.
 pub(crate) async fn handle<B: Backend>(
-    conn: &mut crate::connection::Conn<B>,
+    backend: &B,
+    metrics: &Metrics,
+    held: Option<Arc<B::Session>>,
     entity: &str,
-    _link_name: &str,
-    payload: &[u8],
-) -> Reply {
-    let req = match Request::parse(payload) {
-        Ok(r) => r,
-        Err(e) => {
-            return reply(None, Value::Null, Status::error(400, cond::DECODE_ERROR, e.to_string()));
-        }
-    };
+    req: Request,
+) -> (Reply, Vec<LockToken>) {
     let op = req.operation().unwrap_or("").to_owned();
-    let status = match run(conn, entity, &op, &req.body).await {
+    let mut settled = Vec::new();
+    let ctx = Ctx { backend, metrics, held, entity };
+    let status = match run(&ctx, &op, &req.body, &mut settled).await {
         Ok(s) | Err(s) => s,
     };
     if status.code >= 300 && status.code != 404 {
         tracing::debug!(operation = %op, code = status.code, "management request failed");
     }
-    reply(req.reply_to.clone(), req.message_id.clone(), status)
+    (reply(req.reply_to.clone(), req.message_id.clone(), status), settled)
+}
+
+/// What a request runs against.
+struct Ctx<'a, B: Backend> {
+    backend: &'a B,
+    metrics: &'a Metrics,
+    held: Option<Arc<B::Session>>,
+    entity: &'a str,
+}
+
+impl<B: Backend> Ctx<'_, B> {
+    /// The session the request names, which this connection must hold.
+    fn held(&self, sid: Option<&str>) -> Result<Arc<B::Session>, Status> {
+        let sid = sid.ok_or_else(|| bad("'session-id' is missing"))?;
+        self.held.clone().ok_or_else(|| {
+            Status::error(
+                410,
+                cond::SESSION_LOCK_LOST,
+                format!("the session '{sid}' is not locked by this receiver"),
+            )
+        })
+    }
 }
 
 fn reply(to: Option<String>, correlation_id: Value, s: Status) -> Reply {
@@ -238,25 +275,14 @@ fn messages_list(items: Vec<Value>) -> Value {
 }
 
 async fn run<B: Backend>(
-    conn: &mut crate::connection::Conn<B>,
-    entity: &str,
+    ctx: &Ctx<'_, B>,
     op: &str,
     body: &Value,
+    settled: &mut Vec<LockToken>,
 ) -> Result<Status, Status> {
-    let backend = conn.backend().clone();
+    let backend = ctx.backend;
+    let entity = ctx.entity;
     let session_id = text(body, "session-id");
-    let held = |conn: &crate::connection::Conn<B>,
-                sid: &Option<String>|
-     -> Result<std::sync::Arc<B::Session>, Status> {
-        let sid = sid.as_deref().ok_or_else(|| bad("'session-id' is missing"))?;
-        conn.held_session(entity, sid).ok_or_else(|| {
-            Status::error(
-                410,
-                cond::SESSION_LOCK_LOST,
-                format!("the session '{sid}' is not locked by this receiver"),
-            )
-        })
-    };
     match op {
         "com.microsoft:renew-lock" => {
             let mut expirations = Vec::new();
@@ -291,7 +317,7 @@ async fn run<B: Backend>(
                 _ => Counter::Receive,
             };
             let session = match &session_id {
-                Some(_) => Some(held(conn, &session_id)?),
+                Some(sid) => Some(ctx.held(Some(sid.as_str()))?),
                 None => None,
             };
             for lock in uuids(body, "lock-tokens")? {
@@ -301,13 +327,13 @@ async fn run<B: Backend>(
                 };
                 match r {
                     Ok(()) => {
-                        conn.forget_lock(lock);
+                        settled.push(lock);
                         if counter != Counter::Receive {
-                            conn.metrics().add(entity, counter, 1);
+                            ctx.metrics.add(entity, counter, 1);
                         }
                     }
                     Err(e) => {
-                        conn.metrics().add(entity, Counter::LockLost, 1);
+                        ctx.metrics.add(entity, Counter::LockLost, 1);
                         return Err(Status::backend(&e));
                     }
                 }
@@ -360,7 +386,7 @@ async fn run<B: Backend>(
             }
             let n = u64::try_from(messages.len()).unwrap_or(0);
             let seqs = backend.send(entity, messages).await.map_err(|e| Status::backend(&e))?;
-            conn.metrics().add(entity, Counter::Send, n);
+            ctx.metrics.add(entity, Counter::Send, n);
             Ok(Status::ok(Value::Map(vec![(
                 Value::string("sequence-numbers"),
                 Value::long_array(seqs.iter().map(|s| s.get())),
@@ -378,14 +404,14 @@ async fn run<B: Backend>(
                 _ => ReceiveMode::PeekLock,
             };
             let found = match &session_id {
-                Some(_) => held(conn, &session_id)?.receive_deferred(mode, seqs).await,
+                Some(sid) => ctx.held(Some(sid.as_str()))?.receive_deferred(mode, seqs).await,
                 None => backend.receive_deferred(entity, mode, seqs).await,
             }
             .map_err(|e| Status::backend(&e))?;
             if found.is_empty() {
                 return Ok(Status::no_content());
             }
-            conn.metrics().add(entity, Counter::Receive, u64::try_from(found.len()).unwrap_or(0));
+            ctx.metrics.add(entity, Counter::Receive, u64::try_from(found.len()).unwrap_or(0));
             let items = found
                 .iter()
                 .map(|m| {
@@ -401,7 +427,7 @@ async fn run<B: Backend>(
             Ok(Status::ok(messages_list(items)))
         }
         "com.microsoft:renew-session-lock" => {
-            let s = held(conn, &session_id)?;
+            let s = ctx.held(session_id.as_deref())?;
             let until = s.renew().await.map_err(|e| Status::backend(&e))?;
             Ok(Status::ok(Value::Map(vec![(
                 Value::string("expiration"),
@@ -409,7 +435,7 @@ async fn run<B: Backend>(
             )])))
         }
         "com.microsoft:get-session-state" => {
-            let s = held(conn, &session_id)?;
+            let s = ctx.held(session_id.as_deref())?;
             let state = s.get_state().await.map_err(|e| Status::backend(&e))?;
             Ok(Status::ok(Value::Map(vec![(
                 Value::string("session-state"),
@@ -417,7 +443,7 @@ async fn run<B: Backend>(
             )])))
         }
         "com.microsoft:set-session-state" => {
-            let s = held(conn, &session_id)?;
+            let s = ctx.held(session_id.as_deref())?;
             let state = match body.get("session-state") {
                 Some(Value::Binary(b)) => Some(b.clone()),
                 Some(Value::Null) | None => None,

@@ -15,6 +15,10 @@ use twice::SharedClock;
 use crate::backend::Backend;
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
+use crate::performative::AmqpError;
+
+/// How many connections over the limit are answered with a close at once.
+const MAX_REFUSING: usize = 16;
 
 /// What every connection shares.
 #[derive(Debug)]
@@ -125,6 +129,7 @@ impl<B: Backend> Server<B> {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let permits = Arc::new(Semaphore::new(self.shared.options.max_connections));
+        let refusals = Arc::new(Semaphore::new(MAX_REFUSING));
         let mut tasks = JoinSet::new();
         if let Some(http) = self.http {
             let shared = self.shared.clone();
@@ -154,7 +159,22 @@ impl<B: Backend> Server<B> {
                     };
                     let Ok(permit) = permits.clone().try_acquire_owned() else {
                         tracing::warn!("connection refused: the connection limit is reached");
-                        drop(stream);
+                        // The client is told why (a quota error) rather than reset, by a few
+                        // refusals at a time: past that, a flood is dropped.
+                        if let Ok(refusing) = refusals.clone().try_acquire_owned() {
+                            let shared = self.shared.clone();
+                            let error = AmqpError::new(
+                                "amqp:resource-limit-exceeded",
+                                format!(
+                                    "the server serves at most {} connections",
+                                    shared.options.max_connections
+                                ),
+                            );
+                            tasks.spawn(async move {
+                                crate::connection::refuse(stream, shared, error).await;
+                                drop(refusing);
+                            });
+                        }
                         continue;
                     };
                     let _ = stream.set_nodelay(true);

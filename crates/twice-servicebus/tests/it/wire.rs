@@ -358,3 +358,280 @@ async fn heartbeats_keep_an_idle_connection_open() {
         empty += 1;
     }
 }
+
+impl Raw {
+    /// SASL PLAIN and `open`, without a session: returns once the server's `open` is read.
+    async fn opened(addr: SocketAddr) -> Self {
+        let mut c = Self::connect(addr).await;
+        let mut out = frame::SASL_HEADER.to_vec();
+        let init = SaslInit {
+            mechanism: "PLAIN".into(),
+            initial_response: Some(Bytes::from_static(
+                b"\0RootManageSharedAccessKey\0SAS_KEY_VALUE",
+            )),
+            hostname: None,
+        };
+        frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+        out.extend_from_slice(&frame::AMQP_HEADER);
+        let open = Open {
+            container_id: "raw".into(),
+            max_frame_size: 65536,
+            channel_max: 9,
+            ..Open::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+        c.writer.write_all(&out).await.unwrap();
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+        assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+        assert_eq!(c.next().await.0, Performative::SaslOutcome(0));
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+        assert!(matches!(c.next().await.0, Performative::Open(_)));
+        c
+    }
+
+    /// A session on channel 0 whose incoming window is `window` transfer frames.
+    async fn begin(&mut self, window: u32) {
+        let begin = Begin {
+            next_outgoing_id: 0,
+            incoming_window: window,
+            outgoing_window: 10_000,
+            ..Begin::default()
+        };
+        self.send(Performative::Begin(begin), &[]).await;
+        assert!(matches!(self.next().await.0, Performative::Begin(_)));
+    }
+
+    /// Sends `n` messages on sender link `handle` and reads the server's acceptances.
+    async fn send_messages(&mut self, handle: u32, n: u32) {
+        for i in 0..n {
+            let m = twice::Message::new(format!("m{i}")).with_message_id(format!("m{i}"));
+            self.transfer(handle, i, &encode_message(&m), 65536).await;
+        }
+        let mut accepted = 0;
+        while accepted < n {
+            let Performative::Disposition(d) = self.next().await.0 else {
+                panic!("expected dispositions for the sends")
+            };
+            assert_eq!(Outcome::from_value(d.state.as_ref().unwrap()).unwrap(), Outcome::Accepted);
+            accepted += d.last.unwrap_or(d.first) - d.first + 1;
+        }
+        assert_eq!(accepted, n);
+    }
+
+    /// Reads `n` complete single-frame transfers; returns their delivery ids.
+    async fn transfers(&mut self, n: usize) -> Vec<u32> {
+        let mut ids = Vec::new();
+        while ids.len() < n {
+            match self.next().await.0 {
+                Performative::Transfer(t) => {
+                    assert!(!t.more, "small messages come in one frame");
+                    ids.push(t.delivery_id.expect("a delivery id"));
+                }
+                other => panic!("expected a transfer, got {other:?}"),
+            }
+        }
+        ids
+    }
+
+    /// A session-level flow: the client's window is `window` frames from `next_incoming_id`.
+    async fn session_flow(&mut self, next_incoming_id: u32, window: u32, echo: bool) {
+        let f = Flow {
+            next_incoming_id: Some(next_incoming_id),
+            incoming_window: window,
+            next_outgoing_id: 0,
+            outgoing_window: 10_000,
+            echo,
+            ..Flow::default()
+        };
+        self.send(Performative::Flow(f), &[]).await;
+    }
+}
+
+#[tokio::test]
+async fn a_connection_over_the_limit_is_closed_with_resource_limit_exceeded() {
+    let server = TestServer::start_with(ServerOptions::new().max_connections(1), None).await;
+    let mut first = Raw::open(server.addr, 65536).await;
+    let mut second = Raw::opened(server.addr).await;
+    assert_eq!(second.closed_with().await.as_deref(), Some("amqp:resource-limit-exceeded"));
+    // The connection within the limit is unaffected.
+    first.attach("s", 0, false, "q1", 0).await;
+}
+
+#[tokio::test]
+async fn an_attach_over_the_links_per_session_limit_is_refused() {
+    let server = TestServer::start_with(ServerOptions::new().max_links_per_session(2), None).await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("a", 0, false, "q1", 0).await;
+    c.attach("b", 1, false, "q1", 0).await;
+    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+    let third = Attach {
+        name: "c".into(),
+        handle: 2,
+        role: false,
+        source: Some(terminus(0x28, "me")),
+        target: Some(terminus(0x29, "q1")),
+        initial_delivery_count: Some(0),
+        ..Attach::default()
+    };
+    c.send(Performative::Attach(third), &[]).await;
+    match c.next().await.0 {
+        Performative::Attach(reply) => {
+            assert_eq!(reply.name, "c");
+            assert!(reply.target.is_none(), "a refused sender link gets a null target");
+        }
+        other => panic!("expected attach, got {other:?}"),
+    }
+    match c.next().await.0 {
+        Performative::Detach(d) => {
+            assert!(d.closed);
+            assert_eq!(d.error.unwrap().condition, "amqp:resource-limit-exceeded");
+        }
+        other => panic!("expected detach, got {other:?}"),
+    }
+    // The two links within the limit still take messages.
+    c.transfer(0, 0, &encode_message(&twice::Message::new("x")), 65536).await;
+    assert!(matches!(c.next().await.0, Performative::Disposition(_)));
+}
+
+#[tokio::test]
+async fn a_receiver_holds_at_most_the_unsettled_limit() {
+    let server = TestServer::start_with(ServerOptions::new().max_unsettled_per_link(2), None).await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("send", 0, false, "q4", 0).await;
+    c.send_messages(0, 5).await;
+    c.attach("recv", 1, true, "q4", 0).await;
+    c.flow(1, 0, 10, false).await;
+    let ids = c.transfers(2).await;
+    // A drain is answered with what may be sent: nothing more while two are unsettled.
+    c.flow(1, 2, 8, true).await;
+    match c.next().await.0 {
+        Performative::Flow(f) => {
+            assert!(f.drain);
+            assert_eq!((f.delivery_count, f.link_credit), (Some(10), Some(0)));
+        }
+        other => panic!("expected the drain answer and no transfer, got {other:?}"),
+    }
+    // Settling one makes room for one.
+    let done = Disposition {
+        role: true,
+        first: ids[0],
+        last: None,
+        settled: false,
+        state: Some(Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(done), &[]).await;
+    match c.next().await.0 {
+        Performative::Disposition(d) => assert_eq!((d.first, d.settled), (ids[0], true)),
+        other => panic!("expected the echo, got {other:?}"),
+    }
+    c.flow(1, 10, 5, false).await;
+    c.transfers(1).await;
+    c.flow(1, 11, 4, true).await;
+    match c.next().await.0 {
+        Performative::Flow(f) => assert_eq!((f.delivery_count, f.link_credit), (Some(15), Some(0))),
+        other => panic!("expected the drain answer and no transfer, got {other:?}"),
+    }
+    let counts = server.broker.counts("q4").await.unwrap();
+    assert_eq!((counts.active, counts.locked), (4, 2));
+}
+
+#[tokio::test]
+async fn transfers_wait_for_the_clients_session_window() {
+    let server = TestServer::start().await;
+    let mut c = Raw::opened(server.addr).await;
+    // The client takes two transfer frames until it says otherwise.
+    c.begin(2).await;
+    c.attach("send", 0, false, "q5", 0).await;
+    c.send_messages(0, 5).await;
+    c.attach("recv", 1, true, "q5", 0).await;
+    let f = Flow {
+        next_incoming_id: Some(0),
+        incoming_window: 2,
+        next_outgoing_id: 0,
+        outgoing_window: 10_000,
+        handle: Some(1),
+        delivery_count: Some(0),
+        link_credit: Some(5),
+        ..Flow::default()
+    };
+    c.send(Performative::Flow(f), &[]).await;
+    c.transfers(2).await;
+    // A closed window: the echo of the session state comes, no transfer.
+    c.session_flow(2, 0, true).await;
+    match c.next().await.0 {
+        Performative::Flow(f) => assert_eq!(f.handle, None),
+        other => panic!("expected the session flow and no transfer, got {other:?}"),
+    }
+    c.session_flow(2, 100, false).await;
+    c.transfers(3).await;
+}
+
+#[tokio::test]
+async fn settlements_are_applied_and_echoed_in_ranges() {
+    let server = TestServer::start().await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("send", 0, false, "q6", 0).await;
+    c.send_messages(0, 20).await;
+    c.attach("recv", 1, true, "q6", 0).await;
+    c.flow(1, 0, 20, false).await;
+    let ids = c.transfers(20).await;
+    let all = Disposition {
+        role: true,
+        first: ids[0],
+        last: Some(ids[19]),
+        settled: false,
+        state: Some(Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(all), &[]).await;
+    let mut echoed = Vec::new();
+    while echoed.len() < 20 {
+        let Performative::Disposition(d) = c.next().await.0 else { panic!("expected echoes") };
+        assert!(d.settled && !d.role, "the server settles as the sender");
+        assert_eq!(Outcome::from_value(d.state.as_ref().unwrap()).unwrap(), Outcome::Accepted);
+        echoed.extend(d.first..=d.last.unwrap_or(d.first));
+    }
+    assert_eq!(echoed, ids);
+    // Each echo follows the broker's answer: the messages are gone.
+    let counts = server.broker.counts("q6").await.unwrap();
+    assert_eq!(counts.active, 0);
+}
+
+#[tokio::test]
+async fn an_idle_session_receiver_is_detached_when_its_session_lock_expires() {
+    let server = TestServer::start().await;
+    let m = twice::Message::new("s").with_session_id("idle");
+    server.broker.send("sessq2", m).await.unwrap();
+    let mut c = Raw::open(server.addr, 65536).await;
+    let filter =
+        Value::Map(vec![(Value::symbol("com.microsoft:session-filter"), Value::string("idle"))]);
+    let mut source = vec![Value::string("sessq2")];
+    source.extend(std::iter::repeat_n(Value::Null, 6));
+    source.push(filter);
+    let a = Attach {
+        name: "session".into(),
+        handle: 0,
+        role: true,
+        snd_settle_mode: Some(0),
+        rcv_settle_mode: Some(1),
+        source: Some(described_list(0x28, source)),
+        target: Some(described_list(0x29, vec![Value::string("me")])),
+        ..Attach::default()
+    };
+    c.send(Performative::Attach(a), &[]).await;
+    match c.next().await.0 {
+        Performative::Attach(reply) => assert!(reply.source.is_some(), "the session is locked"),
+        other => panic!("expected attach, got {other:?}"),
+    }
+    // No credit, no receive: only the lock's own deadline can notice. LockDuration is 1 min.
+    server.clock.advance(Duration::from_secs(61));
+    match c.next().await.0 {
+        Performative::Detach(d) => {
+            assert!(d.closed);
+            assert_eq!(d.error.unwrap().condition, "com.microsoft:session-lock-lost");
+        }
+        other => panic!("expected a detach, got {other:?}"),
+    }
+    // The session is free again.
+    let again = server.broker.accept_session("sessq2", &"idle".into()).await;
+    assert!(again.is_ok(), "{again:?}");
+}
