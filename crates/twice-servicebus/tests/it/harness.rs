@@ -177,22 +177,35 @@ pub fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Runs `f` holding an exclusive lock, so parallel tests, in this process or in others, build an
-/// environment once. The lock is an advisory lock on a file: each caller opens the file itself,
-/// so two threads of one process exclude each other as two processes do, and the lock goes away
-/// with a process that dies holding it.
+/// Runs `f` holding an exclusive lock, so parallel tests build an environment once. Threads of
+/// this process take turns on a mutex; processes take turns on a lock file created with its
+/// owner's pid (a hard link, so it appears with its content), and a lock file whose owner is
+/// gone is taken over.
 fn with_lock<T>(name: &str, f: impl FnOnce() -> T) -> T {
+    static IN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = IN_PROCESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = target_dir().join("sdk");
     std::fs::create_dir_all(&dir).expect("create target/sdk");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join(format!("{name}.lock")))
-        .expect("open the lock file");
-    file.lock().expect("lock the lock file");
+    let path = dir.join(format!("{name}.lock"));
+    let mine = dir.join(format!("{name}.lock.{}", std::process::id()));
+    std::fs::write(&mine, std::process::id().to_string()).expect("write lock candidate");
+    loop {
+        if std::fs::hard_link(&mine, &path).is_ok() {
+            break;
+        }
+        let owner = std::fs::read_to_string(&path).unwrap_or_default();
+        // Our own pid here is a leftover: no other thread of ours is past the mutex.
+        let alive = !owner.trim().is_empty()
+            && owner.trim() != std::process::id().to_string()
+            && Path::new(&format!("/proc/{}", owner.trim())).exists();
+        if !alive {
+            let _ = std::fs::remove_file(&path);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let out = f();
-    drop(file);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&mine);
     out
 }
 
