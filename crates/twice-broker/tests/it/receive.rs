@@ -133,3 +133,57 @@ async fn calls_after_shutdown_fail_closed() {
 fn clock_now(broker: &Broker) -> twice::Timestamp {
     broker.clock().now()
 }
+
+/// The clock jumps past both a scheduled message's time and a waiting receive's deadline in
+/// one step: the message is still delivered, to that receive or to the next one, never lost.
+#[tokio::test]
+async fn a_scheduled_message_due_when_the_receive_times_out_is_still_delivered() {
+    for (by_send, durable) in [(false, false), (true, false), (false, true), (true, true)] {
+        let clock = ManualClock::default();
+        let dir = tempfile::tempdir().unwrap();
+        let broker = if durable {
+            let options = BrokerOptions::durable(dir.path()).with_clock(clock.clone());
+            let b = Broker::open(options).await.unwrap();
+            b.create_queue("q", QueueProperties::default()).await.unwrap();
+            b
+        } else {
+            broker(&clock).await
+        };
+        let at = clock_now(&broker) + Duration::from_secs(600);
+        if by_send {
+            broker.send("q", msg("due").with_scheduled_enqueue_time(at)).await.unwrap();
+        } else {
+            broker.schedule("q", vec![msg("due")], at).await.unwrap();
+        }
+        let waiting = tokio::spawn({
+            let broker = broker.clone();
+            async move { broker.receive("q", 5, Duration::from_secs(30)).await }
+        });
+        settle(&broker).await;
+        clock.advance(Duration::from_secs(660));
+        // A receive waits on the manual clock, which stands still from here: a real-time
+        // bound turns a lost message into a failure instead of a hang.
+        let bound = std::time::Duration::from_secs(10);
+        let first = tokio::time::timeout(bound, waiting)
+            .await
+            .unwrap_or_else(|_| panic!("the waiting receive never returned (durable: {durable})"))
+            .unwrap()
+            .unwrap();
+        let got = if first.is_empty() {
+            tokio::time::timeout(bound, broker.receive("q", 5, Duration::from_secs(1)))
+                .await
+                .unwrap_or_else(|_| panic!("the due message is lost (durable: {durable})"))
+                .unwrap()
+        } else {
+            first
+        };
+        assert_eq!(
+            got.len(),
+            1,
+            "the due message must be receivable (by send: {by_send}, durable: {durable})"
+        );
+        assert_eq!(got[0].message_id().as_str(), "due");
+        let counts = broker.counts("q").await.unwrap();
+        assert_eq!((counts.active, counts.locked, counts.scheduled), (1, 1, 0), "locked, not lost");
+    }
+}
