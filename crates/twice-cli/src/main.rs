@@ -29,6 +29,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli.command);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -61,4 +62,18 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
         return Some("check that the database server is running and the URL is right".into());
     }
     None
+}
+
+/// Logs go to stderr, filtered by `RUST_LOG` (for example `RUST_LOG=twice_servicebus=debug`).
+/// Without it, `twice serve` logs warnings and errors, and `twice demo` only errors: the faults
+/// it injects on purpose are its report's business, not the log's.
+fn init_logging(command: &Command) {
+    let default = match command {
+        Command::Serve(_) => "warn",
+        Command::Demo(_) => "error",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }

@@ -309,8 +309,9 @@ async fn twice_publish(addr: SocketAddr, n: usize, cpu: &Cpu) -> anyhow::Result<
                     }
                 }
             }
-            // The server's credit: delivery-count plus link-credit is where sending may go.
-            Performative::Flow(f) => {
+            // The server's credit: delivery-count plus link-credit is where sending may go. A
+            // flow without a handle only reopens the session window.
+            Performative::Flow(f) if f.handle.is_some() => {
                 let limit = f.delivery_count.unwrap_or(0) + f.link_credit.unwrap_or(0);
                 credit = limit.saturating_sub(u32::try_from(next)?);
             }
@@ -505,7 +506,8 @@ fn spawn_serve(binary: &Path) -> anyhow::Result<(Serve, Duration)> {
         .arg(dir.path().join("data"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        // The server's warnings and errors belong in the benchmark's output.
+        .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {}", binary.display()))?;
     let mut serve = Serve { child, addr, _dir: dir };
@@ -642,6 +644,12 @@ fn row(what: &str, system: &str, p: &Phase) {
 }
 
 fn main() -> anyhow::Result<()> {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let args = args()?;
     let n = args.messages;
     let client = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
