@@ -56,7 +56,7 @@
 //! larger than memory costs page reads and full-page WAL images. Senders that can should use
 //! time-ordered ids ([`twice::MessageId::time_ordered`], a version 7 UUID) so that claims append
 //! at the end of the index. SQLite's table is `WITHOUT ROWID`, one B-tree on the key, which avoids
-//! a second tree for the rowid. `BENCHMARKS.md` beside this crate has the measurements.
+//! a second tree for the rowid. The repository's `BENCHMARKS.md` has the measurements.
 //!
 //! # Business keys
 //!
