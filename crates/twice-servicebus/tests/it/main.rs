@@ -8,6 +8,7 @@
 mod fuzz;
 mod harness;
 mod js_sdk;
+mod logs;
 mod python_sdk;
 mod rust_sdk;
 mod wire;

@@ -1,0 +1,157 @@
+//! No credential reaches the logs, even at the most detailed level: SASL PLAIN passwords (right
+//! and wrong) and the shared access signatures the SDKs put to `$cbs`.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use azservicebus::authorization::AzureNamedKeyCredential;
+use azservicebus::{ServiceBusClient, ServiceBusClientOptions, ServiceBusMessage};
+use bytes::Bytes;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use twice_servicebus::ServerOptions;
+use twice_servicebus::frame::{self, FrameReader};
+use twice_servicebus::performative::{Performative, SaslInit};
+use twice_servicebus::sas::Keys;
+
+use crate::harness::{TestServer, latency_proxy};
+
+const KEY_NAME: &str = "app";
+const SECRET: &str = "Zm9vYmFyLXNlY3JldC1rZXktdmFsdWU9";
+const WRONG_SECRET: &str = "d3Jvbmctc2VjcmV0LWtleS12YWx1ZT0=";
+
+/// Everything the server's threads log, at every level.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// SASL PLAIN with `password`; whether the server accepted it.
+async fn sasl_plain(addr: std::net::SocketAddr, password: &str) -> bool {
+    let s = TcpStream::connect(addr).await.unwrap();
+    let (r, mut w) = s.into_split();
+    let mut reader = FrameReader::new(r, 1 << 20);
+    let mut out = frame::SASL_HEADER.to_vec();
+    let init = SaslInit {
+        mechanism: "PLAIN".into(),
+        initial_response: Some(Bytes::from(format!("\0{KEY_NAME}\0{password}"))),
+        hostname: None,
+    };
+    frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+    w.write_all(&out).await.unwrap();
+    assert_eq!(reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+    loop {
+        let f = reader.read_frame().await.unwrap();
+        match Performative::decode(&f.body).unwrap().0 {
+            Performative::SaslOutcome(code) => return code == 0,
+            _ => continue,
+        }
+    }
+}
+
+#[test]
+fn no_credential_appears_in_the_logs_even_at_trace_level() {
+    let captured = Captured::default();
+    let dispatch = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer({
+                let c = captured.clone();
+                move || c.clone()
+            })
+            .finish(),
+    );
+    // Every thread of the server's runtime logs to the capture (and nothing else does).
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .on_thread_start({
+            let dispatch = dispatch.clone();
+            move || std::mem::forget(tracing::dispatcher::set_default(&dispatch))
+        })
+        .build()
+        .unwrap();
+    let mut keys = Keys::new();
+    keys.insert(KEY_NAME, SECRET);
+    let server = server_rt.block_on(async {
+        tokio::spawn(TestServer::start_with(ServerOptions::new().keys(keys), None)).await.unwrap()
+    });
+    let addr = server.addr;
+    let port = server_rt.block_on(async {
+        tokio::spawn(latency_proxy(addr, Duration::from_millis(1))).await.unwrap()
+    });
+
+    // SASL PLAIN, right and wrong.
+    let client_rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    assert!(client_rt.block_on(sasl_plain(addr, SECRET)), "the right password is accepted");
+    assert!(!client_rt.block_on(sasl_plain(addr, WRONG_SECRET)), "a wrong one is refused");
+
+    // The Rust SDK: a token signed with the key put to `$cbs`, then a send and a receive.
+    let sdk = std::thread::Builder::new()
+        .stack_size(64 * 1024 * 1024)
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_stack_size(64 * 1024 * 1024)
+                .enable_all()
+                .build()
+                .unwrap();
+            let calls = async move {
+                let mut client = ServiceBusClient::unsecured()
+                    .new_from_named_key_credential(
+                        format!("localhost:{port}"),
+                        AzureNamedKeyCredential::new(KEY_NAME, SECRET),
+                        ServiceBusClientOptions::default(),
+                    )
+                    .await
+                    .expect("connect");
+                let mut sender = client.create_sender("q18", Default::default()).await.unwrap();
+                sender.send_message(ServiceBusMessage::new("logged?")).await.unwrap();
+                let mut receiver =
+                    client.create_receiver_for_queue("q18", Default::default()).await.unwrap();
+                let m = receiver
+                    .receive_message_with_max_wait_time(Some(Duration::from_secs(5)))
+                    .await
+                    .unwrap()
+                    .expect("a message");
+                receiver.complete_message(&m).await.unwrap();
+                m.body().unwrap().to_vec()
+            };
+            let outcome =
+                rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), calls).await });
+            rt.shutdown_timeout(Duration::from_secs(1));
+            outcome
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    let body = sdk.expect("the azservicebus calls did not return");
+    assert_eq!(body, b"logged?");
+    server_rt.block_on(server.stop());
+    server_rt.shutdown_timeout(Duration::from_secs(1));
+
+    let log = captured.text();
+    // The capture really saw the traffic, frame by frame.
+    assert!(log.contains("sasl authentication failed"), "the refused login is logged");
+    assert!(log.contains("Attach"), "frames are traced:\n{log}");
+    for secret in [SECRET, WRONG_SECRET, "SharedAccessSignature", "sig="] {
+        assert!(!log.contains(secret), "the log holds {secret:?}:\n{log}");
+    }
+}
