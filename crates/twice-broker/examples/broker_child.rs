@@ -2,7 +2,9 @@
 //!
 //! `broker_child load <dir> <senders> <prefix>`: sends to queue `load` from concurrent senders
 //! until killed, printing `<message id> <sequence number>` for every acknowledged send (ids
-//! start with `prefix`).
+//! start with `prefix`). A receiver completes the messages of sender 0, printing
+//! `completed <message id>` for every acknowledged completion, and abandons the others. With
+//! `TWICE_CHILD_RELAXED=1` the broker runs with relaxed delivery counts.
 //!
 //! `broker_child fill <dir> <count>`: queues `count` messages of 1 KiB, then prints
 //! `rss_kib <n>` (the process's resident memory) and `elapsed_ms <n>`.
@@ -29,7 +31,9 @@ fn rss_kib() -> u64 {
 }
 
 async fn open_queue(dir: &str, queue: &str) -> Result<Broker, Error> {
-    let broker = Broker::open(BrokerOptions::durable(dir)).await?;
+    let relaxed = std::env::var("TWICE_CHILD_RELAXED").is_ok_and(|v| v == "1");
+    let options = BrokerOptions::durable(dir).with_relaxed_delivery_counts(relaxed);
+    let broker = Broker::open(options).await?;
     match broker.create_queue(queue, QueueProperties::default()).await {
         Ok(()) | Err(Error::EntityAlreadyExists(_)) => Ok(broker),
         Err(e) => Err(e),
@@ -63,8 +67,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }));
             }
-            // A receiver that locks and abandons keeps lock and delivery-count records in
-            // the log too.
+            // A receiver that locks, completes and abandons keeps lock, removal and
+            // delivery-count records in the log too.
             let receiver = broker.clone();
             tasks.push(tokio::spawn(async move {
                 loop {
@@ -73,7 +77,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         return;
                     };
                     for m in got {
-                        if let Some(t) = m.lock_token {
+                        let Some(t) = m.lock_token else { continue };
+                        if m.message_id().as_str().contains("-s0-") {
+                            if receiver.complete(t).await.is_ok() {
+                                let mut out =
+                                    out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let _ = writeln!(out, "completed {}", m.message_id());
+                                let _ = out.flush();
+                            }
+                        } else {
                             let _ = receiver.abandon(t, Default::default()).await;
                         }
                     }
