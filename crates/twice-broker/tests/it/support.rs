@@ -44,16 +44,32 @@ pub(crate) const NOW: Duration = Duration::ZERO;
 
 /// The path of a binary built from this crate's examples.
 ///
-/// `cargo test -p twice-broker` builds examples next to the test binary. When it is missing
-/// (a run limited with `--test it`), it is built into a separate target directory, since the
-/// cargo running this test holds the lock of the main one.
+/// `cargo test -p twice-broker` builds examples next to the test binary. When it is missing or
+/// older than the library or its own source (a run limited with `--test it` builds neither), it
+/// is built into a separate target directory, since the cargo running this test holds the lock
+/// of the main one.
 pub(crate) fn example_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/it-<hash> → target/<profile>/examples/<name>
     let profile_dir = exe.parent().and_then(Path::parent).expect("target profile directory");
     let path = profile_dir.join("examples").join(name);
-    if path.exists() {
-        return path;
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(format!("{name}.rs"));
+    let newest_lib = std::fs::read_dir(profile_dir.join("deps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let file = e.file_name().to_string_lossy().into_owned();
+            file.starts_with("libtwice_broker-") && file.ends_with(".rlib")
+        })
+        .filter_map(|e| modified(&e.path()))
+        .max();
+    let inputs = [modified(&source), newest_lib].into_iter().flatten().max();
+    if let Some(built) = modified(&path) {
+        if inputs.is_none_or(|newest| built >= newest) {
+            return path;
+        }
     }
     let release = profile_dir.file_name().is_some_and(|p| p == "release");
     let target = profile_dir.parent().expect("target directory").join("example-children");
