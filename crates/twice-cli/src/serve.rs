@@ -39,6 +39,23 @@ pub(crate) struct ServeArgs {
     /// RootManageSharedAccessKey=SAS_KEY_VALUE, so its connection string works unchanged.
     #[arg(long = "sas-key", value_name = "NAME=KEY", value_parser = parse_key)]
     sas_keys: Vec<(String, String)>,
+    /// The most connections served at once; one more is answered with
+    /// `amqp:resource-limit-exceeded`.
+    #[arg(long, value_name = "N", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_connections: u32,
+    /// The largest AMQP frame accepted, in bytes (512 to 16 MiB).
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024,
+          value_parser = clap::value_parser!(u32).range(512..=16 * 1024 * 1024))]
+    max_frame_size: u32,
+    /// The most links one AMQP session may attach.
+    #[arg(long, value_name = "N", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    max_links_per_session: u32,
+    /// The most unsettled deliveries one receiver link may hold.
+    #[arg(long, value_name = "N", default_value_t = 5000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_unsettled_per_link: u32,
 }
 
 fn parse_key(s: &str) -> Result<(String, String), String> {
@@ -80,7 +97,11 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let server_options = ServerOptions::new()
         .amqp_addr(args.amqp)
         .http_addr(if args.no_http { None } else { Some(args.http) })
-        .keys(keys);
+        .keys(keys)
+        .max_connections(usize::try_from(args.max_connections).unwrap_or(usize::MAX))
+        .max_frame_size(args.max_frame_size)
+        .max_links_per_session(usize::try_from(args.max_links_per_session).unwrap_or(usize::MAX))
+        .max_unsettled_per_link(args.max_unsettled_per_link);
     let server = Server::bind(server_options, broker.clone()).await?;
     let storage = if args.in_memory {
         "in memory (nothing is kept)".to_owned()

@@ -152,3 +152,77 @@ fn serve_refuses_a_second_process_on_the_same_data_directory() {
     assert!(stderr.starts_with("error: "), "{stderr}");
     drop(first);
 }
+
+#[test]
+fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
+    // Out of range: one clear line from the argument parser, nothing started.
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["serve", "--in-memory", "--no-http", "--max-frame-size", "100"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains("--max-frame-size"), "the error names the option: {stderr}");
+
+    // One connection at most: a second is told why, in AMQP, instead of being reset.
+    let serve = Serve::start(&["--in-memory", "--no-http", "--max-connections", "1"]);
+    let amqp = serve.lines[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .expect("the AMQP address in the banner")
+        .trim_end_matches(',')
+        .to_owned();
+    let first = TcpStream::connect(&amqp).unwrap();
+    // The first connection is accepted before the second arrives.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mut second = TcpStream::connect(&amqp).unwrap();
+    let mut hello = twice_servicebus::frame::SASL_HEADER.to_vec();
+    let init = twice_servicebus::performative::SaslInit {
+        mechanism: "ANONYMOUS".into(),
+        initial_response: None,
+        hostname: None,
+    };
+    let sasl = twice_servicebus::performative::Performative::SaslInit(init);
+    twice_servicebus::frame::write_frame(
+        &mut hello,
+        twice_servicebus::frame::TYPE_SASL,
+        0,
+        &sasl,
+        &[],
+    );
+    hello.extend_from_slice(&twice_servicebus::frame::AMQP_HEADER);
+    let open = twice_servicebus::performative::Open {
+        container_id: "second".into(),
+        ..twice_servicebus::performative::Open::default()
+    };
+    let open = twice_servicebus::performative::Performative::Open(open);
+    twice_servicebus::frame::write_frame(
+        &mut hello,
+        twice_servicebus::frame::TYPE_AMQP,
+        0,
+        &open,
+        &[],
+    );
+    second.write_all(&hello).unwrap();
+    // Read what comes within a few seconds (heartbeats would keep a plain read going).
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = twice::clock::Stopwatch::start();
+    second.set_read_timeout(Some(std::time::Duration::from_millis(200))).unwrap();
+    while deadline.elapsed() < std::time::Duration::from_secs(5) {
+        match second.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.contains("amqp:resource-limit-exceeded")
+            && answer.contains("the server serves at most 1 connections"),
+        "the second connection is closed for the connection limit: {answer:?}"
+    );
+    drop(first);
+    assert!(serve.terminate().success());
+}
