@@ -5,6 +5,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 
+use twice_servicebus::frame;
+use twice_servicebus::performative::{Open, Performative, SaslInit};
+
 /// A running `twice serve`, killed on drop if still running.
 struct Serve {
     child: Child,
@@ -177,33 +180,12 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
     // The first connection is accepted before the second arrives.
     std::thread::sleep(std::time::Duration::from_millis(200));
     let mut second = TcpStream::connect(&amqp).unwrap();
-    let mut hello = twice_servicebus::frame::SASL_HEADER.to_vec();
-    let init = twice_servicebus::performative::SaslInit {
-        mechanism: "ANONYMOUS".into(),
-        initial_response: None,
-        hostname: None,
-    };
-    let sasl = twice_servicebus::performative::Performative::SaslInit(init);
-    twice_servicebus::frame::write_frame(
-        &mut hello,
-        twice_servicebus::frame::TYPE_SASL,
-        0,
-        &sasl,
-        &[],
-    );
-    hello.extend_from_slice(&twice_servicebus::frame::AMQP_HEADER);
-    let open = twice_servicebus::performative::Open {
-        container_id: "second".into(),
-        ..twice_servicebus::performative::Open::default()
-    };
-    let open = twice_servicebus::performative::Performative::Open(open);
-    twice_servicebus::frame::write_frame(
-        &mut hello,
-        twice_servicebus::frame::TYPE_AMQP,
-        0,
-        &open,
-        &[],
-    );
+    let mut hello = frame::SASL_HEADER.to_vec();
+    let init = SaslInit { mechanism: "ANONYMOUS".into(), initial_response: None, hostname: None };
+    frame::write_frame(&mut hello, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+    hello.extend_from_slice(&frame::AMQP_HEADER);
+    let open = Open { container_id: "second".into(), ..Open::default() };
+    frame::write_frame(&mut hello, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
     second.write_all(&hello).unwrap();
     // Read what comes within a few seconds (heartbeats would keep a plain read going).
     let mut answer = Vec::new();

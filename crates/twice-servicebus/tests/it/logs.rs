@@ -16,6 +16,7 @@ use twice_servicebus::performative::{Performative, SaslInit};
 use twice_servicebus::sas::Keys;
 
 use crate::harness::{TestServer, latency_proxy};
+use crate::rust_sdk::on_sdk_runtime;
 
 const KEY_NAME: &str = "app";
 const SECRET: &str = "Zm9vYmFyLXNlY3JldC1rZXktdmFsdWU9";
@@ -104,45 +105,27 @@ fn no_credential_appears_in_the_logs_even_at_trace_level() {
     assert!(!client_rt.block_on(sasl_plain(addr, WRONG_SECRET)), "a wrong one is refused");
 
     // The Rust SDK: a token signed with the key put to `$cbs`, then a send and a receive.
-    let sdk = std::thread::Builder::new()
-        .stack_size(64 * 1024 * 1024)
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .thread_stack_size(64 * 1024 * 1024)
-                .enable_all()
-                .build()
-                .unwrap();
-            let calls = async move {
-                let mut client = ServiceBusClient::unsecured()
-                    .new_from_named_key_credential(
-                        format!("localhost:{port}"),
-                        AzureNamedKeyCredential::new(KEY_NAME, SECRET),
-                        ServiceBusClientOptions::default(),
-                    )
-                    .await
-                    .expect("connect");
-                let mut sender = client.create_sender("q18", Default::default()).await.unwrap();
-                sender.send_message(ServiceBusMessage::new("logged?")).await.unwrap();
-                let mut receiver =
-                    client.create_receiver_for_queue("q18", Default::default()).await.unwrap();
-                let m = receiver
-                    .receive_message_with_max_wait_time(Some(Duration::from_secs(5)))
-                    .await
-                    .unwrap()
-                    .expect("a message");
-                receiver.complete_message(&m).await.unwrap();
-                m.body().unwrap().to_vec()
-            };
-            let outcome =
-                rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), calls).await });
-            rt.shutdown_timeout(Duration::from_secs(1));
-            outcome
-        })
-        .unwrap()
-        .join()
-        .unwrap();
-    let body = sdk.expect("the azservicebus calls did not return");
+    let body = on_sdk_runtime(async move {
+        let mut client = ServiceBusClient::unsecured()
+            .new_from_named_key_credential(
+                format!("localhost:{port}"),
+                AzureNamedKeyCredential::new(KEY_NAME, SECRET),
+                ServiceBusClientOptions::default(),
+            )
+            .await
+            .expect("connect");
+        let mut sender = client.create_sender("q18", Default::default()).await.unwrap();
+        sender.send_message(ServiceBusMessage::new("logged?")).await.unwrap();
+        let mut receiver =
+            client.create_receiver_for_queue("q18", Default::default()).await.unwrap();
+        let m = receiver
+            .receive_message_with_max_wait_time(Some(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .expect("a message");
+        receiver.complete_message(&m).await.unwrap();
+        m.body().unwrap().to_vec()
+    });
     assert_eq!(body, b"logged?");
     server_rt.block_on(server.stop());
     server_rt.shutdown_timeout(Duration::from_secs(1));

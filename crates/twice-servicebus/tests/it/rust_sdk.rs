@@ -49,6 +49,20 @@ where
     let server = server_rt.block_on(TestServer::start());
     let port =
         server_rt.block_on(crate::harness::latency_proxy(server.addr, Duration::from_millis(1)));
+    on_sdk_runtime(body(port));
+    server_rt.block_on(verify(server.broker.clone()));
+    server_rt.block_on(server.stop());
+    server_rt.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// Runs SDK calls on a runtime of their own, in a thread with large stacks (the SDK's futures
+/// are deep in debug builds), and returns their result; fails if they do not return within
+/// two minutes (a guard against a hang, not a measure: they normally take a few seconds).
+pub fn on_sdk_runtime<T, Fut>(calls: Fut) -> T
+where
+    Fut: std::future::Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
     let outcome = std::thread::Builder::new()
         .stack_size(64 * 1024 * 1024)
         .spawn(move || {
@@ -58,9 +72,8 @@ where
                 .enable_all()
                 .build()
                 .unwrap();
-            // A guard against a hang, not a measure: the body normally takes a few seconds.
             let outcome = rt.block_on(async move {
-                let task = tokio::spawn(body(port));
+                let task = tokio::spawn(calls);
                 tokio::time::timeout(Duration::from_secs(120), task).await
             });
             // The SDK leaves tasks behind; do not wait for them.
@@ -74,9 +87,6 @@ where
         Ok(joined) => joined.unwrap(),
         Err(_) => panic!("the azservicebus calls did not return (the client race above?)"),
     }
-    server_rt.block_on(verify(server.broker.clone()));
-    server_rt.block_on(server.stop());
-    server_rt.shutdown_timeout(Duration::from_secs(1));
 }
 
 #[test]
