@@ -63,7 +63,8 @@
 //!
 //! # Layers
 //!
-//! The layers, bottom up: [`codec`] (AMQP types), [`frame`] (framing and protocol headers),
+//! The layers, bottom up (the first three and [`mapping`] and [`sas`] are re-exported from
+//! `twice-amqp`, which the client shares): [`codec`] (AMQP types), [`frame`] (framing and protocol headers),
 //! [`performative`] (typed frame bodies), the connection engine (sessions, links, credit, drain,
 //! settlement echoes, `$cbs` with [`sas`] validation, `$management`), [`mapping`] (AMQP messages
 //! to twice's), and [`backend`] (the boundary to the broker, wired to `twice-broker` in one
@@ -72,17 +73,15 @@
 pub mod address;
 pub mod backend;
 mod broker;
-pub mod codec;
 mod connection;
-pub mod frame;
 mod http;
-pub mod mapping;
 pub mod metrics;
 mod mgmt;
 mod options;
-pub mod performative;
-pub mod sas;
 mod server;
+
+// The AMQP layer lives in `twice-amqp`, shared with the client; re-exported so paths keep working.
+pub use twice_amqp::{codec, frame, mapping, performative, sas};
 
 pub use backend::{
     Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,

@@ -102,7 +102,8 @@ impl AmqpError {
 /// A performative or SASL frame body.
 #[derive(Clone, Debug, PartialEq)]
 #[allow(missing_docs)] // reason: each variant is named for its performative
-#[non_exhaustive]
+// Not `non_exhaustive`: AMQP 1.0 fixes the set of performatives, and the connection engines of
+// the server and the client match on every one of them.
 pub enum Performative {
     Open(Open),
     Begin(Begin),
