@@ -41,6 +41,7 @@ pub mod config;
 mod engine;
 mod error;
 mod runtime;
+pub mod sql;
 mod storage;
 mod transport;
 
