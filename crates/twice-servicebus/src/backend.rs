@@ -168,6 +168,9 @@ pub enum BackendError {
     /// The request is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// An entity or rule of that name exists.
+    #[error("the messaging entity '{0}' already exists")]
+    AlreadyExists(String),
     /// The message is larger than the broker accepts.
     #[error("{0}")]
     MessageSizeExceeded(String),

@@ -9,6 +9,7 @@ use twice::{
     DeadLetterReason, LockToken, Message, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
 };
 use twice_broker::config::{CorrelationFilter, EntityDefinition, Filter};
+use twice_broker::sql::{SqlAction, SqlFilter};
 use twice_broker::{Broker, Error};
 
 use crate::backend::{
@@ -37,6 +38,7 @@ fn map_err(e: Error) -> BackendError {
         Error::SessionLockLost => BackendError::SessionLockLost,
         Error::SessionCannotBeLocked(s) => BackendError::SessionCannotBeLocked(s),
         Error::EntityNotFound(p) => BackendError::EntityNotFound(p),
+        Error::EntityAlreadyExists(p) => BackendError::AlreadyExists(p),
         Error::MessageNotFound(n) => {
             BackendError::MessageNotFound(format!("no message with sequence number {n}"))
         }
@@ -267,7 +269,9 @@ impl Backend for Broker {
         let filter = match rule.filter {
             RuleFilter::True => Filter::True,
             RuleFilter::False => Filter::False,
-            RuleFilter::Sql(s) => Filter::Sql(s),
+            RuleFilter::Sql(s) => Filter::Sql(
+                SqlFilter::parse(&s).map_err(|e| BackendError::Invalid(format!("{e} in {s:?}")))?,
+            ),
             RuleFilter::Correlation {
                 correlation_id,
                 message_id,
@@ -292,12 +296,13 @@ impl Backend for Broker {
                 Filter::Correlation(c)
             }
         };
-        if rule.action.is_some() {
-            return Err(BackendError::Unsupported("rule actions"));
+        let mut created = twice_broker::config::Rule::new(rule.name, filter);
+        if let Some(a) = rule.action {
+            let action =
+                SqlAction::parse(&a).map_err(|e| BackendError::Invalid(format!("{e} in {a:?}")))?;
+            created = created.with_action(action);
         }
-        self.create_rule(topic, sub, twice_broker::config::Rule::new(rule.name, filter))
-            .await
-            .map_err(map_err)
+        self.create_rule(topic, sub, created).await.map_err(map_err)
     }
 
     async fn remove_rule(&self, subscription: &str, name: &str) -> Result<(), BackendError> {
@@ -314,7 +319,7 @@ impl Backend for Broker {
                 let filter = match r.filter {
                     Filter::True => RuleFilter::True,
                     Filter::False => RuleFilter::False,
-                    Filter::Sql(s) => RuleFilter::Sql(s),
+                    Filter::Sql(s) => RuleFilter::Sql(s.expression().to_owned()),
                     Filter::Correlation(c) => RuleFilter::Correlation {
                         correlation_id: c.correlation_id,
                         message_id: c.message_id,
@@ -328,7 +333,8 @@ impl Backend for Broker {
                     },
                     _ => RuleFilter::False,
                 };
-                Rule { name: r.name, filter, action: None }
+                let action = r.action.map(|a| a.expression().to_owned());
+                Rule { name: r.name, filter, action }
             })
             .collect())
     }

@@ -72,6 +72,7 @@ pub(crate) mod cond {
     pub(crate) const TIMEOUT: &str = "com.microsoft:timeout";
     pub(crate) const MESSAGE_NOT_FOUND: &str = "com.microsoft:message-not-found";
     pub(crate) const ARGUMENT: &str = "com.microsoft:argument-error";
+    pub(crate) const ALREADY_EXISTS: &str = "com.microsoft:entity-already-exists";
     pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
 }
 
@@ -84,6 +85,7 @@ pub(crate) fn backend_error(e: &BackendError) -> AmqpError {
         BackendError::EntityNotFound(_) => cond::NOT_FOUND,
         BackendError::MessageNotFound(_) => cond::MESSAGE_NOT_FOUND,
         BackendError::Invalid(_) => cond::ARGUMENT,
+        BackendError::AlreadyExists(_) => cond::ALREADY_EXISTS,
         BackendError::MessageSizeExceeded(_) => cond::MESSAGE_SIZE,
         BackendError::Unsupported(_) => cond::NOT_IMPLEMENTED,
         BackendError::Unavailable(_) => cond::INTERNAL,

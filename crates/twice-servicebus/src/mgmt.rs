@@ -138,7 +138,7 @@ impl Status {
         let code = match e {
             BackendError::LockLost | BackendError::SessionLockLost => 410,
             BackendError::EntityNotFound(_) | BackendError::MessageNotFound(_) => 404,
-            BackendError::SessionCannotBeLocked(_) => 409,
+            BackendError::SessionCannotBeLocked(_) | BackendError::AlreadyExists(_) => 409,
             BackendError::Invalid(_) | BackendError::MessageSizeExceeded(_) => 400,
             BackendError::Unsupported(_) => 501,
             BackendError::Unavailable(_) => 503,
@@ -151,6 +151,7 @@ impl Status {
             BackendError::EntityNotFound(_) => cond::NOT_FOUND,
             BackendError::MessageNotFound(_) => cond::MESSAGE_NOT_FOUND,
             BackendError::Invalid(_) => cond::ARGUMENT,
+            BackendError::AlreadyExists(_) => cond::ALREADY_EXISTS,
             BackendError::MessageSizeExceeded(_) => cond::MESSAGE_SIZE,
             BackendError::Unsupported(_) => cond::NOT_IMPLEMENTED,
             BackendError::Unavailable(_) => cond::INTERNAL,

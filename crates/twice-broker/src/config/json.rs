@@ -13,6 +13,7 @@ use super::model::{
 };
 use super::parse_duration;
 use crate::error::Error;
+use crate::sql::{SqlAction, SqlFilter};
 
 /// A parsed emulator `Config.json`.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,18 +90,6 @@ impl Config {
                 for (s, (name, props, rules)) in topic.subscriptions.iter().enumerate() {
                     let sub_path = format!("{path}.Subscriptions[{s}]");
                     claim_name(&mut sub_names, name, &format!("{sub_path}.Name"))?;
-                    for (r, rule) in rules.iter().enumerate() {
-                        if matches!(rule.filter, Filter::Sql(_)) {
-                            return Err(Error::Config {
-                                path: format!("{sub_path}.Rules[{r}]"),
-                                message: format!(
-                                    "rule {:?}: SQL filters are not supported yet (use a \
-                                     Correlation filter)",
-                                    rule.name
-                                ),
-                            });
-                        }
-                    }
                     out.push(EntityDefinition::subscription(
                         topic.name.clone(),
                         name.clone(),
@@ -592,11 +581,10 @@ fn parse_rule(v: &Json, path: &str) -> Result<Rule, Error> {
         "Sql" => {
             let sp = p.at("SqlFilter");
             let s = Obj::new(p.required("SqlFilter")?, &sp, &["SqlExpression"])?;
-            if let Some(action) = p.get("Action") {
-                let a = Obj::new(action, &p.at("Action"), &["SqlExpression"])?;
-                a.required_string("SqlExpression")?;
-            }
-            Filter::Sql(s.required_string("SqlExpression")?.to_owned())
+            let text = s.required_string("SqlExpression")?;
+            let filter = SqlFilter::parse(text)
+                .map_err(|e| config_err(&s.at("SqlExpression"), format!("{e} in {text:?}")))?;
+            Filter::Sql(filter)
         }
         other => {
             return Err(config_err(
@@ -605,5 +593,16 @@ fn parse_rule(v: &Json, path: &str) -> Result<Rule, Error> {
             ));
         }
     };
-    Ok(Rule { name, filter })
+    // Both filter types may carry an action, as in the emulator's own sample.
+    let action = match p.get("Action") {
+        Some(action) => {
+            let a = Obj::new(action, &p.at("Action"), &["SqlExpression"])?;
+            let text = a.required_string("SqlExpression")?;
+            let parsed = SqlAction::parse(text)
+                .map_err(|e| config_err(&a.at("SqlExpression"), format!("{e} in {text:?}")))?;
+            Some(parsed)
+        }
+        None => None,
+    };
+    Ok(Rule { name, filter, action })
 }

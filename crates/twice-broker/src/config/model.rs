@@ -8,6 +8,7 @@ use twice::{Message, Properties, Value};
 
 use super::format_duration;
 use crate::error::Error;
+use crate::sql::{SqlAction, SqlFilter};
 
 /// The shortest lock a queue or subscription may have.
 pub const MIN_LOCK_DURATION: Duration = Duration::from_secs(5);
@@ -264,7 +265,9 @@ impl SubscriptionProperties {
 }
 
 /// A subscription rule: a message sent to the topic is copied to the subscription when any of
-/// its rules' filters matches (once, however many match).
+/// its rules' filters matches. The rules without an action give one copy between them, however
+/// many match; each matching rule with an action gives a copy of its own, changed by the action
+/// and carrying the application property `RuleName` (as Service Bus does).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct Rule {
@@ -272,15 +275,24 @@ pub struct Rule {
     pub name: String,
     /// Which messages it selects.
     pub filter: Filter,
+    /// What it changes in the copy it selects (a `SqlRuleAction`).
+    pub action: Option<SqlAction>,
 }
 
 impl Rule {
     /// The name of the rule a subscription gets when it is created without rules.
     pub const DEFAULT_NAME: &'static str = "$Default";
 
-    /// A rule with this name and filter.
+    /// A rule with this name and filter, and no action.
     pub fn new(name: impl Into<String>, filter: Filter) -> Self {
-        Self { name: name.into(), filter }
+        Self { name: name.into(), filter, action: None }
+    }
+
+    /// Sets the action.
+    #[must_use]
+    pub fn with_action(mut self, action: SqlAction) -> Self {
+        self.action = Some(action);
+        self
     }
 
     /// The rule every subscription gets when none is given: `$Default`, matching everything.
@@ -299,8 +311,8 @@ pub enum Filter {
     False,
     /// Matches messages whose properties equal the filter's.
     Correlation(CorrelationFilter),
-    /// A SQL filter expression. Not supported yet: creating a rule with one is an error.
-    Sql(String),
+    /// A SQL filter expression ([`crate::sql`]).
+    Sql(SqlFilter),
 }
 
 impl Filter {
@@ -308,7 +320,8 @@ impl Filter {
     pub fn matches(&self, message: &Message) -> bool {
         match self {
             Filter::True => true,
-            Filter::False | Filter::Sql(_) => false,
+            Filter::False => false,
+            Filter::Sql(f) => f.matches(message),
             Filter::Correlation(c) => c.matches(message),
         }
     }
@@ -484,9 +497,6 @@ impl EntityDefinition {
                             "rule {:?} appears twice",
                             rule.name
                         )));
-                    }
-                    if matches!(rule.filter, Filter::Sql(_)) {
-                        return Err(Error::NotSupported("SQL filters"));
                     }
                 }
                 Ok(())

@@ -4,6 +4,7 @@ use twice::{Message, Value};
 
 use super::*;
 use crate::error::Error;
+use crate::sql::SqlAction;
 
 /// The emulator's own sample, `ServiceBus-Emulator/Config/Config.json`, comments included.
 const SAMPLE: &str = r#"{
@@ -167,26 +168,15 @@ fn the_emulator_sample_parses() {
     let Filter::Correlation(c) = &rules[0].filter else { panic!("{rules:?}") };
     assert_eq!(c.properties.get("prop1"), Some(&Value::String("value1".to_owned())));
     assert!(t.subscriptions[2].2.is_empty());
-    assert!(
-        matches!(&t.subscriptions[3].2[0].filter, Filter::Sql(s) if s.starts_with("sys.MessageId"))
-    );
+    let rule = &t.subscriptions[3].2[0];
+    let Filter::Sql(f) = &rule.filter else { panic!("{rule:?}") };
+    assert_eq!(f.expression(), "sys.MessageId = '123456' AND userProp1 = 'value1'");
+    assert_eq!(rule.action.as_ref().map(SqlAction::expression), Some("SET sys.To = 'Entity'"));
 }
 
 #[test]
-fn the_sample_sql_rule_is_rejected_with_its_path() {
-    let err = Config::from_json(SAMPLE).unwrap().entities().unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "UserConfig.Namespaces[0].Topics[0].Subscriptions[3].Rules[0]: rule \"sql-filter-1\": SQL \
-             filters are not supported yet (use a Correlation filter)"
-    );
-}
-
-#[test]
-fn the_sample_without_its_sql_rule_gives_entities() {
-    let mut config = Config::from_json(SAMPLE).unwrap();
-    config.namespaces[0].topics[0].subscriptions.pop();
-    let entities = config.entities().unwrap();
+fn the_whole_sample_gives_entities_and_routes_as_the_emulator_would() {
+    let entities = Config::from_json(SAMPLE).unwrap().entities().unwrap();
     let paths: Vec<String> = entities.iter().map(EntityDefinition::path).collect();
     assert_eq!(
         paths,
@@ -195,12 +185,21 @@ fn the_sample_without_its_sql_rule_gives_entities() {
             "topic.1",
             "topic.1/Subscriptions/subscription.1",
             "topic.1/Subscriptions/subscription.2",
-            "topic.1/Subscriptions/subscription.3"
+            "topic.1/Subscriptions/subscription.3",
+            "topic.1/Subscriptions/subscription.4"
         ]
     );
     for e in &entities {
         e.validate().unwrap();
     }
+    let EntityDefinition::Subscription { rules, .. } = &entities[5] else { panic!() };
+    let mut m = Message::new("").with_message_id("123456");
+    m.application_properties.insert("userProp1".into(), "value1".into());
+    assert!(rules[0].filter.matches(&m));
+    rules[0].action.as_ref().unwrap().apply(&mut m);
+    assert_eq!(m.to.as_deref(), Some("Entity"));
+    m.application_properties.insert("userProp1".into(), "value2".into());
+    assert!(!rules[0].filter.matches(&m));
 }
 
 /// A config with one queue whose properties are `props` (a JSON object body).
@@ -343,10 +342,21 @@ fn topic_subscription_and_rule_errors_name_their_path() {
     check_err(
         &sub(
             "",
-            r#"{"Name":"r","Properties":{"FilterType":"Sql","SqlFilter":{"SqlExpression":"1=1"}}}"#,
+            r#"{"Name":"r","Properties":{"FilterType":"Sql","SqlFilter":{"SqlExpression":"a = = 1"}}}"#,
         ),
         &format!(
-            "{s}.Rules[0]: rule \"r\": SQL filters are not supported yet (use a Correlation filter)"
+            "{s}.Rules[0].Properties.SqlFilter.SqlExpression: expected an expression, found '=' at \
+             position 4 in \"a = = 1\""
+        ),
+    );
+    check_err(
+        &sub(
+            "",
+            r#"{"Name":"r","Properties":{"FilterType":"Correlation","CorrelationFilter":{"Label":"a"},"Action":{"SqlExpression":"SET"}}}"#,
+        ),
+        &format!(
+            "{s}.Rules[0].Properties.Action.SqlExpression: expected a property name, found the end \
+             of the expression at position 3 in \"SET\""
         ),
     );
     check_err(

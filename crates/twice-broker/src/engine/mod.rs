@@ -1511,6 +1511,9 @@ pub(crate) fn received_message_owned(message: Message, meta: &DeliveryMeta) -> R
     let mut m = message;
     let mut r_extra = None;
     if let Some(extra) = &meta.extra {
+        if let Some(changes) = &extra.action {
+            changes.replay(&mut m);
+        }
         let props = &mut m.application_properties;
         props.extend(extra.properties.iter().map(|(k, v)| (k.clone(), v.clone())));
         if let Some(reason) = &extra.dead_letter_reason {

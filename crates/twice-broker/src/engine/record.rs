@@ -73,6 +73,9 @@ pub(crate) struct Extra {
     /// The time to live a dead-lettered message had, given back to it when it is resubmitted
     /// (its body may be on disk by then).
     pub(crate) time_to_live: Option<std::time::Duration>,
+    /// What a subscription rule's action changed in this copy, beyond the properties it set
+    /// (which are in `properties`).
+    pub(crate) action: Option<Box<crate::sql::Changes>>,
 }
 
 impl Extra {
@@ -82,6 +85,7 @@ impl Extra {
             && self.dead_letter_description.is_none()
             && self.dead_letter_source.is_none()
             && self.time_to_live.is_none()
+            && self.action.is_none()
     }
 }
 

@@ -5,13 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use twice::{Message, Timestamp};
+use twice::{Message, Timestamp, Value};
 
 use super::record::{Extra, PlacedState, Placement};
 use super::state::{Entity, Kind};
 use super::{Engine, MAX_TRANSFER_HOPS};
 use crate::config::Filter;
 use crate::error::Error;
+
+/// The application property that names the rule whose action made a subscription's copy.
+pub(crate) const RULE_NAME_PROPERTY: &str = "RuleName";
 
 /// A message being routed, with what the broker knows about it.
 #[derive(Clone, Debug)]
@@ -158,9 +161,7 @@ impl Engine {
         if let Kind::Topic { subs, .. } = &e.kind {
             let item = Item { ttl: min_ttl(item.ttl, e.default_ttl()), ..item.clone() };
             for &sub in subs {
-                if self.sub_matches(sub, item.message.as_deref()) {
-                    self.land(r, sub, seq, hops, &item, out);
-                }
+                self.land_in_subscription(r, sub, seq, hops, &item, out);
             }
             return;
         }
@@ -201,19 +202,60 @@ impl Engine {
         });
     }
 
-    /// Whether any rule of a subscription selects the message (none does when it has no
-    /// rules). Without the message in memory only rules that need nothing of it (the true
-    /// filter) can match; the engine keeps the message in memory wherever it may have to be
-    /// routed later, so that does not happen.
-    fn sub_matches(&self, sub: u32, message: Option<&Message>) -> bool {
+    /// A topic's message arrives at one of its subscriptions. The rules without an action
+    /// give it one copy between them, with the topic's sequence number `seq`; each rule with an
+    /// action that selects it gives a copy of its own, with a new sequence number, changed by
+    /// the action and carrying the application property `RuleName`. A subscription without
+    /// rules gets nothing. Without the message in memory only rules that need nothing of it
+    /// (the true filter, without an action) can match; the engine keeps the message in memory
+    /// wherever it may have to be routed later, so that does not happen.
+    fn land_in_subscription(
+        &self,
+        r: &mut Router,
+        sub: u32,
+        seq: i64,
+        hops: u32,
+        item: &Item,
+        out: &mut Vec<Placement>,
+    ) {
         let Some(Kind::Subscription { rules, .. }) = self.ent(sub).map(|e| &e.kind) else {
-            return false;
+            return;
         };
-        rules.iter().any(|rule| match (&rule.filter, message) {
-            (Filter::True, _) => true,
-            (f, Some(m)) => f.matches(m),
-            (_, None) => false,
-        })
+        let message = item.message.as_deref();
+        let mut plain = false;
+        for rule in rules {
+            let selected = match (&rule.filter, message) {
+                (Filter::True, _) => true,
+                (f, Some(m)) => f.matches(m),
+                (_, None) => false,
+            };
+            match (&rule.action, message) {
+                (_, _) if !selected => {}
+                (None, _) => plain = true,
+                (Some(action), Some(m)) => {
+                    let mut copy = m.clone();
+                    action.apply(&mut copy);
+                    copy.application_properties
+                        .insert(RULE_NAME_PROPERTY.to_owned(), Value::String(rule.name.clone()));
+                    let (set, changes) = crate::sql::Changes::between(m, &copy);
+                    let mut extra = item.extra.clone().unwrap_or_default();
+                    extra.properties.extend(set);
+                    extra.action = (!changes.is_empty()).then(|| Box::new(changes));
+                    let copy_item = Item {
+                        has_session: copy.session_id.is_some(),
+                        message: Some(Arc::new(copy)),
+                        extra: Some(extra),
+                        ..item.clone()
+                    };
+                    let copy_seq = r.alloc(self, self.owner(sub));
+                    self.land(r, sub, copy_seq, hops, &copy_item, out);
+                }
+                (Some(_), None) => {}
+            }
+        }
+        if plain {
+            self.land(r, sub, seq, hops, item, out);
+        }
     }
 
     /// Dead-letters a message of entity `slot`: to its `ForwardDeadLetteredMessagesTo`

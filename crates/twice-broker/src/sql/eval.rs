@@ -331,3 +331,36 @@ fn set_system(s: Sys, text: Option<String>, m: &mut Message) {
         Sys::Size => {}
     }
 }
+
+/// How to read one text system property of a message.
+pub(super) type ReadText = fn(&Message) -> Option<&str>;
+
+/// The text system properties an action can set, with how to read each.
+pub(super) const SYSTEM_TEXT: [(&str, ReadText); 9] = [
+    ("MessageId", |m| m.message_id.as_ref().map(MessageId::as_str)),
+    ("CorrelationId", |m| m.correlation_id.as_deref()),
+    ("SessionId", |m| m.session_id.as_ref().map(SessionId::as_str)),
+    ("ReplyToSessionId", |m| m.reply_to_session_id.as_deref()),
+    ("Label", |m| m.subject.as_deref()),
+    ("To", |m| m.to.as_deref()),
+    ("ReplyTo", |m| m.reply_to.as_deref()),
+    ("ContentType", |m| m.content_type.as_deref()),
+    ("PartitionKey", |m| m.partition_key.as_deref()),
+];
+
+/// Sets a text system property by its name in [`SYSTEM_TEXT`] (other names change nothing).
+pub(super) fn set_system_by_name(name: &str, text: Option<String>, m: &mut Message) {
+    let field = match name {
+        "MessageId" => Sys::MessageId,
+        "CorrelationId" => Sys::CorrelationId,
+        "SessionId" => Sys::SessionId,
+        "ReplyToSessionId" => Sys::ReplyToSessionId,
+        "Label" => Sys::Label,
+        "To" => Sys::To,
+        "ReplyTo" => Sys::ReplyTo,
+        "ContentType" => Sys::ContentType,
+        "PartitionKey" => Sys::PartitionKey,
+        _ => return,
+    };
+    set_system(field, text, m);
+}

@@ -160,8 +160,84 @@ impl SqlAction {
     }
 }
 
+// Both are stored (in the log, with their rule) as the text they were written in, and parsed
+// again when read back.
+macro_rules! serde_as_text {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&self.text)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(d)?;
+                Self::parse(&text).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+serde_as_text!(SqlFilter);
+serde_as_text!(SqlAction);
+
 impl fmt::Debug for SqlAction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("SqlAction").field(&self.text).finish()
+    }
+}
+
+/// What a rule action changed in a subscription's copy of a message, kept with the copy (the
+/// copy shares its body with the topic's message, so the broker stores the difference, not a
+/// second message). Applied in [`Changes::replay`] when the copy is delivered.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Changes {
+    /// Application properties the action removed.
+    pub(crate) removed: Vec<String>,
+    /// System properties it set or cleared, by name (`Label`, `To`, …).
+    pub(crate) system: Vec<(String, Option<String>)>,
+}
+
+impl Changes {
+    /// The difference between a message and the copy an action made of it; the application
+    /// properties that were set or changed are returned apart, as the broker merges them like
+    /// the properties an abandon sets.
+    pub(crate) fn between(before: &Message, after: &Message) -> (twice::Properties, Changes) {
+        let set = after
+            .application_properties
+            .iter()
+            .filter(|(k, v)| before.application_properties.get(*k) != Some(v))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let removed = before
+            .application_properties
+            .keys()
+            .filter(|k| !after.application_properties.contains_key(*k))
+            .cloned()
+            .collect();
+        let system = eval::SYSTEM_TEXT
+            .iter()
+            .filter_map(|(name, get)| {
+                let (b, a) = (get(before), get(after));
+                (b != a).then(|| ((*name).to_owned(), a.map(str::to_owned)))
+            })
+            .collect();
+        (set, Changes { removed, system })
+    }
+
+    /// Whether nothing beyond properties changed.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.removed.is_empty() && self.system.is_empty()
+    }
+
+    /// Makes the same changes to the stored message.
+    pub(crate) fn replay(&self, message: &mut Message) {
+        for name in &self.removed {
+            message.application_properties.remove(name);
+        }
+        for (name, value) in &self.system {
+            eval::set_system_by_name(name, value.clone(), message);
+        }
     }
 }

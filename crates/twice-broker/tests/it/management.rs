@@ -62,3 +62,62 @@ async fn sessions_are_listed_in_order_of_their_oldest_message() {
     ));
     broker.shutdown().await;
 }
+
+#[tokio::test]
+async fn sql_rules_with_actions_give_changed_copies_that_survive_a_restart() {
+    use twice::{SequenceNumber, Value};
+    use twice_broker::sql::{SqlAction, SqlFilter};
+
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::default();
+    let broker = open(dir.path(), &clock).await;
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    let sql = |s: &str| Filter::Sql(SqlFilter::parse(s).unwrap());
+    let rules = vec![
+        // Two rules without an action: one copy between them.
+        Rule::new("red", sql("color = 'red'")),
+        Rule::new("any-color", sql("EXISTS(color)")),
+        // A rule with an action: a copy of its own.
+        Rule::new("rush", sql("quantity > 10")).with_action(
+            SqlAction::parse("SET priority = 'high'; REMOVE color; SET sys.Label = 'routed'")
+                .unwrap(),
+        ),
+    ];
+    broker
+        .create_subscription_with_rules("t", "s", SubscriptionProperties::default(), rules)
+        .await
+        .unwrap();
+    // A rule name that exists is refused.
+    let again = broker.create_rule("t", "s", Rule::new("RED", Filter::True)).await;
+    assert!(matches!(again, Err(twice_broker::Error::EntityAlreadyExists(_))), "{again:?}");
+
+    let mut m = Message::new("order").with_subject("new");
+    m.application_properties.insert("color".into(), "red".into());
+    m.application_properties.insert("quantity".into(), Value::Int(12));
+    broker.send("t", m).await.unwrap();
+    let mut small = Message::new("small");
+    small.application_properties.insert("quantity".into(), Value::Int(1));
+    broker.send("t", small).await.unwrap();
+
+    let check = |got: Vec<twice::ReceivedMessage>| {
+        assert_eq!(got.len(), 2, "{got:?}");
+        let (plain, copy) = (&got[0].message, &got[1].message);
+        assert_eq!(plain.application_properties.get("color"), Some(&Value::from("red")));
+        assert_eq!(plain.subject.as_deref(), Some("new"));
+        assert!(!plain.application_properties.contains_key("RuleName"));
+        assert_eq!(copy.body.as_ref(), b"order");
+        assert_eq!(copy.subject.as_deref(), Some("routed"));
+        assert_eq!(copy.application_properties.get("priority"), Some(&Value::from("high")));
+        assert_eq!(copy.application_properties.get("RuleName"), Some(&Value::from("rush")));
+        assert!(!copy.application_properties.contains_key("color"));
+        assert_eq!(copy.application_properties.get("quantity"), Some(&Value::Int(12)));
+        assert_ne!(got[0].sequence_number, got[1].sequence_number);
+    };
+    check(broker.peek("t/Subscriptions/s", SequenceNumber::new(0), 10).await.unwrap());
+    broker.shutdown().await;
+
+    // Replayed from the log: the copy keeps its changes.
+    let broker = open(dir.path(), &clock).await;
+    check(broker.peek("t/Subscriptions/s", SequenceNumber::new(0), 10).await.unwrap());
+    broker.shutdown().await;
+}

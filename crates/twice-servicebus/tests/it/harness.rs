@@ -32,7 +32,7 @@ pub fn standard_config() -> Config {
             .to_owned(),
     );
     let json = format!(
-        r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,
+        r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}},{{"Name":"topic3","Subscriptions":[{{"Name":"sql"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,
         queues.join(",")
     );
     Config::from_json(&json).expect("test config")

@@ -185,6 +185,50 @@ test("topic rules route messages to subscriptions", async () => {
   await filtered.close();
 });
 
+test("SQL rules filter, their actions change a copy, and a taken name is refused", async () => {
+  const rules = client.createRuleManager("topic3", "sql");
+  await rules.createRule("big-red", { sqlExpression: "color = 'red' AND quantity > 10" });
+  await rules.createRule(
+    "rush",
+    { sqlExpression: "sys.Label LIKE 'rush%'" },
+    { sqlExpression: "SET priority = 'high'; REMOVE color" },
+  );
+  await rules.deleteRule("$Default");
+  await assert.rejects(
+    rules.createRule("BIG-RED", { sqlExpression: "1=1" }),
+    (e) => e.code === "MessagingEntityAlreadyExists",
+  );
+  await assert.rejects(rules.createRule("bad", { sqlExpression: "color = = 1" }), (e) =>
+    /position 8/.test(e.message),
+  );
+  const listed = [];
+  for await (const r of rules.listRules()) listed.push(r);
+  assert.deepEqual(
+    listed.map((r) => [r.name, r.filter.sqlExpression, r.action && r.action.sqlExpression]),
+    [
+      ["big-red", "color = 'red' AND quantity > 10", undefined],
+      ["rush", "sys.Label LIKE 'rush%'", "SET priority = 'high'; REMOVE color"],
+    ],
+  );
+  const sender = client.createSender("topic3");
+  await sender.sendMessages([
+    { body: "a", applicationProperties: { color: "red", quantity: 11 } },
+    { body: "b", applicationProperties: { color: "red", quantity: 3 } },
+    { body: "c", subject: "rush-1", applicationProperties: { color: "blue" } },
+  ]);
+  await sender.close();
+  const receiver = client.createReceiver("topic3", "sql");
+  const got = await receiveAll(receiver, 2);
+  assert.deepEqual(got.map((m) => m.body), ["a", "c"]);
+  assert.equal(got[0].applicationProperties.RuleName, undefined);
+  assert.equal(got[1].applicationProperties.RuleName, "rush");
+  assert.equal(got[1].applicationProperties.priority, "high");
+  assert.equal(got[1].applicationProperties.color, undefined);
+  for (const m of got) await receiver.completeMessage(m);
+  assert.deepEqual(await receiver.receiveMessages(1, { maxWaitTimeInMs: 500 }), []);
+  await receiver.close();
+});
+
 test("unknown entity is MessagingEntityNotFound", async () => {
   const sender = client.createSender("no-such-queue");
   await assert.rejects(sender.sendMessages({ body: "x" }), (e) => e.code === "MessagingEntityNotFound");

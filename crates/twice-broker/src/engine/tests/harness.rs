@@ -40,6 +40,7 @@ use crate::engine::{
     SessionSummary, WaiterId,
 };
 use crate::error::Error;
+use crate::sql::SqlFilter;
 
 /// Runs `script` and compares its output with `expect` (both trimmed line by line).
 #[track_caller]
@@ -652,8 +653,9 @@ fn filter(spec: &str) -> Filter {
         "false" => return Filter::False,
         _ => {}
     }
+    // Scripts split on whitespace, so `~` stands for a space in a SQL expression.
     if let Some(sql) = spec.strip_prefix("sql=") {
-        return Filter::Sql(sql.to_owned());
+        return Filter::Sql(SqlFilter::parse(&sql.replace('~', " ")).expect("a valid SQL filter"));
     }
     let mut c = CorrelationFilter::default();
     for part in spec.split(',') {

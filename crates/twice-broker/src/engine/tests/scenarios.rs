@@ -249,17 +249,25 @@ fn correlation_filter_fields() {
 }
 
 #[test]
-fn sql_filters_are_rejected() {
+fn sql_filters_select_by_properties_in_three_valued_logic() {
     check(
         r"
         topic t
-        sub t s rule=r:sql=1=1
-        peek t/Subscriptions/s
+        sub t big rule=r:sql=k~>~1~OR~sys.Label~LIKE~'r%'
+        sub t none rule=r:sql=NOT~(missing~=~1)
+        send t a prop.k=1
+        send t b prop.k=2
+        send t c label=red
+        peek t/Subscriptions/big
+        peek t/Subscriptions/none
         ",
-        r#"
-        sub t s rule=r:sql=1=1 => err NotSupported("SQL filters")
-        peek t/Subscriptions/s => err EntityNotFound("t/Subscriptions/s")
-        "#,
+        r"
+        send t a prop.k=1 => 1
+        send t b prop.k=2 => 2
+        send t c label=red => 3
+        peek t/Subscriptions/big => b#2 dc=1, c#3 dc=1
+        peek t/Subscriptions/none => none
+        ",
     );
 }
 
