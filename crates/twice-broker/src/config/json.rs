@@ -403,8 +403,29 @@ const SUBSCRIPTION_KEYS: &[&str] = &[
     "RequiresSession",
 ];
 
-/// Reads the `Properties` object of an entity (the defaults when it is absent), accepting only
-/// `keys`, and checks the result with `validate`. One reader serves the three kinds: a queue
+/// The properties an entity of a `Config.json` has where the file leaves them out: the
+/// emulator's defaults (`MaxDeliveryCount` 3, `DefaultMessageTimeToLive` one hour,
+/// `DuplicateDetectionHistoryTimeWindow` 20 seconds), so that the emulator's files behave the
+/// same here. Entities created through the API start from Service Bus's own defaults instead
+/// (10 deliveries, no time to live, a 10-minute window), as they do with the emulator.
+pub fn emulator_defaults() -> QueueProperties {
+    let mut p = QueueProperties::default();
+    p.max_delivery_count = EMULATOR_MAX_DELIVERY_COUNT;
+    p.default_message_time_to_live = Some(EMULATOR_TIME_TO_LIVE);
+    p.duplicate_detection_history_time_window = EMULATOR_DUPLICATE_DETECTION_WINDOW;
+    p
+}
+
+/// `MaxDeliveryCount` of a `Config.json` entity that does not set it.
+pub const EMULATOR_MAX_DELIVERY_COUNT: u32 = 3;
+/// `DefaultMessageTimeToLive` of a `Config.json` entity that does not set it.
+pub const EMULATOR_TIME_TO_LIVE: Duration = Duration::from_secs(3600);
+/// `DuplicateDetectionHistoryTimeWindow` of a `Config.json` entity that does not set it.
+pub const EMULATOR_DUPLICATE_DETECTION_WINDOW: Duration = Duration::from_secs(20);
+
+/// Reads the `Properties` object of an entity (the emulator's defaults,
+/// [`emulator_defaults`], when it is absent), accepting only `keys`, and checks the result with
+/// `validate`. One reader serves the three kinds: a queue
 /// has every property a topic or a subscription has, so the object is read into a queue's
 /// properties and `from` keeps the kind's own.
 fn read_properties<P>(
@@ -413,7 +434,7 @@ fn read_properties<P>(
     from: impl FnOnce(QueueProperties) -> P,
     validate: impl FnOnce(&P) -> Result<(), Error>,
 ) -> Result<P, Error> {
-    let mut props = QueueProperties::default();
+    let mut props = emulator_defaults();
     let Some(p) = o.get("Properties") else { return Ok(from(props)) };
     let pp = o.at("Properties");
     let p = Obj::new(p, &pp, keys)?;

@@ -3,21 +3,23 @@
 //! An entity is a queue, a topic, or a subscription of a topic, each declared by an
 //! [`EntityDefinition`]. Properties carry the Service Bus names, defaults and ranges:
 //!
-//! | property | default | range |
-//! |---|---|---|
-//! | `LockDuration` | `PT1M` | 5 s to 5 min |
-//! | `MaxDeliveryCount` | 10 | at least 1 |
-//! | `DefaultMessageTimeToLive` | none (messages live until settled) | at least 1 s |
-//! | `DeadLetteringOnMessageExpiration` | `false` | |
-//! | `RequiresDuplicateDetection` | `false` | fixed at creation |
-//! | `DuplicateDetectionHistoryTimeWindow` | `PT10M` | 20 s to 7 days |
+//! | property | default | in a `Config.json` | range |
+//! |---|---|---|---|
+//! | `LockDuration` | `PT1M` | `PT1M` | 5 s to 5 min |
+//! | `MaxDeliveryCount` | 10 | 3 | at least 1 |
+//! | `DefaultMessageTimeToLive` | none (messages live until settled) | `PT1H` | at least 1 s |
+//! | `DeadLetteringOnMessageExpiration` | `false` | `false` | |
+//! | `RequiresDuplicateDetection` | `false` | `false` | fixed at creation |
+//! | `DuplicateDetectionHistoryTimeWindow` | `PT10M` | `PT20S` | 5 s to 7 days |
 //! | `RequiresSession` | `false` | fixed at creation |
 //! | `ForwardTo`, `ForwardDeadLetteredMessagesTo` | none | a queue or topic name |
 //!
 //! [`Config::from_json`] reads the emulator's file format (`UserConfig` → `Namespaces[]` →
 //! `Queues[]` / `Topics[]` → `Subscriptions[]` → `Rules[]`, each with `Name` and `Properties`),
-//! comments included, so a file written for the emulator works unchanged. Its namespace name is
-//! not checked. Every error names the JSON path of the value it rejects.
+//! comments included, so a file written for the emulator works unchanged: a property the file
+//! leaves out takes the emulator's default (the third column above; [`emulator_defaults`]),
+//! while entities created through the API take Service Bus's. Its namespace name is not
+//! checked. Every error names the JSON path of the value it rejects.
 //!
 //! ```
 //! use twice_broker::config::Config;
@@ -49,5 +51,8 @@ mod model;
 mod tests;
 
 pub use self::duration::{format_duration, parse_duration};
-pub use self::json::{Config, NamespaceConfig, TopicConfig};
+pub use self::json::{
+    Config, EMULATOR_DUPLICATE_DETECTION_WINDOW, EMULATOR_MAX_DELIVERY_COUNT,
+    EMULATOR_TIME_TO_LIVE, NamespaceConfig, TopicConfig, emulator_defaults,
+};
 pub use self::model::*;

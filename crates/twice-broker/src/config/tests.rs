@@ -270,8 +270,8 @@ fn each_wrong_property_names_its_path() {
         &format!("{q}.RequiresSession: expected a boolean, found null"),
     );
     check_err(
-        &queue(r#""DuplicateDetectionHistoryTimeWindow":"PT10S""#),
-        &format!("{q}.DuplicateDetectionHistoryTimeWindow: PT10S is outside PT20S..=P7D"),
+        &queue(r#""DuplicateDetectionHistoryTimeWindow":"PT4S""#),
+        &format!("{q}.DuplicateDetectionHistoryTimeWindow: PT4S is outside PT5S..=P7D"),
     );
     check_err(
         &queue(r#""DefaultMessageTimeToLive":"PT0S""#),
@@ -394,8 +394,31 @@ fn structure_errors_name_their_path() {
     );
     check_err(
         r#"{"UserConfig":{"Namespaces":[{"Name":"anything","Queues":[{"Name":"q"}]}],"Logging":{"Type":"Console"}}}"#,
-        &format!("ok: {:?}", [EntityDefinition::queue("q", QueueProperties::default())]),
+        &format!("ok: {:?}", [EntityDefinition::queue("q", emulator_defaults())]),
     );
+}
+
+#[test]
+fn omitted_properties_take_the_emulators_defaults_and_a_5_second_window_is_allowed() {
+    let config = Config::from_json(
+        r#"{"UserConfig":{"Namespaces":[{"Name":"n","Queues":[{"Name":"q"},{"Name":"w","Properties":{"DuplicateDetectionHistoryTimeWindow":"PT5S","MaxDeliveryCount":10}}],"Topics":[{"Name":"t","Subscriptions":[{"Name":"s"}]}]}]}}"#,
+    )
+    .unwrap();
+    let (_, q) = &config.namespaces[0].queues[0];
+    assert_eq!(q.max_delivery_count, 3);
+    assert_eq!(q.default_message_time_to_live, Some(Duration::from_secs(3600)));
+    assert_eq!(q.duplicate_detection_history_time_window, Duration::from_secs(20));
+    let (_, w) = &config.namespaces[0].queues[1];
+    assert_eq!(
+        (w.max_delivery_count, w.duplicate_detection_history_time_window.as_secs()),
+        (10, 5)
+    );
+    let t = &config.namespaces[0].topics[0];
+    assert_eq!(t.properties.default_message_time_to_live, Some(Duration::from_secs(3600)));
+    assert_eq!(t.subscriptions[0].1.max_delivery_count, 3);
+    // Created through the API, an entity takes Service Bus's defaults.
+    assert_eq!(QueueProperties::default().max_delivery_count, 10);
+    assert_eq!(QueueProperties::default().default_message_time_to_live, None);
 }
 
 #[test]

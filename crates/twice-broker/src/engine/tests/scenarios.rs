@@ -331,8 +331,8 @@ fn property_ranges() {
         queue q4 lock=301s
         queue q5 max=0
         queue q6 max=1
-        queue q7 dedup=19s
-        queue q8 dedup=20s
+        queue q7 dedup=4s
+        queue q8 dedup=5s
         queue q9 dedup=7d
         queue q10 dedup=8d
         queue q11 ttl=0s
@@ -343,8 +343,8 @@ fn property_ranges() {
         queue q1 lock=4s => err InvalidProperty { property: "LockDuration", reason: "PT4S is outside PT5S..=PT5M" }
         queue q4 lock=301s => err InvalidProperty { property: "LockDuration", reason: "PT5M1S is outside PT5S..=PT5M" }
         queue q5 max=0 => err InvalidProperty { property: "MaxDeliveryCount", reason: "must be at least 1" }
-        queue q7 dedup=19s => err InvalidProperty { property: "DuplicateDetectionHistoryTimeWindow", reason: "PT19S is outside PT20S..=P7D" }
-        queue q10 dedup=8d => err InvalidProperty { property: "DuplicateDetectionHistoryTimeWindow", reason: "P8D is outside PT20S..=P7D" }
+        queue q7 dedup=4s => err InvalidProperty { property: "DuplicateDetectionHistoryTimeWindow", reason: "PT4S is outside PT5S..=P7D" }
+        queue q10 dedup=8d => err InvalidProperty { property: "DuplicateDetectionHistoryTimeWindow", reason: "P8D is outside PT5S..=P7D" }
         queue q11 ttl=0s => err InvalidProperty { property: "DefaultMessageTimeToLive", reason: "PT0S is shorter than the minimum PT1S" }
         queue q12 fwd=q12 => err InvalidProperty { property: "ForwardTo", reason: "an entity cannot forward to itself" }
         queue q13 fwd=bad$name => err InvalidProperty { property: "ForwardTo", reason: "invalid entity name \"bad$name\": a queue or topic name has only letters, digits, '.', '-', '_' and '/'" }
@@ -1736,11 +1736,11 @@ fn config_files_apply_all_or_nothing() {
         info t/Subscriptions/s
         "#,
         r#"
-        info q => q lock=60s max=Some(10) dedup=None session=true
+        info q => q lock=60s max=Some(3) dedup=None session=true
         config {"UserConfig":{"Namespaces":[{"Name":"x","Queues":[{"Name":"a"},{"Name":"q","Properties":{"RequiresSession":false}}],"Topics":[]}]}} => err ImmutableProperty { entity: "q", property: "RequiresSession" }
         peek a => err EntityNotFound("a")
-        info q => q lock=10s max=Some(10) dedup=None session=true
-        info t/Subscriptions/s => t/Subscriptions/s lock=60s max=Some(10) dedup=None session=false
+        info q => q lock=10s max=Some(3) dedup=None session=true
+        info t/Subscriptions/s => t/Subscriptions/s lock=60s max=Some(3) dedup=None session=false
         "#,
     );
 }
