@@ -38,6 +38,7 @@
 
 mod broker;
 pub mod config;
+pub mod dead_letter_reasons;
 mod engine;
 mod error;
 mod runtime;

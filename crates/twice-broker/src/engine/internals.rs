@@ -15,6 +15,7 @@ use super::{
     SessionLock, StoreKey, WaitKind, Waiter, WaiterId, message_size, record, seqmap, state,
 };
 use crate::config::EntityDefinition;
+use crate::dead_letter_reasons;
 use crate::error::Error;
 
 impl Engine {
@@ -476,7 +477,7 @@ impl Engine {
                 six,
                 seq,
                 dc,
-                Some("MaxDeliveryCountExceeded".to_owned()),
+                Some(dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED.to_owned()),
                 Some(description),
                 properties,
             );
@@ -544,7 +545,7 @@ impl Engine {
                 six,
                 seq,
                 dc,
-                Some("TTLExpiredException".to_owned()),
+                Some(dead_letter_reasons::TTL_EXPIRED_EXCEPTION.to_owned()),
                 Some("The message expired and was dead lettered.".to_owned()),
                 None,
             );

@@ -1,6 +1,6 @@
 //! Integration tests of twice-broker: durability across restarts, corruption, crashes under
 //! load, memory with a large backlog, long polls, subscription rules and session listing, and
-//! the in-process transport.
+//! the in-process transport, and a tidy check that the engine stays pure.
 
 mod corruption;
 mod crash;
@@ -9,4 +9,5 @@ mod management;
 mod memory;
 mod receive;
 mod support;
+mod tidy;
 mod transport;
