@@ -95,6 +95,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 use twice::{
     EntityInfo, LockToken, Message, MessageState, ReceivedMessage, SequenceNumber, SessionId,
@@ -141,9 +143,13 @@ pub(crate) struct EngineOptions {
     pub(crate) durable: bool,
     /// The largest message, and the largest batch, in bytes (see [`message_size`]).
     pub(crate) max_message_size: usize,
-    /// Seed of the lock tokens, session locks and assigned message ids. Must differ between
-    /// runs of the same log, so that a token from before a restart never matches a new lock.
+    /// The seed of the generator of lock tokens, session locks and assigned message ids when
+    /// `entropy` is `None`: tests set it to repeat a run.
     pub(crate) seed: u64,
+    /// The 256-bit seed of that generator (a CSPRNG), which the runtime draws from the
+    /// operating system: a lock token then says nothing about the next ones, and a token
+    /// from before a restart never matches a new lock.
+    pub(crate) entropy: Option<[u8; 32]>,
     /// How many bytes of recently stored messages stay in memory after
     /// [`Engine::set_location`], so that they are delivered without reading the log (oldest
     /// first out). 0 drops each as soon as its record is written.
@@ -160,13 +166,14 @@ pub(crate) struct EngineOptions {
 }
 
 impl Default for EngineOptions {
-    /// Durable, 256 KiB messages, a random seed, no body cache, waiters served at once, freed
+    /// Durable, 256 KiB messages, a random 64-bit seed, no body cache, waiters served at once, freed
     /// messages dropped.
     fn default() -> Self {
         Self {
             durable: true,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             seed: uuid::Uuid::new_v4().as_u64_pair().0,
+            entropy: None,
             body_cache_bytes: 0,
             deferred_serving: false,
             collect_freed: false,
@@ -359,14 +366,18 @@ pub(crate) struct Engine {
     records: Vec<Record>,
     /// Records of a send batch being replayed, applied when its last record arrives.
     pending_batch: Vec<(Record, Location)>,
-    rng: u64,
+    /// The generator of lock tokens, session locks and assigned message ids.
+    rng: StdRng,
     totals: Counters,
 }
 
 impl Engine {
     /// An engine with no entities.
     pub(crate) fn new(options: EngineOptions) -> Self {
-        let rng = options.seed;
+        let rng = match options.entropy {
+            Some(seed) => StdRng::from_seed(seed),
+            None => StdRng::seed_from_u64(options.seed),
+        };
         let mut bodies = Bodies::with_cache(options.body_cache_bytes);
         if options.collect_freed {
             bodies.collect_freed();

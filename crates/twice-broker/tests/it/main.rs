@@ -8,6 +8,7 @@ mod durability;
 mod management;
 mod memory;
 mod receive;
+mod security;
 mod support;
 mod tidy;
 mod transport;
