@@ -1,4 +1,5 @@
-//! The public handle of the broker: [`Broker`], its [`BrokerOptions`], and [`Session`].
+//! The public handle of the broker: [`Broker`], opened with [`BrokerOptions`]; it hands out
+//! [`Session`]s.
 //!
 //! A [`Broker`] is a cheap `Clone`: every method sends a command to the one task that owns the
 //! broker's state and waits for its reply. A reply that changes state comes only after the
@@ -13,12 +14,9 @@
 //! locked without counting a delivery, and an accepted session whose caller went away is
 //! released.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use twice::{
     DeadLetterReason, EntityInfo, LockToken, Message, Properties, ReceivedMessage, SequenceNumber,
@@ -28,175 +26,18 @@ use twice::{
 use crate::config::{
     Config, EntityDefinition, QueueProperties, Rule, SubscriptionProperties, TopicProperties,
 };
-use crate::engine::{self, AcceptedSession, EngineOptions, SessionLock};
+use crate::engine::{self, EngineOptions, SessionLock};
 use crate::error::Error;
+use crate::options::BrokerOptions;
 use crate::runtime::{
     Command, Delivered, PathArg, Reply, Runtime, RuntimeOptions, SubscriptionChange, Wait,
 };
-use crate::storage::{DEFAULT_CACHE_BYTES, DEFAULT_SEGMENT_SIZE, LogOptions};
+use crate::session::Session;
+use crate::storage::LogOptions;
 use crate::transport::Receiver;
 
 /// The default largest message (and send batch), in bytes: 256 KiB, as Service Bus standard.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = engine::DEFAULT_MAX_MESSAGE_SIZE;
-
-/// How a broker is opened: where it keeps its data, which clock it reads, which entities it
-/// starts with, and its limits.
-///
-/// ```
-/// use twice_broker::BrokerOptions;
-///
-/// let options = BrokerOptions::in_memory().with_max_message_size(1024 * 1024);
-/// assert!(!options.is_durable());
-/// assert_eq!(options.max_message_size(), 1024 * 1024);
-/// ```
-#[derive(Clone, Debug)]
-pub struct BrokerOptions {
-    dir: Option<PathBuf>,
-    clock: SharedClock,
-    config: Option<Config>,
-    max_message_size: usize,
-    segment_size: u64,
-    cache_size: usize,
-    max_commands_per_turn: usize,
-    command_queue: usize,
-    relaxed_delivery_counts: bool,
-}
-
-impl BrokerOptions {
-    /// A broker that keeps its data in `dir` (created if missing): an acknowledged change
-    /// survives a crash of the process or the machine.
-    pub fn durable(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: Some(dir.into()), ..Self::in_memory() }
-    }
-
-    /// A broker that keeps everything in memory and writes nothing: for tests and demos. Its
-    /// state is gone when it stops.
-    pub fn in_memory() -> Self {
-        Self {
-            dir: None,
-            clock: SharedClock::system(),
-            config: None,
-            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
-            segment_size: DEFAULT_SEGMENT_SIZE,
-            cache_size: DEFAULT_CACHE_BYTES,
-            max_commands_per_turn: 1024,
-            command_queue: 4096,
-            relaxed_delivery_counts: false,
-        }
-    }
-
-    /// Reads time from `clock` (default: the system clock). Lock expiry, time to live,
-    /// scheduled messages, session locks, duplicate-detection windows and receive timeouts all
-    /// follow it, so a test can move a [`twice::ManualClock`] instead of sleeping.
-    #[must_use]
-    pub fn with_clock(mut self, clock: impl Into<SharedClock>) -> Self {
-        self.clock = clock.into();
-        self
-    }
-
-    /// Creates (or updates) the entities of an emulator `Config.json` when the broker opens
-    /// (default: none).
-    #[must_use]
-    pub fn with_config(mut self, config: Config) -> Self {
-        self.config = Some(config);
-        self
-    }
-
-    /// The largest message, and the largest send batch, in bytes (default 256 KiB).
-    #[must_use]
-    pub fn with_max_message_size(mut self, bytes: usize) -> Self {
-        self.max_message_size = bytes;
-        self
-    }
-
-    /// The size at which the log starts a new segment file (default 64 MiB). Segments whose
-    /// messages are all gone are deleted.
-    #[must_use]
-    pub fn with_segment_size(mut self, bytes: u64) -> Self {
-        self.segment_size = bytes.max(4096);
-        self
-    }
-
-    /// The memory, in bytes, kept for recently sent messages once they are on disk, so that
-    /// fresh messages are delivered without reading the disk (default 32 MiB; recently written
-    /// log records get another quarter of it).
-    #[must_use]
-    pub fn with_cache_size(mut self, bytes: usize) -> Self {
-        self.cache_size = bytes;
-        self
-    }
-
-    /// How many queued calls the broker applies before it writes and syncs them together
-    /// (default 1024).
-    #[must_use]
-    pub fn with_max_commands_per_turn(mut self, n: usize) -> Self {
-        self.max_commands_per_turn = n.max(1);
-        self
-    }
-
-    /// Answers peek-lock receives before the record of their lock is on disk (default: off).
-    ///
-    /// By default every reply waits until what its call changed is durable, and a receive
-    /// changes the state of the messages it locks: the lock is recorded so that, after a
-    /// crash, each of those messages comes back with its delivery count raised. With this
-    /// option a peek-lock receive waits only until the messages it delivers are durable as
-    /// delivered (sent, moved, abandoned), which saves it an fsync of latency: a receiver that
-    /// waits for each receive (one at a time, or few in parallel) gets several times more
-    /// messages per second from a durable broker.
-    ///
-    /// The cost: if the broker crashes after such a reply and before the lock record reaches
-    /// the disk, that delivery is not counted. After the restart the message comes back with
-    /// the delivery count it was delivered with, not one higher, so a message that keeps
-    /// crashing the broker is retried without reaching `MaxDeliveryCount`. Sends, settlements,
-    /// receive-and-delete and everything else still wait for their records. No effect in
-    /// memory mode.
-    #[must_use]
-    pub fn with_relaxed_delivery_counts(mut self, relaxed: bool) -> Self {
-        self.relaxed_delivery_counts = relaxed;
-        self
-    }
-
-    /// Whether peek-lock receives are answered before their lock records are on disk (see
-    /// [`BrokerOptions::with_relaxed_delivery_counts`]).
-    pub fn relaxed_delivery_counts(&self) -> bool {
-        self.relaxed_delivery_counts
-    }
-
-    /// The data directory, in durable mode.
-    pub fn dir(&self) -> Option<&Path> {
-        self.dir.as_deref()
-    }
-
-    /// Whether the broker writes its data to disk.
-    pub fn is_durable(&self) -> bool {
-        self.dir.is_some()
-    }
-
-    /// The clock.
-    pub fn clock(&self) -> &SharedClock {
-        &self.clock
-    }
-
-    /// The largest message in bytes.
-    pub fn max_message_size(&self) -> usize {
-        self.max_message_size
-    }
-
-    /// The segment size in bytes.
-    pub fn segment_size(&self) -> u64 {
-        self.segment_size
-    }
-
-    /// The record cache size in bytes.
-    pub fn cache_size(&self) -> usize {
-        self.cache_size
-    }
-
-    /// The most calls applied per write.
-    pub fn max_commands_per_turn(&self) -> usize {
-        self.max_commands_per_turn
-    }
-}
 
 /// How a receive takes messages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -400,7 +241,7 @@ impl Broker {
         &self.clock
     }
 
-    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, Error> {
+    pub(crate) async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, Error> {
         let (reply, rx) = Reply::channel();
         self.tx.send(make(reply)).await.map_err(|_| Error::Closed)?;
         let answer = rx.await.map_err(|_| Error::Closed)?;
@@ -759,7 +600,7 @@ impl Broker {
         self.receive_deferred_with(path, sequence_numbers, None).await
     }
 
-    async fn receive_deferred_with(
+    pub(crate) async fn receive_deferred_with(
         &self,
         path: &str,
         sequence_numbers: &[SequenceNumber],
@@ -934,7 +775,9 @@ impl Broker {
 /// Builds received messages from what the broker delivered, on the caller's side: the broker
 /// shares the messages, and the copies each caller gets are made here, in parallel with the
 /// broker's work.
-fn received(delivered: Result<Vec<Delivered>, Error>) -> Result<Vec<ReceivedMessage>, Error> {
+pub(crate) fn received(
+    delivered: Result<Vec<Delivered>, Error>,
+) -> Result<Vec<ReceivedMessage>, Error> {
     delivered?.into_iter().map(Delivered::into_received).collect()
 }
 
@@ -960,134 +803,4 @@ fn dead_letter_path(path: &str) -> String {
     let is_dlq = path.len() >= suffix.len()
         && path.get(path.len() - suffix.len()..).is_some_and(|s| s.eq_ignore_ascii_case(suffix));
     if is_dlq { path.to_owned() } else { format!("{path}{suffix}") }
-}
-
-/// A session locked by this receiver: its messages, in order, go only to it.
-///
-/// Dropping it without [`Session::close`] lets the session lock expire after `LockDuration`;
-/// its unsettled messages then become available again with their delivery count raised.
-#[derive(Debug)]
-pub struct Session {
-    broker: Broker,
-    path: String,
-    lock: SessionLock,
-    session_id: SessionId,
-    locked_until: Arc<AtomicI64>,
-}
-
-impl Session {
-    fn new(broker: Broker, path: &str, accepted: AcceptedSession) -> Self {
-        Self {
-            broker,
-            path: path.to_owned(),
-            lock: accepted.lock,
-            session_id: accepted.session_id,
-            locked_until: Arc::new(AtomicI64::new(accepted.locked_until.as_millis())),
-        }
-    }
-
-    /// The session id.
-    pub fn session_id(&self) -> &SessionId {
-        &self.session_id
-    }
-
-    /// The entity path.
-    pub fn entity_path(&self) -> &str {
-        &self.path
-    }
-
-    /// Until when the session lock holds, as of the accept or the last renewal.
-    pub fn locked_until(&self) -> Timestamp {
-        Timestamp::from_millis(self.locked_until.load(Ordering::Relaxed))
-    }
-
-    /// Receives up to `max_messages` of this session's messages in order (peek-lock), waiting
-    /// up to `max_wait` for the first.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: messages locked for a receive whose future was dropped are released
-    /// without counting a delivery, so no message is lost or held.
-    pub async fn receive(
-        &self,
-        max_messages: usize,
-        max_wait: Duration,
-    ) -> Result<Vec<ReceivedMessage>, Error> {
-        self.receive_with(ReceiveMode::PeekLock, max_messages, max_wait).await
-    }
-
-    /// Receives in the given mode.
-    pub async fn receive_with(
-        &self,
-        mode: ReceiveMode,
-        max_messages: usize,
-        max_wait: Duration,
-    ) -> Result<Vec<ReceivedMessage>, Error> {
-        let path = PathArg::new(&self.path);
-        let wait = Wait { max: max_messages, max_wait };
-        let (mode, session) = (mode.into(), Some(self.lock));
-        received(
-            self.broker.call(|reply| Command::Receive { path, mode, wait, session, reply }).await,
-        )
-    }
-
-    /// Receives deferred messages of this session by sequence number.
-    pub async fn receive_deferred(
-        &self,
-        sequence_numbers: &[SequenceNumber],
-    ) -> Result<Vec<ReceivedMessage>, Error> {
-        self.broker.receive_deferred_with(&self.path, sequence_numbers, Some(self.lock)).await
-    }
-
-    /// Completes a message of this session.
-    pub async fn complete(&self, token: LockToken) -> Result<(), Error> {
-        self.broker.complete(token).await
-    }
-
-    /// Abandons a message of this session.
-    pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.abandon(token, properties).await
-    }
-
-    /// Dead-letters a message of this session.
-    pub async fn dead_letter(
-        &self,
-        token: LockToken,
-        reason: DeadLetterReason,
-        properties: Properties,
-    ) -> Result<(), Error> {
-        self.broker.dead_letter(token, reason, properties).await
-    }
-
-    /// Defers a message of this session.
-    pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.defer(token, properties).await
-    }
-
-    /// Renews the session lock (and the locks of its messages); returns the new locked-until.
-    pub async fn renew_session_lock(&self) -> Result<Timestamp, Error> {
-        let lock = self.lock;
-        let until = self.broker.call(|reply| Command::RenewSessionLock { lock, reply }).await?;
-        self.locked_until.store(until.as_millis(), Ordering::Relaxed);
-        Ok(until)
-    }
-
-    /// The session state, if set.
-    pub async fn get_state(&self) -> Result<Option<Bytes>, Error> {
-        let lock = self.lock;
-        self.broker.call(|reply| Command::GetSessionState { lock, reply }).await
-    }
-
-    /// Sets (or with `None` clears) the session state. It is durable.
-    pub async fn set_state(&self, state: Option<Bytes>) -> Result<(), Error> {
-        let lock = self.lock;
-        self.broker.call(|reply| Command::SetSessionState { lock, state, reply }).await
-    }
-
-    /// Releases the session lock: the session is free for other receivers, and its messages
-    /// still locked become available with their delivery count raised.
-    pub async fn close(self) -> Result<(), Error> {
-        let lock = self.lock;
-        self.broker.call(|reply| Command::ReleaseSession { lock, reply }).await
-    }
 }

@@ -38,16 +38,21 @@
 
 mod broker;
 pub mod config;
+pub mod dead_letter_reasons;
 mod engine;
 mod error;
+mod options;
 mod runtime;
+mod session;
 pub mod sql;
 mod storage;
 mod transport;
 
 pub use broker::{
-    Broker, BrokerOptions, DEFAULT_MAX_MESSAGE_SIZE, MessageCounts, ReceiveMode, SendOutcome,
-    Session, Statistics, StorageStatistics,
+    Broker, DEFAULT_MAX_MESSAGE_SIZE, MessageCounts, ReceiveMode, SendOutcome, Statistics,
+    StorageStatistics,
 };
 pub use error::Error;
+pub use options::BrokerOptions;
+pub use session::Session;
 pub use transport::Receiver;

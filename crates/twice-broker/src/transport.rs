@@ -9,7 +9,8 @@ use twice::{
     SessionReceiver, SessionTransport, Timestamp, Transport, TransportError,
 };
 
-use crate::broker::{Broker, Session};
+use crate::broker::Broker;
+use crate::session::Session;
 
 /// A receiver on one entity of a [`Broker`], with peek-lock settlement. Cheap to clone.
 ///

@@ -4,8 +4,11 @@
 //!   when the harness is dropped, so tests run in parallel without sharing tables.
 //! - [`require_service`]: the rule for tests whose server is down: fail when `CI` is set,
 //!   skip with a printed reason otherwise.
+//! - [`process`]: child processes for crash tests: an example binary that is never stale, and
+//!   a child killed with SIGKILL.
 
 pub mod db;
+pub mod process;
 
 /// What a test does when the server it needs is unreachable: with `CI` set it panics (the test
 /// fails); otherwise it prints why it skips and returns `None`.

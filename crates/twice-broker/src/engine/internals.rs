@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rand::RngCore;
+
 use twice::{LockToken, Message, MessageId, MessageState, Properties, SequenceNumber, Timestamp};
 
 use super::route::{Item, Router};
@@ -15,6 +17,7 @@ use super::{
     SessionLock, StoreKey, WaitKind, Waiter, WaiterId, message_size, record, seqmap, state,
 };
 use crate::config::EntityDefinition;
+use crate::dead_letter_reasons;
 use crate::error::Error;
 
 impl Engine {
@@ -62,18 +65,13 @@ impl Engine {
     }
 
     pub(super) fn next_u64(&mut self) -> u64 {
-        // SplitMix64: fast, and every seed gives a distinct sequence.
-        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.rng.next_u64()
     }
 
+    /// A fresh lock token: a version-4 UUID of 122 bits from the engine's CSPRNG.
     pub(super) fn next_token(&mut self) -> LockToken {
         let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&self.next_u64().to_le_bytes());
-        bytes[8..].copy_from_slice(&self.next_u64().to_le_bytes());
+        self.rng.fill_bytes(&mut bytes);
         LockToken::from_uuid(uuid::Builder::from_random_bytes(bytes).into_uuid())
     }
 
@@ -476,7 +474,7 @@ impl Engine {
                 six,
                 seq,
                 dc,
-                Some("MaxDeliveryCountExceeded".to_owned()),
+                Some(dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED.to_owned()),
                 Some(description),
                 properties,
             );
@@ -544,7 +542,7 @@ impl Engine {
                 six,
                 seq,
                 dc,
-                Some("TTLExpiredException".to_owned()),
+                Some(dead_letter_reasons::TTL_EXPIRED_EXCEPTION.to_owned()),
                 Some("The message expired and was dead lettered.".to_owned()),
                 None,
             );

@@ -78,10 +78,13 @@
 //! records (a raised delivery count, a deferral) only make sense on top of earlier ones.
 
 mod apply;
+mod durability;
 mod internals;
 mod record;
 mod route;
 mod seqmap;
+mod sessions;
+mod settle;
 mod state;
 mod timers;
 
@@ -90,21 +93,19 @@ mod tests;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 use twice::{
-    EntityInfo, LockToken, Message, MessageState, Properties, ReceivedMessage, SequenceNumber,
-    SessionId, Timestamp, Value,
+    EntityInfo, LockToken, Message, MessageState, ReceivedMessage, SequenceNumber, SessionId,
+    Timestamp, Value,
 };
 
 pub(crate) use record::{BodyKey, EntityId, Extra, PlacedState, Placement, Record, StoreKey};
 
-use self::internals::{
-    check_id, check_immutable, check_max, non_empty, placement_of, unlocked_state,
-};
-use self::route::{Item, Router};
+use self::internals::{check_immutable, check_max};
 use self::state::{Aux, Bodies, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
 use self::timers::{LockTimers, TimerKey};
 use crate::config::{EntityDefinition, Rule};
@@ -142,9 +143,13 @@ pub(crate) struct EngineOptions {
     pub(crate) durable: bool,
     /// The largest message, and the largest batch, in bytes (see [`message_size`]).
     pub(crate) max_message_size: usize,
-    /// Seed of the lock tokens, session locks and assigned message ids. Must differ between
-    /// runs of the same log, so that a token from before a restart never matches a new lock.
+    /// The seed of the generator of lock tokens, session locks and assigned message ids when
+    /// `entropy` is `None`: tests set it to repeat a run.
     pub(crate) seed: u64,
+    /// The 256-bit seed of that generator (a CSPRNG), which the runtime draws from the
+    /// operating system: a lock token then says nothing about the next ones, and a token
+    /// from before a restart never matches a new lock.
+    pub(crate) entropy: Option<[u8; 32]>,
     /// How many bytes of recently stored messages stay in memory after
     /// [`Engine::set_location`], so that they are delivered without reading the log (oldest
     /// first out). 0 drops each as soon as its record is written.
@@ -161,13 +166,14 @@ pub(crate) struct EngineOptions {
 }
 
 impl Default for EngineOptions {
-    /// Durable, 256 KiB messages, a random seed, no body cache, waiters served at once, freed
+    /// Durable, 256 KiB messages, a random 64-bit seed, no body cache, waiters served at once, freed
     /// messages dropped.
     fn default() -> Self {
         Self {
             durable: true,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             seed: uuid::Uuid::new_v4().as_u64_pair().0,
+            entropy: None,
             body_cache_bytes: 0,
             deferred_serving: false,
             collect_freed: false,
@@ -360,14 +366,18 @@ pub(crate) struct Engine {
     records: Vec<Record>,
     /// Records of a send batch being replayed, applied when its last record arrives.
     pending_batch: Vec<(Record, Location)>,
-    rng: u64,
+    /// The generator of lock tokens, session locks and assigned message ids.
+    rng: StdRng,
     totals: Counters,
 }
 
 impl Engine {
     /// An engine with no entities.
     pub(crate) fn new(options: EngineOptions) -> Self {
-        let rng = options.seed;
+        let rng = match options.entropy {
+            Some(seed) => StdRng::from_seed(seed),
+            None => StdRng::seed_from_u64(options.seed),
+        };
         let mut bodies = Bodies::with_cache(options.body_cache_bytes);
         if options.collect_freed {
             bodies.collect_freed();
@@ -842,423 +852,6 @@ impl Engine {
         true
     }
 
-    // ----- settle ---------------------------------------------------------------------------
-
-    /// Completes locked messages, all or nothing: any unknown or expired token fails the call
-    /// with [`Error::MessageLockLost`] and changes nothing.
-    pub(crate) fn complete(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
-        self.tick(now);
-        self.check_tokens(tokens)?;
-        let mut groups: Vec<(StoreIx, Vec<i64>)> = Vec::new();
-        for t in tokens {
-            let Some(lock) = self.remove_lock(t) else { continue };
-            match groups.iter_mut().find(|(six, _)| *six == lock.six) {
-                Some((_, seqs)) => seqs.push(lock.seq),
-                None => groups.push((lock.six, vec![lock.seq])),
-            }
-        }
-        for (six, seqs) in groups {
-            let n = seqs.len() as u64;
-            let key = self.key(six)?;
-            self.emit(Record::Removed { store: key, sequences: seqs })?;
-            self.count(six.slot(), |c| c.completed += n);
-        }
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Abandons a locked message: it becomes available again with its delivery count raised
-    /// (dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
-    /// its application properties.
-    pub(crate) fn abandon(
-        &mut self,
-        now: Timestamp,
-        token: LockToken,
-        properties: Properties,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        self.check_tokens(&[token])?;
-        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
-        self.count(lock.six.slot(), |c| c.abandoned += 1);
-        self.unlock_counted(now, lock.six, lock.seq, non_empty(properties))?;
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Moves a locked message to its dead-letter queue (or its `ForwardDeadLetteredMessagesTo`
-    /// entity) with a reason and description, merging `properties`. A message in a dead-letter
-    /// queue cannot be dead-lettered again.
-    pub(crate) fn dead_letter(
-        &mut self,
-        now: Timestamp,
-        token: LockToken,
-        reason: Option<String>,
-        description: Option<String>,
-        properties: Properties,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        self.check_tokens(&[token])?;
-        let six = self.locks.get(&token).map(|l| l.six).ok_or(Error::MessageLockLost)?;
-        if six.is_dlq() {
-            return Err(Error::InvalidOperation(
-                "a message in a dead-letter queue cannot be dead-lettered again".to_owned(),
-            ));
-        }
-        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
-        let dc = self.meta(six, lock.seq).map_or(1, |m| m.delivery_count);
-        self.dead_letter_move(now, six, lock.seq, dc, reason, description, non_empty(properties))?;
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Defers a locked message: it stays, receivable only by sequence number
-    /// ([`Engine::receive_deferred`]). The delivery count does not change.
-    pub(crate) fn defer(
-        &mut self,
-        now: Timestamp,
-        token: LockToken,
-        properties: Properties,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        self.check_tokens(&[token])?;
-        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
-        let Some(meta) = self.meta(lock.six, lock.seq) else { return Ok(()) };
-        let dc = meta.delivery_count;
-        let key = self.key(lock.six)?;
-        self.emit(Record::Updated {
-            store: key,
-            sequence: lock.seq,
-            delivery_count: dc,
-            state: PlacedState::Deferred,
-            properties: non_empty(properties),
-        })?;
-        self.expire_if_due(now, lock.six, lock.seq)?;
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Unlocks messages without counting a delivery (they never reached a handler), all or
-    /// nothing.
-    pub(crate) fn release(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
-        self.tick(now);
-        self.check_tokens(tokens)?;
-        for t in tokens {
-            let Some(lock) = self.remove_lock(t) else { continue };
-            let Some(meta) = self.meta(lock.six, lock.seq) else { continue };
-            let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
-            let key = self.key(lock.six)?;
-            self.emit(Record::Updated {
-                store: key,
-                sequence: lock.seq,
-                delivery_count: dc,
-                state,
-                properties: None,
-            })?;
-            self.expire_if_due(now, lock.six, lock.seq)?;
-        }
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Renews locks, all or nothing; returns each new locked-until. A session message's lock
-    /// is its session's: renewing it renews the session lock.
-    pub(crate) fn renew_lock(
-        &mut self,
-        now: Timestamp,
-        tokens: &[LockToken],
-    ) -> Result<Vec<Timestamp>, Error> {
-        self.tick(now);
-        self.check_tokens(tokens)?;
-        let mut out = Vec::with_capacity(tokens.len());
-        for t in tokens {
-            let Some(lock) = self.locks.get(t).copied() else { continue };
-            let until = match lock.session {
-                Some(sl) => self.renew_session_lock(now, sl)?,
-                None => {
-                    let d = self.ent(lock.six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
-                    let until = now + d;
-                    if let Some(l) = self.locks.get_mut(t) {
-                        l.until = until;
-                    }
-                    if let Some(key) = lock.timer {
-                        let locks = &self.locks;
-                        self.lock_timers.remove(key, lock.until, *t, |k, u| {
-                            locks.get(k).is_some_and(|l| l.until == u)
-                        });
-                    }
-                    let key = self.lock_timers.insert(until, *t, d);
-                    if let Some(l) = self.locks.get_mut(t) {
-                        l.timer = Some(key);
-                    }
-                    until
-                }
-            };
-            out.push(until);
-        }
-        Ok(out)
-    }
-
-    /// Moves dead-lettered messages back to their queue or subscription, all or nothing: each
-    /// gets a new sequence number, its dead-letter fields cleared and its delivery count reset.
-    pub(crate) fn resubmit(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        sequence_numbers: &[SequenceNumber],
-    ) -> Result<Vec<SequenceNumber>, Error> {
-        self.tick(now);
-        if !entity.dead_letter {
-            return Err(Error::InvalidOperation(
-                "only messages in a dead-letter queue can be resubmitted".to_owned(),
-            ));
-        }
-        let six = self.receive_store(entity)?;
-        let mut router = Router::new(now);
-        let mut moves = Vec::with_capacity(sequence_numbers.len());
-        for s in sequence_numbers {
-            let seq = s.get();
-            let meta = match self.meta(six, seq) {
-                Some(m) if matches!(m.state, St::Available | St::Deferred) => m,
-                _ => return Err(Error::MessageNotFound(seq)),
-            };
-            if moves.iter().any(|(q, _, _)| *q == seq) {
-                return Err(Error::MessageNotFound(seq));
-            }
-            let mut extra = meta.extra.as_deref().cloned().unwrap_or_default();
-            extra.dead_letter_reason = None;
-            extra.dead_letter_description = None;
-            extra.dead_letter_source = None;
-            let message = self.aux.bodies.message(meta.body);
-            let ttl =
-                extra.time_to_live.take().or_else(|| message.as_ref().and_then(|m| m.time_to_live));
-            let item = Item {
-                ttl,
-                message,
-                has_session: meta.session != NO_SESSION,
-                delivery_count: 1,
-                extra: (!extra.is_empty()).then_some(extra),
-                enqueued: None,
-            };
-            let mut to = Vec::new();
-            let new_seq = self.route_resubmit(&mut router, six.slot(), &item, &mut to)?;
-            moves.push((seq, new_seq, to));
-        }
-        let key = self.key(six)?;
-        let mut out = Vec::with_capacity(moves.len());
-        for (seq, new_seq, to) in moves {
-            self.emit(Record::Moved { from: key, sequence: seq, to })?;
-            out.push(SequenceNumber::new(new_seq));
-        }
-        self.pump(now);
-        Ok(out)
-    }
-
-    // ----- sessions -------------------------------------------------------------------------
-
-    /// Locks a session of a session-enabled queue or subscription: the named one (failing with
-    /// [`Error::SessionCannotBeLocked`] if another receiver holds it), or the next one with an
-    /// available message. When there is none and `waiter` is given, the waiter is parked and
-    /// served through [`Engine::take_ready_sessions`].
-    pub(crate) fn accept_session(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        session: Option<SessionId>,
-        waiter: Option<WaiterId>,
-    ) -> Result<Option<AcceptedSession>, Error> {
-        self.tick(now);
-        self.serve_waiters(now);
-        let six = self.receive_store(entity)?;
-        self.check_waiter(waiter)?;
-        let e = self.entity(entity)?;
-        if entity.dead_letter || !e.requires_session() {
-            return Err(Error::SessionsNotEnabled(e.path.clone()));
-        }
-        let out = match session {
-            Some(id) => {
-                check_id("session id", id.as_str())?;
-                let sid = self.aux.names.intern(&id);
-                let held = self
-                    .store(six)
-                    .and_then(|s| s.sessions.as_ref())
-                    .and_then(|ss| ss.table.get(&sid))
-                    .is_some_and(|s| s.holder.is_some());
-                if held {
-                    return Err(Error::SessionCannotBeLocked(id.to_string()));
-                }
-                let accepted = self.lock_session(now, six, sid);
-                self.aux.names.release_unused(sid);
-                accepted
-            }
-            None => {
-                let next = self
-                    .store(six)
-                    .and_then(|s| s.sessions.as_ref())
-                    .and_then(|ss| ss.ready.first().map(|&(_, sid)| sid));
-                match next {
-                    Some(sid) => self.lock_session(now, six, sid),
-                    None => {
-                        if let Some(w) = waiter {
-                            self.park(
-                                w,
-                                Waiter {
-                                    kind: WaitKind::Accept,
-                                    six,
-                                    mode: ReceiveMode::PeekLock,
-                                    max: 1,
-                                },
-                            );
-                        }
-                        None
-                    }
-                }
-            }
-        };
-        self.pump(now);
-        Ok(out)
-    }
-
-    /// Receives up to `max` messages of a held session, in order; parks `waiter` when there
-    /// are none.
-    pub(crate) fn receive_session(
-        &mut self,
-        now: Timestamp,
-        lock: SessionLock,
-        mode: ReceiveMode,
-        max: usize,
-        waiter: Option<WaiterId>,
-    ) -> Result<Vec<Delivery>, Error> {
-        self.tick(now);
-        self.serve_waiters(now);
-        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
-        check_max(max)?;
-        self.check_waiter(waiter)?;
-        let out = self.take_from(now, six, sid, mode, max, Some(lock))?;
-        if out.is_empty() {
-            if let Some(w) = waiter {
-                self.park(w, Waiter { kind: WaitKind::Session(lock), six, mode, max });
-            }
-        }
-        self.pump(now);
-        Ok(out)
-    }
-
-    /// Renews a session lock for another `LockDuration`; returns the new locked-until.
-    pub(crate) fn renew_session_lock(
-        &mut self,
-        now: Timestamp,
-        lock: SessionLock,
-    ) -> Result<Timestamp, Error> {
-        self.tick(now);
-        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
-        let until = now + self.ent(six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
-        let Some(s) = self.session_mut(six, sid) else { return Err(Error::SessionLockLost) };
-        let old = std::mem::replace(&mut s.locked_until, until);
-        let tokens = s.locks.clone();
-        self.session_timers.remove(&(old, lock));
-        self.session_timers.insert((until, lock));
-        for t in tokens {
-            if let Some(l) = self.locks.get_mut(&t) {
-                l.until = until;
-            }
-        }
-        Ok(until)
-    }
-
-    /// Releases a held session: it is free for other receivers, and its messages still locked
-    /// become available with their delivery count raised.
-    pub(crate) fn release_session(
-        &mut self,
-        now: Timestamp,
-        lock: SessionLock,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        if !self.session_locks.contains_key(&lock) {
-            return Err(Error::SessionLockLost);
-        }
-        self.free_session(now, lock)?;
-        self.pump(now);
-        Ok(())
-    }
-
-    /// The sessions of a session-enabled queue or subscription that hold messages or state:
-    /// first those with a message that has not expired, in order of their oldest such
-    /// message, then those with state only, by id. Reads message metadata, never a body, and
-    /// stops once every session with messages was seen.
-    pub(crate) fn sessions(
-        &self,
-        now: Timestamp,
-        entity: EntityRef,
-    ) -> Result<Vec<SessionSummary>, Error> {
-        let six = self.receive_store(entity)?;
-        let store =
-            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
-        let Some(ss) = &store.sessions else {
-            return Err(Error::SessionsNotEnabled(self.entity_info(entity)?.path));
-        };
-        let with_messages = ss.table.values().filter(|s| s.refs > 0).count();
-        let mut seen: FastMap<u32, ()> = FastMap::default();
-        let mut out = Vec::new();
-        for (_, m) in store.msgs.iter() {
-            if seen.len() == with_messages {
-                break;
-            }
-            if m.expires > now && seen.insert(m.session, ()).is_none() {
-                if let Some(id) = self.aux.names.name(m.session) {
-                    let state = ss.table.get(&m.session).and_then(|s| s.state.clone());
-                    out.push(SessionSummary { session_id: id.clone(), has_messages: true, state });
-                }
-            }
-        }
-        let mut state_only: Vec<SessionSummary> = ss
-            .table
-            .iter()
-            .filter(|(sid, s)| s.state.is_some() && !seen.contains_key(*sid))
-            .filter_map(|(sid, s)| {
-                Some(SessionSummary {
-                    session_id: self.aux.names.name(*sid)?.clone(),
-                    has_messages: false,
-                    state: s.state.clone(),
-                })
-            })
-            .collect();
-        state_only.sort_by(|a, b| a.session_id.cmp(&b.session_id));
-        out.extend(state_only);
-        Ok(out)
-    }
-
-    /// The state of a held session.
-    pub(crate) fn session_state(&self, lock: SessionLock) -> Result<Option<Bytes>, Error> {
-        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
-        Ok(self
-            .store(six)
-            .and_then(|s| s.sessions.as_ref())
-            .and_then(|ss| ss.table.get(&sid))
-            .and_then(|s| s.state.clone()))
-    }
-
-    /// Sets (or with `None` clears) the state of a held session; it is persisted.
-    pub(crate) fn set_session_state(
-        &mut self,
-        now: Timestamp,
-        lock: SessionLock,
-        state: Option<Bytes>,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
-        if let Some(s) = &state {
-            if s.len() > self.opts.max_message_size {
-                return Err(Error::MessageSizeExceeded {
-                    size: s.len(),
-                    limit: self.opts.max_message_size,
-                });
-            }
-        }
-        let session = self.aux.names.name(sid).cloned().ok_or(Error::SessionLockLost)?;
-        let entity = self.key(six)?.entity;
-        self.emit(Record::SessionState { entity, session, state })
-    }
-
     // ----- time -----------------------------------------------------------------------------
 
     /// The earliest time at which [`Engine::tick`] has something to do.
@@ -1285,175 +878,6 @@ impl Engine {
             let _ = self.run_timers(now);
         }
         self.pump(now);
-    }
-
-    // ----- durability -----------------------------------------------------------------------
-
-    /// The records of every change since the last call, in order. Write them, sync once, and
-    /// only then release the replies of the calls that made them.
-    pub(crate) fn take_records(&mut self) -> Vec<Record> {
-        std::mem::take(&mut self.records)
-    }
-
-    /// [`Engine::take_records`] by swapping with `out`, an empty vector: the engine goes on
-    /// with `out`'s memory, so that neither side grows a vector from nothing on every turn.
-    pub(crate) fn swap_records(&mut self, out: &mut Vec<Record>) {
-        out.clear();
-        std::mem::swap(&mut self.records, out);
-    }
-
-    /// Tells the engine where a record carrying a body ([`Record::body_key`]) was written: the
-    /// engine drops its in-memory copy and delivers the location from now on.
-    pub(crate) fn set_location(&mut self, body: BodyKey, location: Location) {
-        self.aux.bodies.set_location(body.index, body.generation, location);
-    }
-
-    /// Applies one record of the log during recovery, in log order.
-    pub(crate) fn replay(&mut self, record: Record, location: Location) -> Result<(), Error> {
-        let batch_part = matches!(record, Record::Sent { .. });
-        if !self.pending_batch.is_empty() && !batch_part {
-            return Err(Error::Corrupt("a send batch is interrupted by another record".to_owned()));
-        }
-        if let Record::Sent { more: true, .. } = record {
-            self.pending_batch.push((record, location));
-            return Ok(());
-        }
-        let batch = std::mem::take(&mut self.pending_batch);
-        for (mut r, loc) in batch {
-            self.apply(&mut r, Some(loc))?;
-        }
-        let mut record = record;
-        self.apply(&mut record, Some(location))
-    }
-
-    /// Ends recovery: drops a send batch cut short at the end of the log, makes the messages
-    /// that were locked at the crash available again with their delivery count raised (see
-    /// the module documentation), and processes what is due at `now`.
-    pub(crate) fn finish_recovery(&mut self, now: Timestamp) -> Result<(), Error> {
-        self.pending_batch.clear();
-        let mut locked = Vec::new();
-        for (slot, e) in self.entities.iter().enumerate() {
-            let Some(e) = e else { continue };
-            let Ok(slot) = u32::try_from(slot) else { continue };
-            for dead_letter in [false, true] {
-                let six = StoreIx::new(slot, dead_letter);
-                locked.extend(
-                    e.store(dead_letter)
-                        .msgs
-                        .iter()
-                        .filter(|(_, m)| m.is_locked())
-                        .map(|(s, _)| (six, s)),
-                );
-            }
-        }
-        for (six, seq) in locked {
-            self.unlock_counted(now, six, seq, None)?;
-        }
-        self.run_timers(now)?;
-        self.pump(now);
-        Ok(())
-    }
-
-    /// Records restating all small state: entities (properties, rules, next sequence numbers),
-    /// session states, and duplicate-detection ids still in their window. Written at the start
-    /// of every segment; replaying them overwrites, and twice is harmless.
-    pub(crate) fn checkpoint_records(&self) -> Vec<Record> {
-        let mut out = Vec::new();
-        for e in self.entities.iter().flatten() {
-            out.push(Record::entity(e.id, self.definition_of(e), e.next_seq));
-        }
-        for e in self.entities.iter().flatten() {
-            if let Some(ss) = &e.main.sessions {
-                let mut states: Vec<_> = ss
-                    .table
-                    .iter()
-                    .filter_map(|(&sid, s)| {
-                        Some((self.aux.names.name(sid)?.clone(), s.state.clone()?))
-                    })
-                    .collect();
-                states.sort_by(|a, b| a.0.cmp(&b.0));
-                for (session, state) in states {
-                    out.push(Record::SessionState { entity: e.id, session, state: Some(state) });
-                }
-            }
-            let ids: Vec<_> = e
-                .dedup
-                .order
-                .iter()
-                .filter(|(t, id)| e.dedup.ids.get(id) == Some(t))
-                .map(|(t, id)| (id.clone(), *t))
-                .collect();
-            for chunk in ids.chunks(1024) {
-                out.push(Record::DuplicateIds { entity: e.id, ids: chunk.to_vec() });
-            }
-        }
-        out
-    }
-
-    /// Live messages whose body is stored in `segment`. O(1).
-    pub(crate) fn segment_refs(&self, segment: u32) -> usize {
-        self.aux.bodies.seg_refs.get(&segment).copied().unwrap_or(0)
-    }
-
-    /// The live messages stored in `segment`, in log order, for compaction: read each body
-    /// and pass it to [`Engine::relocate`]. This scans every message (compaction is rare).
-    pub(crate) fn live_in_segment(&self, segment: u32) -> Vec<MessageRef> {
-        let mut by_body: HashMap<u32, usize> = HashMap::new();
-        let mut out: Vec<MessageRef> = Vec::new();
-        for (slot, e) in self.entities.iter().enumerate() {
-            let (Some(e), Ok(slot)) = (e, u32::try_from(slot)) else { continue };
-            for dead_letter in [false, true] {
-                let six = StoreIx::new(slot, dead_letter);
-                for (seq, m) in e.store(dead_letter).msgs.iter() {
-                    let Some(loc) = self.aux.bodies.location(m.body) else { continue };
-                    if loc.segment != segment {
-                        continue;
-                    }
-                    let i = *by_body.entry(m.body).or_insert_with(|| {
-                        out.push(MessageRef {
-                            location: loc,
-                            body: BodyKey {
-                                index: m.body,
-                                generation: self.aux.bodies.generation(m.body),
-                            },
-                            placements: Vec::new(),
-                        });
-                        out.len() - 1
-                    });
-                    out[i].placements.push((six, seq));
-                }
-            }
-        }
-        out.sort_by_key(|r| r.location.offset);
-        out
-    }
-
-    /// Emits a [`Record::Snapshot`] of a live message from [`Engine::live_in_segment`] so that
-    /// its old segment can go; `message` is its body as read from there. Does nothing if the
-    /// message changed since (it is no longer live, or was moved or copied): call
-    /// `live_in_segment` again.
-    pub(crate) fn relocate(&mut self, msg: &MessageRef, message: Arc<Message>) {
-        let b = msg.body;
-        if self.aux.bodies.generation(b.index) != b.generation
-            || self.aux.bodies.location(b.index) != Some(msg.location)
-        {
-            return;
-        }
-        let mut placements = Vec::with_capacity(msg.placements.len());
-        for &(six, seq) in &msg.placements {
-            let (Some(m), Ok(key)) = (self.meta(six, seq), self.key(six)) else { continue };
-            if m.body == b.index {
-                placements.push(placement_of(key, seq, m));
-            }
-        }
-        if placements.is_empty() || placements.len() != self.aux.bodies.refs(b.index) as usize {
-            return;
-        }
-        self.aux.bodies.keep_if_pinned(b.index, &message);
-        let rec = Record::Snapshot { message: record::StoredMessage(message), placements, body: b };
-        if self.opts.durable {
-            self.records.push(rec);
-        }
     }
 }
 

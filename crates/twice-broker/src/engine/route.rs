@@ -11,6 +11,7 @@ use super::record::{Extra, PlacedState, Placement};
 use super::state::{Entity, Kind};
 use super::{Engine, MAX_TRANSFER_HOPS};
 use crate::config::Filter;
+use crate::dead_letter_reasons;
 use crate::error::Error;
 
 /// The application property that names the rule whose action made a subscription's copy.
@@ -169,7 +170,7 @@ impl Engine {
             if hops >= MAX_TRANSFER_HOPS {
                 let item = with_reason(
                     item,
-                    "MaxTransferHopCountExceeded",
+                    dead_letter_reasons::MAX_TRANSFER_HOP_COUNT_EXCEEDED,
                     format!("The message was auto-forwarded more than {MAX_TRANSFER_HOPS} times."),
                 );
                 self.place_dead_letter(r, e, seq, &item, out);
@@ -184,7 +185,7 @@ impl Engine {
         if e.requires_session() && !item.has_session {
             let item = with_reason(
                 item,
-                "Session ID is null",
+                dead_letter_reasons::SESSION_ID_IS_NULL,
                 "A session-enabled entity does not accept a message without a session id."
                     .to_owned(),
             );

@@ -128,7 +128,11 @@ impl Runtime {
         options: RuntimeOptions,
         rx: mpsc::Receiver<Command>,
     ) -> Result<Runtime, Error> {
-        let mut engine = Engine::new(options.engine);
+        let mut engine_options = options.engine;
+        // Lock tokens must tell nothing about one another: their generator is seeded from the
+        // operating system's, never from a guessable number.
+        engine_options.entropy.get_or_insert_with(rand::random);
+        let mut engine = Engine::new(engine_options);
         let mut stats = StorageStats::default();
         let log = match &options.dir {
             None => None,

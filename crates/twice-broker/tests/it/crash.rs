@@ -2,10 +2,10 @@
 //! no acknowledged completion: with strict and with relaxed delivery counts.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use twice::ManualClock;
+use twice_testkit::process::Child;
 
 use crate::support::{example_bin, open, peek_all};
 
@@ -35,29 +35,19 @@ async fn survives_sigkill(relaxed: bool) {
     };
     // Two kills in a row: the second run starts from the log the first one left.
     for run in 0..2 {
-        let mut child = Command::new(example_bin("broker_child"))
-            .args(["load", dir.path().to_str().unwrap(), "8", &format!("run{run}")])
-            .env("TWICE_CHILD_RELAXED", if relaxed { "1" } else { "0" })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn broker_child");
-        let stdout = child.stdout.take().unwrap();
-        let mut lines = BufReader::new(stdout).lines();
-        let mut this_run = 0;
-        while this_run < 3000 {
-            let line = lines.next().expect("the child stopped early").unwrap();
+        let mut child = Child::spawn(
+            Command::new(example_bin("broker_child"))
+                .args(["load", dir.path().to_str().unwrap(), "8", &format!("run{run}")])
+                .env("TWICE_CHILD_RELAXED", if relaxed { "1" } else { "0" }),
+        );
+        for _ in 0..3000 {
+            let line = child.next_line().expect("the child stopped early");
             record(&line);
-            this_run += 1;
         }
-        // `kill` sends SIGKILL on Unix: no destructor, no flush, no shutdown runs.
-        child.kill().unwrap();
         // Acknowledgements printed before the kill landed are acknowledged too.
-        for line in lines {
-            let Ok(line) = line else { break };
+        for line in child.kill() {
             record(&line);
         }
-        child.wait().unwrap();
     }
     assert!(acked.len() >= 4000, "only {} acknowledged sends", acked.len());
     assert!(!completed.is_empty(), "the child completed nothing");

@@ -1,6 +1,6 @@
 //! Integration tests of twice-broker: durability across restarts, corruption, crashes under
 //! load, memory with a large backlog, long polls, subscription rules and session listing, and
-//! the in-process transport.
+//! the in-process transport, and a tidy check that the engine stays pure.
 
 mod corruption;
 mod crash;
@@ -8,5 +8,7 @@ mod durability;
 mod management;
 mod memory;
 mod receive;
+mod security;
 mod support;
+mod tidy;
 mod transport;

@@ -42,45 +42,8 @@ pub(crate) fn msg(id: &str) -> Message {
 /// No wait: a receive that returns at once.
 pub(crate) const NOW: Duration = Duration::ZERO;
 
-/// The path of a binary built from this crate's examples.
-///
-/// `cargo test -p twice-broker` builds examples next to the test binary. When it is missing or
-/// older than the library or its own source (a run limited with `--test it` builds neither), it
-/// is built into a separate target directory, since the cargo running this test holds the lock
-/// of the main one.
+/// The path of an example of this crate, never stale (see
+/// [`twice_testkit::process::example_bin`]).
 pub(crate) fn example_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/it-<hash> → target/<profile>/examples/<name>
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target profile directory");
-    let path = profile_dir.join("examples").join(name);
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(format!("{name}.rs"));
-    let newest_lib = std::fs::read_dir(profile_dir.join("deps"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let file = e.file_name().to_string_lossy().into_owned();
-            file.starts_with("libtwice_broker-") && file.ends_with(".rlib")
-        })
-        .filter_map(|e| modified(&e.path()))
-        .max();
-    let inputs = [modified(&source), newest_lib].into_iter().flatten().max();
-    if let Some(built) = modified(&path) {
-        if inputs.is_none_or(|newest| built >= newest) {
-            return path;
-        }
-    }
-    let release = profile_dir.file_name().is_some_and(|p| p == "release");
-    let target = profile_dir.parent().expect("target directory").join("example-children");
-    let mut cmd = std::process::Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "-p", "twice-broker", "--example", name])
-        .env("CARGO_TARGET_DIR", &target)
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        cmd.arg("--release");
-    }
-    let status = cmd.status().expect("run cargo build");
-    assert!(status.success(), "building example {name} failed");
-    target.join(if release { "release" } else { "debug" }).join("examples").join(name)
+    twice_testkit::process::example_bin(env!("CARGO_MANIFEST_DIR"), "twice-broker", name)
 }

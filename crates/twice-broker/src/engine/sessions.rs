@@ -1,0 +1,221 @@
+//! Sessions: accept, renew and release session locks, list sessions, and their state.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use twice::{SessionId, Timestamp};
+
+use super::internals::{check_id, check_max};
+use super::record::Record;
+use super::state::{Entity, FastMap};
+use super::{
+    AcceptedSession, Delivery, Engine, EntityRef, ReceiveMode, SessionLock, SessionSummary,
+    WaitKind, Waiter, WaiterId,
+};
+use crate::error::Error;
+
+impl Engine {
+    /// Locks a session of a session-enabled queue or subscription: the named one (failing with
+    /// [`Error::SessionCannotBeLocked`] if another receiver holds it), or the next one with an
+    /// available message. When there is none and `waiter` is given, the waiter is parked and
+    /// served through [`Engine::take_ready_sessions`].
+    pub(crate) fn accept_session(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        session: Option<SessionId>,
+        waiter: Option<WaiterId>,
+    ) -> Result<Option<AcceptedSession>, Error> {
+        self.tick(now);
+        self.serve_waiters(now);
+        let six = self.receive_store(entity)?;
+        self.check_waiter(waiter)?;
+        let e = self.entity(entity)?;
+        if entity.dead_letter || !e.requires_session() {
+            return Err(Error::SessionsNotEnabled(e.path.clone()));
+        }
+        let out = match session {
+            Some(id) => {
+                check_id("session id", id.as_str())?;
+                let sid = self.aux.names.intern(&id);
+                let held = self
+                    .store(six)
+                    .and_then(|s| s.sessions.as_ref())
+                    .and_then(|ss| ss.table.get(&sid))
+                    .is_some_and(|s| s.holder.is_some());
+                if held {
+                    return Err(Error::SessionCannotBeLocked(id.to_string()));
+                }
+                let accepted = self.lock_session(now, six, sid);
+                self.aux.names.release_unused(sid);
+                accepted
+            }
+            None => {
+                let next = self
+                    .store(six)
+                    .and_then(|s| s.sessions.as_ref())
+                    .and_then(|ss| ss.ready.first().map(|&(_, sid)| sid));
+                match next {
+                    Some(sid) => self.lock_session(now, six, sid),
+                    None => {
+                        if let Some(w) = waiter {
+                            self.park(
+                                w,
+                                Waiter {
+                                    kind: WaitKind::Accept,
+                                    six,
+                                    mode: ReceiveMode::PeekLock,
+                                    max: 1,
+                                },
+                            );
+                        }
+                        None
+                    }
+                }
+            }
+        };
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Receives up to `max` messages of a held session, in order; parks `waiter` when there
+    /// are none.
+    pub(crate) fn receive_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        mode: ReceiveMode,
+        max: usize,
+        waiter: Option<WaiterId>,
+    ) -> Result<Vec<Delivery>, Error> {
+        self.tick(now);
+        self.serve_waiters(now);
+        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        check_max(max)?;
+        self.check_waiter(waiter)?;
+        let out = self.take_from(now, six, sid, mode, max, Some(lock))?;
+        if out.is_empty() {
+            if let Some(w) = waiter {
+                self.park(w, Waiter { kind: WaitKind::Session(lock), six, mode, max });
+            }
+        }
+        self.pump(now);
+        Ok(out)
+    }
+
+    /// Renews a session lock for another `LockDuration`; returns the new locked-until.
+    pub(crate) fn renew_session_lock(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+    ) -> Result<Timestamp, Error> {
+        self.tick(now);
+        let (six, sid) = *self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        let until = now + self.ent(six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
+        let Some(s) = self.session_mut(six, sid) else { return Err(Error::SessionLockLost) };
+        let old = std::mem::replace(&mut s.locked_until, until);
+        let tokens = s.locks.clone();
+        self.session_timers.remove(&(old, lock));
+        self.session_timers.insert((until, lock));
+        for t in tokens {
+            if let Some(l) = self.locks.get_mut(&t) {
+                l.until = until;
+            }
+        }
+        Ok(until)
+    }
+
+    /// Releases a held session: it is free for other receivers, and its messages still locked
+    /// become available with their delivery count raised.
+    pub(crate) fn release_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        if !self.session_locks.contains_key(&lock) {
+            return Err(Error::SessionLockLost);
+        }
+        self.free_session(now, lock)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// The sessions of a session-enabled queue or subscription that hold messages or state:
+    /// first those with a message that has not expired, in order of their oldest such
+    /// message, then those with state only, by id. Reads message metadata, never a body, and
+    /// stops once every session with messages was seen.
+    pub(crate) fn sessions(
+        &self,
+        now: Timestamp,
+        entity: EntityRef,
+    ) -> Result<Vec<SessionSummary>, Error> {
+        let six = self.receive_store(entity)?;
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
+        let Some(ss) = &store.sessions else {
+            return Err(Error::SessionsNotEnabled(self.entity_info(entity)?.path));
+        };
+        let with_messages = ss.table.values().filter(|s| s.refs > 0).count();
+        let mut seen: FastMap<u32, ()> = FastMap::default();
+        let mut out = Vec::new();
+        for (_, m) in store.msgs.iter() {
+            if seen.len() == with_messages {
+                break;
+            }
+            if m.expires > now && seen.insert(m.session, ()).is_none() {
+                if let Some(id) = self.aux.names.name(m.session) {
+                    let state = ss.table.get(&m.session).and_then(|s| s.state.clone());
+                    out.push(SessionSummary { session_id: id.clone(), has_messages: true, state });
+                }
+            }
+        }
+        let mut state_only: Vec<SessionSummary> = ss
+            .table
+            .iter()
+            .filter(|(sid, s)| s.state.is_some() && !seen.contains_key(*sid))
+            .filter_map(|(sid, s)| {
+                Some(SessionSummary {
+                    session_id: self.aux.names.name(*sid)?.clone(),
+                    has_messages: false,
+                    state: s.state.clone(),
+                })
+            })
+            .collect();
+        state_only.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+        out.extend(state_only);
+        Ok(out)
+    }
+
+    /// The state of a held session.
+    pub(crate) fn session_state(&self, lock: SessionLock) -> Result<Option<Bytes>, Error> {
+        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        Ok(self
+            .store(six)
+            .and_then(|s| s.sessions.as_ref())
+            .and_then(|ss| ss.table.get(&sid))
+            .and_then(|s| s.state.clone()))
+    }
+
+    /// Sets (or with `None` clears) the state of a held session; it is persisted.
+    pub(crate) fn set_session_state(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        state: Option<Bytes>,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
+        if let Some(s) = &state {
+            if s.len() > self.opts.max_message_size {
+                return Err(Error::MessageSizeExceeded {
+                    size: s.len(),
+                    limit: self.opts.max_message_size,
+                });
+            }
+        }
+        let session = self.aux.names.name(sid).cloned().ok_or(Error::SessionLockLost)?;
+        let entity = self.key(six)?.entity;
+        self.emit(Record::SessionState { entity, session, state })
+    }
+}

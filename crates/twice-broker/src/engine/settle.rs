@@ -1,0 +1,224 @@
+//! Settlement: complete, abandon, dead-letter, defer, release and renew locks, and resubmit
+//! dead-lettered messages.
+
+use std::time::Duration;
+
+use twice::{LockToken, Properties, SequenceNumber, Timestamp};
+
+use super::internals::{non_empty, unlocked_state};
+use super::record::{PlacedState, Record};
+use super::route::{Item, Router};
+use super::state::{Entity, NO_SESSION, St, StoreIx};
+use super::{Engine, EntityRef};
+use crate::error::Error;
+
+impl Engine {
+    /// Completes locked messages, all or nothing: any unknown or expired token fails the call
+    /// with [`Error::MessageLockLost`] and changes nothing.
+    pub(crate) fn complete(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        let mut groups: Vec<(StoreIx, Vec<i64>)> = Vec::new();
+        for t in tokens {
+            let Some(lock) = self.remove_lock(t) else { continue };
+            match groups.iter_mut().find(|(six, _)| *six == lock.six) {
+                Some((_, seqs)) => seqs.push(lock.seq),
+                None => groups.push((lock.six, vec![lock.seq])),
+            }
+        }
+        for (six, seqs) in groups {
+            let n = seqs.len() as u64;
+            let key = self.key(six)?;
+            self.emit(Record::Removed { store: key, sequences: seqs })?;
+            self.count(six.slot(), |c| c.completed += n);
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Abandons a locked message: it becomes available again with its delivery count raised
+    /// (dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
+    /// its application properties.
+    pub(crate) fn abandon(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        self.count(lock.six.slot(), |c| c.abandoned += 1);
+        self.unlock_counted(now, lock.six, lock.seq, non_empty(properties))?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Moves a locked message to its dead-letter queue (or its `ForwardDeadLetteredMessagesTo`
+    /// entity) with a reason and description, merging `properties`. A message in a dead-letter
+    /// queue cannot be dead-lettered again.
+    pub(crate) fn dead_letter(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        reason: Option<String>,
+        description: Option<String>,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let six = self.locks.get(&token).map(|l| l.six).ok_or(Error::MessageLockLost)?;
+        if six.is_dlq() {
+            return Err(Error::InvalidOperation(
+                "a message in a dead-letter queue cannot be dead-lettered again".to_owned(),
+            ));
+        }
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        let dc = self.meta(six, lock.seq).map_or(1, |m| m.delivery_count);
+        self.dead_letter_move(now, six, lock.seq, dc, reason, description, non_empty(properties))?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Defers a locked message: it stays, receivable only by sequence number
+    /// ([`Engine::receive_deferred`]). The delivery count does not change.
+    pub(crate) fn defer(
+        &mut self,
+        now: Timestamp,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(&[token])?;
+        let lock = self.remove_lock(&token).ok_or(Error::MessageLockLost)?;
+        let Some(meta) = self.meta(lock.six, lock.seq) else { return Ok(()) };
+        let dc = meta.delivery_count;
+        let key = self.key(lock.six)?;
+        self.emit(Record::Updated {
+            store: key,
+            sequence: lock.seq,
+            delivery_count: dc,
+            state: PlacedState::Deferred,
+            properties: non_empty(properties),
+        })?;
+        self.expire_if_due(now, lock.six, lock.seq)?;
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Unlocks messages without counting a delivery (they never reached a handler), all or
+    /// nothing.
+    pub(crate) fn release(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        for t in tokens {
+            let Some(lock) = self.remove_lock(t) else { continue };
+            let Some(meta) = self.meta(lock.six, lock.seq) else { continue };
+            let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
+            let key = self.key(lock.six)?;
+            self.emit(Record::Updated {
+                store: key,
+                sequence: lock.seq,
+                delivery_count: dc,
+                state,
+                properties: None,
+            })?;
+            self.expire_if_due(now, lock.six, lock.seq)?;
+        }
+        self.pump(now);
+        Ok(())
+    }
+
+    /// Renews locks, all or nothing; returns each new locked-until. A session message's lock
+    /// is its session's: renewing it renews the session lock.
+    pub(crate) fn renew_lock(
+        &mut self,
+        now: Timestamp,
+        tokens: &[LockToken],
+    ) -> Result<Vec<Timestamp>, Error> {
+        self.tick(now);
+        self.check_tokens(tokens)?;
+        let mut out = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let Some(lock) = self.locks.get(t).copied() else { continue };
+            let until = match lock.session {
+                Some(sl) => self.renew_session_lock(now, sl)?,
+                None => {
+                    let d = self.ent(lock.six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
+                    let until = now + d;
+                    if let Some(l) = self.locks.get_mut(t) {
+                        l.until = until;
+                    }
+                    if let Some(key) = lock.timer {
+                        let locks = &self.locks;
+                        self.lock_timers.remove(key, lock.until, *t, |k, u| {
+                            locks.get(k).is_some_and(|l| l.until == u)
+                        });
+                    }
+                    let key = self.lock_timers.insert(until, *t, d);
+                    if let Some(l) = self.locks.get_mut(t) {
+                        l.timer = Some(key);
+                    }
+                    until
+                }
+            };
+            out.push(until);
+        }
+        Ok(out)
+    }
+
+    /// Moves dead-lettered messages back to their queue or subscription, all or nothing: each
+    /// gets a new sequence number, its dead-letter fields cleared and its delivery count reset.
+    pub(crate) fn resubmit(
+        &mut self,
+        now: Timestamp,
+        entity: EntityRef,
+        sequence_numbers: &[SequenceNumber],
+    ) -> Result<Vec<SequenceNumber>, Error> {
+        self.tick(now);
+        if !entity.dead_letter {
+            return Err(Error::InvalidOperation(
+                "only messages in a dead-letter queue can be resubmitted".to_owned(),
+            ));
+        }
+        let six = self.receive_store(entity)?;
+        let mut router = Router::new(now);
+        let mut moves = Vec::with_capacity(sequence_numbers.len());
+        for s in sequence_numbers {
+            let seq = s.get();
+            let meta = match self.meta(six, seq) {
+                Some(m) if matches!(m.state, St::Available | St::Deferred) => m,
+                _ => return Err(Error::MessageNotFound(seq)),
+            };
+            if moves.iter().any(|(q, _, _)| *q == seq) {
+                return Err(Error::MessageNotFound(seq));
+            }
+            let mut extra = meta.extra.as_deref().cloned().unwrap_or_default();
+            extra.dead_letter_reason = None;
+            extra.dead_letter_description = None;
+            extra.dead_letter_source = None;
+            let message = self.aux.bodies.message(meta.body);
+            let ttl =
+                extra.time_to_live.take().or_else(|| message.as_ref().and_then(|m| m.time_to_live));
+            let item = Item {
+                ttl,
+                message,
+                has_session: meta.session != NO_SESSION,
+                delivery_count: 1,
+                extra: (!extra.is_empty()).then_some(extra),
+                enqueued: None,
+            };
+            let mut to = Vec::new();
+            let new_seq = self.route_resubmit(&mut router, six.slot(), &item, &mut to)?;
+            moves.push((seq, new_seq, to));
+        }
+        let key = self.key(six)?;
+        let mut out = Vec::with_capacity(moves.len());
+        for (seq, new_seq, to) in moves {
+            self.emit(Record::Moved { from: key, sequence: seq, to })?;
+            out.push(SequenceNumber::new(new_seq));
+        }
+        self.pump(now);
+        Ok(out)
+    }
+}
