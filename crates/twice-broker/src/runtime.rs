@@ -1316,6 +1316,7 @@ pub(crate) fn storage_error(e: StorageError) -> Error {
         }
         StorageError::Corrupt { segment, offset } => Error::CorruptLog { segment, offset },
         StorageError::Locked(dir) => Error::DirectoryInUse(dir),
+        StorageError::MissingSegment { segment, .. } => Error::MissingSegment { segment },
         StorageError::Failed(io) => Error::Io(std::io::Error::new(io.kind(), io.to_string())),
         other => Error::Corrupt(other.to_string()),
     }

@@ -89,6 +89,17 @@ pub(crate) enum StorageError {
     /// the disk after a failed fsync cannot be known.
     #[error("the log stopped after a failed write: {0}")]
     Failed(Arc<io::Error>),
+    /// A segment between the oldest and the newest is missing: the records it held cannot be
+    /// replayed, and the log refuses to open rather than skip them.
+    #[error("log segment {segment} is missing between segments {before} and {after}")]
+    MissingSegment {
+        /// The id of the missing segment.
+        segment: u64,
+        /// The segment before the gap.
+        before: u64,
+        /// The segment after the gap.
+        after: u64,
+    },
     /// The location names a segment that does not exist (any more).
     #[error("no record at segment {segment} offset {offset}")]
     NotFound {
@@ -257,6 +268,7 @@ impl Log {
                 ids.insert(id);
             }
         }
+        check_contiguous(&ids)?;
         let mut files = HashMap::new();
         let (active, active_len) = match ids.last().copied() {
             None => {
@@ -549,6 +561,20 @@ impl WriterGate {
     pub(crate) fn hold(&self) -> std::sync::MutexGuard<'_, ()> {
         self.0.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// Refuses a log with a gap in its segment ids: segments are only ever removed oldest first,
+/// so a gap means records that were acknowledged are gone.
+fn check_contiguous(ids: &BTreeSet<u64>) -> Result<(), StorageError> {
+    let mut it = ids.iter().copied();
+    let Some(mut before) = it.next() else { return Ok(()) };
+    for after in it {
+        if after != before + 1 {
+            return Err(StorageError::MissingSegment { segment: before + 1, before, after });
+        }
+        before = after;
+    }
+    Ok(())
 }
 
 fn stopped() -> StorageError {

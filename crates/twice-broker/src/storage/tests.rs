@@ -281,3 +281,22 @@ fn records_encoded_in_place_span_blocks_and_a_failed_encoding_leaves_no_trace() 
         assert_eq!(log.read(*loc).unwrap().as_ref(), body.as_slice());
     }
 }
+
+#[test]
+fn a_missing_middle_segment_is_refused_with_its_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let locs = write_records(dir.path(), 200, opts(2048, 0));
+    assert!(locs.last().unwrap().segment >= 4);
+    std::fs::remove_file(segment_path(dir.path(), 3)).unwrap();
+    let err = Log::open(dir.path(), opts(2048, 0)).map(|(_, r)| replay_all(r).map(|v| v.len()));
+    assert!(
+        matches!(err, Err(StorageError::MissingSegment { segment: 3, before: 2, after: 4 })),
+        "{err:?}"
+    );
+    // Removing the oldest segments (as compaction does) leaves a log that opens.
+    std::fs::remove_file(segment_path(dir.path(), 1)).unwrap();
+    std::fs::remove_file(segment_path(dir.path(), 2)).unwrap();
+    let (_, replay) = Log::open(dir.path(), opts(2048, 0)).unwrap();
+    let got = replay_all(replay).unwrap();
+    assert_eq!(got.first().unwrap().0.segment, 4);
+}
