@@ -45,8 +45,8 @@ mod storage;
 mod transport;
 
 pub use broker::{
-    Broker, BrokerOptions, DEFAULT_MAX_MESSAGE_SIZE, MessageCounts, ReceiveMode, SendOutcome,
-    Session, Statistics, StorageStatistics,
+    Broker, BrokerOptions, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, ReceiveMode,
+    SendOutcome, Session, Statistics, StorageStatistics,
 };
 pub use error::Error;
 pub use transport::Receiver;

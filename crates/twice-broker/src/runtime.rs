@@ -363,6 +363,7 @@ pub(crate) struct StorageStats {
     pub(crate) fsyncs: u64,
     pub(crate) segments: u64,
     pub(crate) records: u64,
+    pub(crate) bytes_written: u64,
 }
 
 /// How the runtime is set up.
@@ -376,6 +377,8 @@ pub(crate) struct RuntimeOptions {
     pub(crate) definitions: Vec<EntityDefinition>,
     /// See [`crate::BrokerOptions::with_relaxed_delivery_counts`].
     pub(crate) relaxed_delivery_counts: bool,
+    /// Where a storage failure is reported to the broker's handles.
+    pub(crate) failure: storage::FailureCell,
 }
 
 /// A reply held until its turn's commit is durable.
@@ -470,6 +473,7 @@ pub(crate) struct Runtime {
     relaxed: bool,
     /// Set once a write failed: the broker then refuses everything.
     failed: Option<Arc<std::io::Error>>,
+    failure: storage::FailureCell,
     stats: StorageStats,
     shutdown: Vec<oneshot::Sender<()>>,
 }
@@ -480,6 +484,12 @@ const MAX_KEPT_RECORDS: usize = 1 << 16;
 /// Compaction relocates the live messages of the oldest segment once at most this many remain
 /// there, so that a few long-lived messages do not keep a whole segment on disk.
 const COMPACT_MAX_LIVE: usize = 4096;
+
+/// ... and only while their records hold at most this share of a segment (1/n): a move then
+/// never fills the active segment by itself, and each segment's worth of writes carries at most
+/// a quarter of a segment of moved records, whatever the backlog (write amplification ≤ 4/3
+/// plus checkpoints).
+const COMPACT_MAX_SHARE: u64 = 4;
 
 impl Runtime {
     /// Opens the log (replaying it into a new engine), applies the configured entities, and
@@ -532,6 +542,7 @@ impl Runtime {
             relaxed: options.relaxed_delivery_counts,
             rolled: false,
             failed: None,
+            failure: options.failure,
             stats,
             shutdown: Vec::new(),
         };
@@ -657,6 +668,7 @@ impl Runtime {
             other => Arc::new(std::io::Error::other(other.to_string())),
         };
         tracing::error!(error = %io, "the broker stops: a log write failed");
+        self.failure.set(&io);
         self.failed = Some(io.clone());
         for (_, replies) in std::mem::take(&mut self.inflight) {
             for d in replies {
@@ -853,7 +865,11 @@ impl Runtime {
                 log.remove_segment(oldest).map_err(storage_error)?;
                 continue;
             }
-            if !self.rolled || refs > COMPACT_MAX_LIVE {
+            let live_bytes = self.engine.segment_live_bytes(seg);
+            if !self.rolled
+                || refs > COMPACT_MAX_LIVE
+                || live_bytes > log.segment_size() / COMPACT_MAX_SHARE
+            {
                 return Ok(());
             }
             self.rolled = false;
@@ -1010,6 +1026,7 @@ impl Runtime {
                 let mut s = self.stats;
                 if let Some(log) = &self.log {
                     s.fsyncs = log.fsyncs();
+                    s.bytes_written = log.bytes_written();
                     s.segments = log.segments().count() as u64;
                 }
                 plain(reply, Ok(s))
@@ -1349,6 +1366,7 @@ mod tests {
             max_commands_per_turn: 64,
             definitions: Vec::new(),
             relaxed_delivery_counts: relaxed,
+            failure: storage::FailureCell::default(),
         };
         let runtime = Runtime::open(options, rx).expect("open the runtime");
         let gate = runtime.log.as_ref().expect("a durable log").writer_gate();
