@@ -415,6 +415,17 @@ impl Broker {
         Broker { tx, clock, failure: FailureCell::default() }
     }
 
+    /// A handle on a runtime a test started itself, which reports storage failures to
+    /// `failure`.
+    #[cfg(test)]
+    pub(crate) fn from_channel_with_failure(
+        tx: mpsc::Sender<Command>,
+        clock: SharedClock,
+        failure: FailureCell,
+    ) -> Broker {
+        Broker { tx, clock, failure }
+    }
+
     /// Whether the broker can serve: [`Health::StorageFailed`] once a write or fsync of its
     /// log failed (it then refuses everything until restarted), [`Health::Closed`] once shut
     /// down. Answers at once, without a turn of the broker's task.

@@ -70,6 +70,9 @@ pub(crate) enum Failure {
 pub(crate) struct Plan {
     /// The process dies at this operation: it does not happen (a write may land in part).
     pub(crate) kill_at: Option<u64>,
+    /// The process dies at the n-th operation of this kind (`write`, `sync`, `create`,
+    /// `rename`, `remove`, `truncate`), counted from when the plan is made.
+    pub(crate) kill_on: Option<(&'static str, u64)>,
     /// From this operation on, every operation of the kind fails.
     pub(crate) fail_from: Option<(u64, Failure)>,
 }
@@ -138,25 +141,32 @@ struct State {
     /// Mutating operations so far.
     ops: u64,
     dead: bool,
+    /// The kind of operation the planned kill stopped.
+    killed_at: Option<&'static str>,
+    /// Mutating operations so far, by kind.
+    kinds: BTreeMap<&'static str, u64>,
     rng: Option<Rng>,
 }
 
 impl State {
     /// Counts a mutating operation; fails it if the process is dead or dies now.
-    fn step(&mut self) -> io::Result<u64> {
-        match self.step_or_die() {
+    fn step(&mut self, kind: &'static str) -> io::Result<u64> {
+        match self.step_or_die(kind) {
             Step::Go => Ok(self.ops),
             Step::DiesNow | Step::Dead => Err(killed()),
         }
     }
 
-    fn step_or_die(&mut self) -> Step {
+    fn step_or_die(&mut self, kind: &'static str) -> Step {
         if self.dead {
             return Step::Dead;
         }
         self.ops += 1;
-        if self.plan.kill_at == Some(self.ops) {
+        let n = self.kinds.entry(kind).or_default();
+        *n += 1;
+        if self.plan.kill_at == Some(self.ops) || self.plan.kill_on == Some((kind, *n)) {
             self.dead = true;
+            self.killed_at = Some(kind);
             return Step::DiesNow;
         }
         Step::Go
@@ -225,6 +235,12 @@ impl FaultFs {
 
     fn lock_state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The kind of operation (`write`, `sync`, `create`, `rename`, `remove`, `truncate`) the
+    /// planned kill stopped, if it happened.
+    pub(crate) fn killed_at(&self) -> Option<&'static str> {
+        self.lock_state().killed_at
     }
 
     /// Kills the process now: nothing it does from now on reaches the file system.
@@ -337,8 +353,11 @@ impl FaultFs {
     pub(crate) fn plan(&self, plan: Plan) {
         let mut s = self.lock_state();
         let base = s.ops;
+        let kill_on =
+            plan.kill_on.map(|(kind, n)| (kind, n + s.kinds.get(kind).copied().unwrap_or(0)));
         s.plan = Plan {
             kill_at: plan.kill_at.map(|k| k + base),
+            kill_on,
             fail_from: plan.fail_from.map(|(k, f)| (k + base, f)),
         };
     }
@@ -414,7 +433,7 @@ impl Vfs for FaultFs {
                 *s.names.get(path).ok_or_else(not_found)?
             }
             OpenMode::Create => {
-                s.step()?;
+                s.step("create")?;
                 if s.failing(&[Failure::NoSpaceOnWrite]).is_some() {
                     return Err(io::Error::from_raw_os_error(28));
                 }
@@ -442,7 +461,7 @@ impl Vfs for FaultFs {
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut s = self.lock_state();
-        s.step()?;
+        s.step("rename")?;
         let ino = s.unlink(from).ok_or_else(not_found)?;
         s.unlink(to);
         s.link(to, ino);
@@ -451,7 +470,7 @@ impl Vfs for FaultFs {
 
     fn remove(&self, path: &Path) -> io::Result<()> {
         let mut s = self.lock_state();
-        s.step()?;
+        s.step("remove")?;
         s.unlink(path).map(|_| ()).ok_or_else(not_found)
     }
 }
@@ -490,7 +509,7 @@ impl VFile for FaultFile {
         if self.dir || !self.writable {
             return Err(io::Error::from_raw_os_error(9));
         }
-        match s.step_or_die() {
+        match s.step_or_die("write") {
             Step::Go => {}
             Step::DiesNow => {
                 // Killed in the middle of the write: a prefix of it reached the kernel.
@@ -524,7 +543,7 @@ impl VFile for FaultFile {
 
     fn sync(&self) -> io::Result<()> {
         let mut s = self.fs.lock_state();
-        s.step()?;
+        s.step("sync")?;
         let failing = s.failing(&[Failure::IoErrorOnSync]).is_some();
         if self.dir {
             if failing {
@@ -569,7 +588,7 @@ impl VFile for FaultFile {
 
     fn set_len(&self, len: u64) -> io::Result<()> {
         let mut s = self.fs.lock_state();
-        s.step()?;
+        s.step("truncate")?;
         let change = Change::SetLen(len);
         let inode = &mut s.inodes[self.ino];
         apply(&mut inode.data, &change);

@@ -24,8 +24,22 @@ pub(crate) fn seeds(default_cases: u64, salt: u64) -> Vec<u64> {
     (0..cases).map(|i| base.wrapping_add(i)).collect()
 }
 
+thread_local! {
+    /// The kinds of operation that planned kills stopped, in the suite running on this thread.
+    static KILLS: std::cell::RefCell<std::collections::BTreeMap<&'static str, u64>> =
+        std::cell::RefCell::default();
+}
+
+/// Counts where a planned kill landed, for the suite's summary.
+pub(crate) fn note_kill(fs: &FaultFs) {
+    if let Some(kind) = fs.killed_at() {
+        KILLS.with(|k| *k.borrow_mut().entry(kind).or_default() += 1);
+    }
+}
+
 /// Runs `case` for every seed; reports the failing seeds.
 pub(crate) fn run_seeded(default_cases: u64, salt: u64, case: impl Fn(u64) -> Result<(), String>) {
+    KILLS.with(|k| k.borrow_mut().clear());
     let mut failed = Vec::new();
     for seed in seeds(default_cases, salt) {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(seed)));
@@ -38,6 +52,7 @@ pub(crate) fn run_seeded(default_cases: u64, salt: u64, case: impl Fn(u64) -> Re
             break;
         }
     }
+    KILLS.with(|k| eprintln!("planned kills landed in: {:?}", k.borrow()));
     assert!(
         failed.is_empty(),
         "failing cases (TWICE_FAULT_SEED=N to replay):\n{}",
@@ -90,8 +105,8 @@ fn log_case(seed: u64) -> Result<(), String> {
     };
     let at = 1 + rng.below(200);
     fs.plan(match failure {
-        Some(f) => Plan { kill_at: None, fail_from: Some((at, f)) },
-        None => Plan { kill_at: Some(at), fail_from: None },
+        Some(f) => Plan { fail_from: Some((at, f)), ..Plan::default() },
+        None => Plan { kill_at: Some(at), ..Plan::default() },
     });
 
     let mut written: Vec<Written> = Vec::new();
@@ -145,6 +160,7 @@ fn log_case(seed: u64) -> Result<(), String> {
         }
     }
     // The process ends: killed, or (after a failure) stopped and restarted.
+    note_kill(&fs);
     fs.kill();
     drop(log);
     let crash = match rng.below(4) {
@@ -291,7 +307,7 @@ fn a_torn_group_whose_later_commits_survive_is_truncated_not_refused() {
         log.commit().unwrap();
     }
     // The process dies at the sync: the group is in the page cache, not on the disk.
-    fs.plan(Plan { kill_at: Some(2), fail_from: None });
+    fs.plan(Plan { kill_at: Some(2), ..Plan::default() });
     drop(held);
     assert!(log.durable().wait_blocking(log.last_commit()).is_err());
     drop(log);

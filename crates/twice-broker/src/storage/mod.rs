@@ -896,6 +896,8 @@ impl Iterator for Replay {
 }
 
 #[cfg(test)]
+mod broker_fault_tests;
+#[cfg(test)]
 mod fault_tests;
 #[cfg(test)]
 mod tests;
