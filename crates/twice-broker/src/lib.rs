@@ -49,4 +49,5 @@ pub use broker::{
     SendOutcome, Session, Statistics, StorageStatistics,
 };
 pub use error::Error;
+pub use storage::data;
 pub use transport::Receiver;

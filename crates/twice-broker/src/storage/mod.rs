@@ -21,6 +21,7 @@
 //! held open from the start, the directory too, and the file of the next segment is created
 //! ahead of time (if that fails, the active segment grows past its size until it succeeds).
 
+pub mod data;
 #[cfg(test)]
 pub(crate) mod fault;
 mod format;
@@ -619,26 +620,8 @@ impl Log {
         let Some(seg) = self.segments.get(&loc.segment) else {
             return Err(StorageError::NotFound { segment: loc.segment, offset: loc.offset });
         };
-        let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
-        let mut buf = vec![0u8; len + 8];
-        vfs::read_exact_at(seg.file.as_ref(), &mut buf, loc.offset).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                corrupt(loc)
-            } else {
-                StorageError::Io {
-                    path: self.dir.join(format::segment_file_name(loc.segment)),
-                    source: e,
-                }
-            }
-        })?;
-        let mut h = [0u8; 8];
-        h.copy_from_slice(&buf[..8]);
-        let (flen, crc) = frame_header(&h);
-        if flen != loc.len || frame_crc(seg.salt, flen, &buf[8..]) != crc {
-            return Err(corrupt(loc));
-        }
-        let mut b = Bytes::from(buf);
-        Ok(b.split_off(8))
+        let path = self.dir.join(format::segment_file_name(loc.segment));
+        read_record(seg.file.as_ref(), seg.salt, loc, &path)
     }
 
     /// Commits what is buffered, waits for it, and stops the writer thread.
@@ -700,6 +683,32 @@ impl WriterGate {
     pub(crate) fn hold(&self) -> std::sync::MutexGuard<'_, ()> {
         self.0.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// Reads the record at `loc` from `file` (whose salt is `salt`) and checks it.
+fn read_record(
+    file: &dyn VFile,
+    salt: u32,
+    loc: Location,
+    path: &Path,
+) -> Result<Bytes, StorageError> {
+    let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
+    let mut buf = vec![0u8; len + 8];
+    vfs::read_exact_at(file, &mut buf, loc.offset).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            corrupt(loc)
+        } else {
+            StorageError::Io { path: path.to_owned(), source: e }
+        }
+    })?;
+    let mut h = [0u8; 8];
+    h.copy_from_slice(&buf[..8]);
+    let (flen, crc) = frame_header(&h);
+    if flen != loc.len || frame_crc(salt, flen, &buf[8..]) != crc {
+        return Err(corrupt(loc));
+    }
+    let mut b = Bytes::from(buf);
+    Ok(b.split_off(8))
 }
 
 /// A random salt for a new segment's checksums.
