@@ -33,7 +33,7 @@ use crate::runtime::{
     Command, Delivered, PathArg, Reply, Runtime, RuntimeOptions, SubscriptionChange, Wait,
 };
 use crate::session::Session;
-use crate::storage::LogOptions;
+use crate::storage::{FailureCell, LogOptions};
 use crate::transport::Receiver;
 
 /// The default largest message (and send batch), in bytes: 256 KiB, as Service Bus standard.
@@ -140,6 +140,9 @@ pub struct StorageStatistics {
     pub segments: u64,
     /// Records replayed at open plus records written since.
     pub records: u64,
+    /// Bytes written to segment files since the broker opened (headers, records, records
+    /// moved by compaction and checkpoints).
+    pub bytes_written: u64,
 }
 
 /// A handle to the broker. Cheap to clone; every clone talks to the same broker.
@@ -158,6 +161,20 @@ pub struct StorageStatistics {
 pub struct Broker {
     tx: mpsc::Sender<Command>,
     clock: SharedClock,
+    failure: FailureCell,
+}
+
+/// Whether the broker can serve, from [`Broker::health`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Health {
+    /// The broker takes commands and its storage works.
+    Healthy,
+    /// A write or fsync of the log failed: the broker acknowledges nothing more and refuses
+    /// every command until it is restarted (what it acknowledged before is safe on disk).
+    StorageFailed(String),
+    /// The broker was shut down.
+    Closed,
 }
 
 impl Broker {
@@ -178,6 +195,7 @@ impl Broker {
         };
         let (tx, rx) = mpsc::channel(options.command_queue.max(1));
         let clock = options.clock.clone();
+        let failure = FailureCell::default();
         let durable = options.dir.is_some();
         let runtime_options = RuntimeOptions {
             dir: options.dir,
@@ -187,6 +205,7 @@ impl Broker {
             log: LogOptions {
                 segment_size: options.segment_size,
                 cache_bytes: options.cache_size / 4,
+                ..LogOptions::default()
             },
             engine: EngineOptions {
                 durable,
@@ -200,6 +219,7 @@ impl Broker {
             max_commands_per_turn: options.max_commands_per_turn,
             definitions,
             relaxed_delivery_counts: options.relaxed_delivery_counts,
+            failure: failure.clone(),
         };
         // The task that owns the broker runs on a thread of its own, with a single-threaded
         // Tokio runtime: it is the broker's one busy loop, and it would otherwise queue behind
@@ -227,13 +247,34 @@ impl Broker {
             })
             .map_err(Error::Io)?;
         opened_rx.await.map_err(|_| Error::Closed)??;
-        Ok(Broker { tx, clock })
+        Ok(Broker { tx, clock, failure })
     }
 
     /// A handle on a runtime a test started itself.
     #[cfg(test)]
     pub(crate) fn from_channel(tx: mpsc::Sender<Command>, clock: SharedClock) -> Broker {
-        Broker { tx, clock }
+        Broker { tx, clock, failure: FailureCell::default() }
+    }
+
+    /// A handle on a runtime a test started itself, which reports storage failures to
+    /// `failure`.
+    #[cfg(test)]
+    pub(crate) fn from_channel_with_failure(
+        tx: mpsc::Sender<Command>,
+        clock: SharedClock,
+        failure: FailureCell,
+    ) -> Broker {
+        Broker { tx, clock, failure }
+    }
+
+    /// Whether the broker can serve: [`Health::StorageFailed`] once a write or fsync of its
+    /// log failed (it then refuses everything until restarted), [`Health::Closed`] once shut
+    /// down. Answers at once, without a turn of the broker's task.
+    pub fn health(&self) -> Health {
+        if let Some(e) = self.failure.get() {
+            return Health::StorageFailed(e.to_owned());
+        }
+        if self.tx.is_closed() { Health::Closed } else { Health::Healthy }
     }
 
     /// The broker's clock.
@@ -471,6 +512,7 @@ impl Broker {
             fsyncs: s.fsyncs,
             segments: s.segments,
             records: s.records,
+            bytes_written: s.bytes_written,
         })
     }
 

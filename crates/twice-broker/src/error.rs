@@ -116,6 +116,13 @@ pub enum Error {
         /// The byte offset of the damaged record in the segment file.
         offset: u64,
     },
+    /// A log segment between the oldest and the newest is missing from the data directory:
+    /// the records it held are gone, so the broker refuses to open rather than skip them.
+    #[error("log segment {segment} is missing from the data directory")]
+    MissingSegment {
+        /// The id of the missing segment (the number its file name would carry).
+        segment: u64,
+    },
     /// Another broker (in this or another process) has the data directory open.
     #[error("the data directory {0} is already in use by another broker")]
     DirectoryInUse(PathBuf),

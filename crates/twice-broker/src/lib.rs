@@ -49,10 +49,11 @@ mod storage;
 mod transport;
 
 pub use broker::{
-    Broker, DEFAULT_MAX_MESSAGE_SIZE, MessageCounts, ReceiveMode, SendOutcome, Statistics,
+    Broker, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, ReceiveMode, SendOutcome, Statistics,
     StorageStatistics,
 };
 pub use error::Error;
 pub use options::BrokerOptions;
 pub use session::Session;
+pub use storage::data;
 pub use transport::Receiver;

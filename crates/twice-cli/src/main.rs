@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod data;
 mod demo;
 mod serve;
 
@@ -25,6 +26,9 @@ enum Command {
     /// Serve the broker over AMQP 1.0 to the official Azure Service Bus SDKs, with the
     /// emulator's connection string.
     Serve(serve::ServeArgs),
+    /// Check, repair or export a broker's data directory (the broker must not be running for
+    /// a repair).
+    Data(data::DataArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +45,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
             Command::Serve(args) => serve::run(args).await,
+            Command::Data(args) => data::run(args),
         }
     });
     match result {
@@ -69,7 +74,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
 /// it injects on purpose are its report's business, not the log's.
 fn init_logging(command: &Command) {
     let default = match command {
-        Command::Serve(_) => "warn",
+        Command::Serve(_) | Command::Data(_) => "warn",
         Command::Demo(_) => "error",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -116,7 +116,13 @@ impl Engine {
 
     /// Live messages whose body is stored in `segment`. O(1).
     pub(crate) fn segment_refs(&self, segment: u32) -> usize {
-        self.aux.bodies.seg_refs.get(&segment).copied().unwrap_or(0)
+        self.aux.bodies.seg_refs.get(&segment).map_or(0, |l| l.0)
+    }
+
+    /// The bytes of the records holding the live messages stored in `segment`: what
+    /// compaction would write to move them. O(1).
+    pub(crate) fn segment_live_bytes(&self, segment: u32) -> u64 {
+        self.aux.bodies.seg_refs.get(&segment).map_or(0, |l| l.1)
     }
 
     /// The live messages stored in `segment`, in log order, for compaction: read each body

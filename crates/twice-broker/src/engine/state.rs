@@ -392,6 +392,13 @@ fn cached_size(m: &Message) -> usize {
     m.body.len() + 256
 }
 
+/// Counts a body stored at `loc` as live in its segment.
+fn add_live(seg_refs: &mut FastMap<u32, (usize, u64)>, loc: Location) {
+    let live = seg_refs.entry(loc.segment).or_default();
+    live.0 += 1;
+    live.1 += u64::from(loc.len);
+}
+
 /// Message bodies, shared by every placement of the same message (a topic's subscriptions, a
 /// dead-lettered copy, a resubmitted one).
 #[derive(Debug, Default)]
@@ -400,8 +407,8 @@ pub(super) struct Bodies {
     free: Vec<u32>,
     /// Messages kept in memory for pinned bodies that are also stored.
     pinned: FastMap<u32, Arc<Message>>,
-    /// Live bodies per log segment.
-    pub(super) seg_refs: FastMap<u32, usize>,
+    /// Live bodies per log segment: how many, and the bytes of the records holding them.
+    pub(super) seg_refs: FastMap<u32, (usize, u64)>,
     /// [`BodyData::Cached`] slots, oldest first, with their generation and size. A freed slot
     /// leaves its entry behind; the generation tells it apart.
     recent: VecDeque<(u32, u32, usize)>,
@@ -445,7 +452,7 @@ impl Bodies {
     /// A new slot with no references.
     pub(super) fn alloc(&mut self, data: BodyData) -> u32 {
         if let BodyData::Stored(loc) = &data {
-            *self.seg_refs.entry(loc.segment).or_default() += 1;
+            add_live(&mut self.seg_refs, *loc);
         }
         match self.free.pop() {
             Some(i) => {
@@ -486,9 +493,9 @@ impl Bodies {
             s.pins = 0;
             s.generation = s.generation.wrapping_add(1);
             match old {
-                BodyData::Stored(loc) => self.dec_segment(loc.segment),
+                BodyData::Stored(loc) => self.dec_segment(loc),
                 BodyData::Cached(loc, m) => {
-                    self.dec_segment(loc.segment);
+                    self.dec_segment(loc);
                     self.recent_bytes = self.recent_bytes.saturating_sub(cached_size(&m));
                     self.free_message(m);
                 }
@@ -502,11 +509,12 @@ impl Bodies {
         }
     }
 
-    fn dec_segment(&mut self, segment: u32) {
-        if let Some(n) = self.seg_refs.get_mut(&segment) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.seg_refs.remove(&segment);
+    fn dec_segment(&mut self, loc: Location) {
+        if let Some(live) = self.seg_refs.get_mut(&loc.segment) {
+            live.0 = live.0.saturating_sub(1);
+            live.1 = live.1.saturating_sub(u64::from(loc.len));
+            if live.0 == 0 {
+                self.seg_refs.remove(&loc.segment);
             }
         }
     }
@@ -547,13 +555,13 @@ impl Bodies {
         }
         let old = std::mem::replace(&mut s.data, BodyData::Stored(loc));
         let pinned = s.pins > 0;
-        *self.seg_refs.entry(loc.segment).or_default() += 1;
+        add_live(&mut self.seg_refs, loc);
         match old {
-            BodyData::Stored(o) => self.dec_segment(o.segment),
+            BodyData::Stored(o) => self.dec_segment(o),
             BodyData::Cached(o, m) => {
                 // Relocated while cached: it keeps its place in the cache.
                 s.data = BodyData::Cached(loc, m);
-                self.dec_segment(o.segment);
+                self.dec_segment(o);
             }
             BodyData::Memory(m) if cache => {
                 let size = cached_size(&m);

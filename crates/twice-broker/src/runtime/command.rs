@@ -151,6 +151,7 @@ commands! {
         let mut s = rt.stats;
         if let Some(log) = &rt.log {
             s.fsyncs = log.fsyncs();
+            s.bytes_written = log.bytes_written();
             s.segments = log.segments().count() as u64;
         }
         Ok(s)

@@ -69,6 +69,7 @@ pub(crate) struct StorageStats {
     pub(crate) fsyncs: u64,
     pub(crate) segments: u64,
     pub(crate) records: u64,
+    pub(crate) bytes_written: u64,
 }
 
 /// How the runtime is set up.
@@ -82,6 +83,8 @@ pub(crate) struct RuntimeOptions {
     pub(crate) definitions: Vec<EntityDefinition>,
     /// See [`crate::BrokerOptions::with_relaxed_delivery_counts`].
     pub(crate) relaxed_delivery_counts: bool,
+    /// Where a storage failure is reported to the broker's handles.
+    pub(crate) failure: crate::storage::FailureCell,
 }
 
 /// What woke the loop.
@@ -117,6 +120,7 @@ pub(crate) struct Runtime {
     relaxed: bool,
     /// Set once a write failed: the broker then refuses everything.
     failed: Option<Arc<std::io::Error>>,
+    failure: crate::storage::FailureCell,
     stats: StorageStats,
     shutdown: Vec<oneshot::Sender<()>>,
 }
@@ -176,6 +180,7 @@ impl Runtime {
             relaxed: options.relaxed_delivery_counts,
             rolled: false,
             failed: None,
+            failure: options.failure,
             stats,
             shutdown: Vec::new(),
         };
@@ -333,6 +338,7 @@ mod tests {
             max_commands_per_turn: 64,
             definitions: Vec::new(),
             relaxed_delivery_counts: relaxed,
+            failure: crate::storage::FailureCell::default(),
         };
         let runtime = Runtime::open(options, rx).expect("open the runtime");
         let gate = runtime.log.as_ref().expect("a durable log").writer_gate();

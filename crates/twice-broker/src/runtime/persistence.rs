@@ -19,6 +19,12 @@ const MAX_KEPT_RECORDS: usize = 1 << 16;
 /// there, so that a few long-lived messages do not keep a whole segment on disk.
 const COMPACT_MAX_LIVE: usize = 4096;
 
+/// ... and only while their records hold at most this share of a segment (1/n): a move then
+/// never fills the active segment by itself, and each segment's worth of writes carries at most
+/// a quarter of a segment of moved records, whatever the backlog (write amplification ≤ 4/3
+/// plus checkpoints).
+const COMPACT_MAX_SHARE: u64 = 4;
+
 impl Runtime {
     /// Appends the engine's records, starts a new segment (with a checkpoint) when the active
     /// one is full, compacts, and commits once.
@@ -72,7 +78,11 @@ impl Runtime {
                 log.remove_segment(oldest).map_err(storage_error)?;
                 continue;
             }
-            if !self.rolled || refs > COMPACT_MAX_LIVE {
+            let live_bytes = self.engine.segment_live_bytes(seg);
+            if !self.rolled
+                || refs > COMPACT_MAX_LIVE
+                || live_bytes > log.segment_size() / COMPACT_MAX_SHARE
+            {
                 return Ok(());
             }
             self.rolled = false;
@@ -199,6 +209,7 @@ pub(crate) fn storage_error(e: StorageError) -> Error {
         }
         StorageError::Corrupt { segment, offset } => Error::CorruptLog { segment, offset },
         StorageError::Locked(dir) => Error::DirectoryInUse(dir),
+        StorageError::MissingSegment { segment, .. } => Error::MissingSegment { segment },
         StorageError::Failed(io) => Error::Io(std::io::Error::new(io.kind(), io.to_string())),
         other => Error::Corrupt(other.to_string()),
     }

@@ -58,6 +58,7 @@ impl Runtime {
             other => Arc::new(std::io::Error::other(other.to_string())),
         };
         tracing::error!(error = %io, "the broker stops: a log write failed");
+        self.failure.set(&io);
         self.failed = Some(io.clone());
         for (_, replies) in std::mem::take(&mut self.inflight) {
             for d in replies {

@@ -9,29 +9,41 @@
 //! Reads of recent records come from an in-memory cache bounded in bytes; older ones are read
 //! back with `pread`. Every read is checked against the record's CRC.
 //!
-//! On [`Log::open`], a damaged tail of the newest segment (a record cut short by a crash, or
-//! garbage with no valid record after it) is truncated with a warning: it was never
-//! acknowledged. Damage anywhere else is [`StorageError::Corrupt`]: acknowledged data is never
-//! skipped silently.
+//! Each commit writes one block per segment it touches: a header with the commit's number
+//! and the highest commit already durable, then its records (see `format`). On [`Log::open`],
+//! the newest segment is read block by block; an incomplete block at its end is a torn write
+//! and is truncated with a warning, unless a complete block follows that was written when the
+//! incomplete one was already durable (then it was acknowledged, and it is damage).
+//! Damage anywhere else, a gap in the segment ids or a damaged header is an error: acknowledged
+//! data is never skipped silently.
+//!
+//! The log never needs a new file descriptor at a moment a client chooses: every segment is
+//! held open from the start, the directory too, and the file of the next segment is created
+//! ahead of time (if that fails, the active segment grows past its size until it succeeds).
 
+pub mod data;
+#[cfg(test)]
+pub(crate) mod fault;
 mod format;
+mod scan;
+mod vfs;
 mod writer;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::io::{self, BufReader, Read, Seek, SeekFrom};
-use std::os::unix::fs::FileExt;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
 use bytes::{Bytes, BytesMut};
 use tokio::sync::watch;
 
+use format::{BLOCK_LEN, Block, SegmentHeader, frame_crc, frame_header};
 pub(crate) use format::{FRAME_LEN, HEADER_LEN, MAX_RECORD_LEN};
-use format::{any_valid_after, check_header, frame_crc, frame_header};
-use writer::{Chunk, DurableState, Job, Shared, Writer, sync_dir};
+use scan::{ScanError, Scanned, SegmentScan, durable_block_after};
+pub(crate) use vfs::{OpenMode, RealFs, VFile, Vfs};
+use writer::{Chunk, DurableState, Job, Shared, Writer};
 
 /// The default size at which the log starts a new segment: 64 MiB.
 pub(crate) const DEFAULT_SEGMENT_SIZE: u64 = 64 << 20;
@@ -89,6 +101,17 @@ pub(crate) enum StorageError {
     /// the disk after a failed fsync cannot be known.
     #[error("the log stopped after a failed write: {0}")]
     Failed(Arc<io::Error>),
+    /// A segment between the oldest and the newest is missing: the records it held cannot be
+    /// replayed, and the log refuses to open rather than skip them.
+    #[error("log segment {segment} is missing between segments {before} and {after}")]
+    MissingSegment {
+        /// The id of the missing segment.
+        segment: u64,
+        /// The segment before the gap.
+        before: u64,
+        /// The segment after the gap.
+        after: u64,
+    },
     /// The location names a segment that does not exist (any more).
     #[error("no record at segment {segment} offset {offset}")]
     NotFound {
@@ -121,11 +144,17 @@ pub(crate) struct LogOptions {
     pub(crate) segment_size: u64,
     /// The bound, in payload bytes, of the cache of recently appended records.
     pub(crate) cache_bytes: usize,
+    /// The file system the log is kept on.
+    pub(crate) vfs: Arc<dyn Vfs>,
 }
 
 impl Default for LogOptions {
     fn default() -> Self {
-        Self { segment_size: DEFAULT_SEGMENT_SIZE, cache_bytes: DEFAULT_CACHE_BYTES }
+        Self {
+            segment_size: DEFAULT_SEGMENT_SIZE,
+            cache_bytes: DEFAULT_CACHE_BYTES,
+            vfs: Arc::new(RealFs),
+        }
     }
 }
 
@@ -180,6 +209,23 @@ fn check_state(s: &DurableState, seq: u64) -> Result<(), StorageError> {
     }
 }
 
+/// Whether the broker's storage failed: set once by the task that owns the log, read by every
+/// broker handle (without asking that task, which stops taking commands once it failed).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FailureCell(Arc<std::sync::OnceLock<String>>);
+
+impl FailureCell {
+    /// Records the failure; the first one stays.
+    pub(crate) fn set(&self, e: &dyn std::fmt::Display) {
+        let _ = self.0.set(e.to_string());
+    }
+
+    /// The failure, if there was one.
+    pub(crate) fn get(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
+    }
+}
+
 /// A record read back during replay.
 #[derive(Debug)]
 pub(crate) struct ReplayRecord {
@@ -215,6 +261,21 @@ impl Cache {
     }
 }
 
+/// An open segment: its file (for reading; the writer has its own handle to the active one)
+/// and the salt of its checksums.
+#[derive(Debug)]
+struct Segment {
+    file: Arc<dyn VFile>,
+    salt: u32,
+}
+
+/// The file prepared to become the next segment.
+#[derive(Debug)]
+struct Spare {
+    id: u64,
+    file: Arc<dyn VFile>,
+}
+
 /// The append-only log of one data directory.
 #[derive(Debug)]
 pub(crate) struct Log {
@@ -224,8 +285,13 @@ pub(crate) struct Log {
     active: u64,
     /// The length of the active segment including buffered, uncommitted records.
     active_len: u64,
-    /// Every segment that exists or is about to (the active one may not have a file yet).
-    segments: BTreeSet<u64>,
+    /// Every segment that exists or is about to (the active one may not have its name yet),
+    /// held open.
+    segments: BTreeMap<u64, Segment>,
+    /// The file the next segment will be written to, created ahead of time.
+    spare: Option<Spare>,
+    /// Whether preparing the spare failed since it last succeeded (to warn once).
+    spare_failed: bool,
     /// Records appended since the last commit.
     pending: Vec<Chunk>,
     /// Room for the next records: each is encoded at its end and split off as a frame.
@@ -233,51 +299,71 @@ pub(crate) struct Log {
     /// The number of the last commit handed to the writer.
     last_seq: u64,
     cache: Cache,
-    /// Read handles by segment. A std mutex: held only to look up or insert a handle, never
-    /// across the read itself.
-    readers: Mutex<HashMap<u64, Arc<File>>>,
     shared: Arc<Shared>,
     jobs: Option<mpsc::Sender<Job>>,
     writer: Option<JoinHandle<()>>,
     durable: DurableWatch,
-    /// Held for the life of the log: the `flock` on it keeps other processes out.
-    _lock: File,
+    /// Held for the life of the log: the lock on it keeps other processes out.
+    _lock: Box<dyn std::fmt::Debug + Send + Sync>,
 }
 
 impl Log {
     /// Opens (or creates) the log in `dir`, repairing a torn tail of the newest segment, and
     /// returns it with an iterator over every record in order.
     pub(crate) fn open(dir: &Path, options: LogOptions) -> Result<(Log, Replay), StorageError> {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let lock = lock_dir(dir)?;
+        let vfs = options.vfs.clone();
+        vfs.create_dir_all(dir).map_err(io_err(dir))?;
+        let lock = vfs
+            .lock(dir)
+            .map_err(io_err(dir))?
+            .ok_or_else(|| StorageError::Locked(dir.to_owned()))?;
         let mut ids = BTreeSet::new();
-        for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
-            let entry = entry.map_err(io_err(dir))?;
-            if let Some(id) = entry.file_name().to_str().and_then(format::parse_segment_file_name) {
+        for name in vfs.list(dir).map_err(io_err(dir))? {
+            if let Some(id) = format::parse_segment_file_name(&name) {
                 ids.insert(id);
+            } else if format::is_spare_file_name(&name) {
+                // Prepared for a segment that was never started: it holds nothing.
+                let path = dir.join(&name);
+                vfs.remove(&path).map_err(io_err(&path))?;
             }
         }
-        let mut files = HashMap::new();
-        let (active, active_len) = match ids.last().copied() {
-            None => {
-                let f = create_segment(dir, 1)?;
-                files.insert(1, f);
-                ids.insert(1);
-                (1, HEADER_LEN)
+        check_contiguous(&ids)?;
+        let dir_handle = vfs.open_dir(dir).map_err(io_err(dir))?;
+        let mut segments = BTreeMap::new();
+        let last = ids.last().copied();
+        for &id in &ids {
+            if Some(id) == last {
+                break;
             }
-            Some(last) => {
-                let (f, len) = recover_last(dir, last)?;
-                files.insert(last, f);
-                (last, len)
-            }
+            let path = dir.join(format::segment_file_name(id));
+            let file = vfs.open(&path, OpenMode::Read).map_err(io_err(&path))?;
+            let mut h = [0u8; 40];
+            vfs::read_exact_at(file.as_ref(), &mut h, 0).map_err(|e| {
+                if e.kind() == io::ErrorKind::UnexpectedEof {
+                    StorageError::Corrupt { segment: id, offset: 0 }
+                } else {
+                    StorageError::Io { path: path.clone(), source: e }
+                }
+            })?;
+            let header = SegmentHeader::decode(id, &h)?;
+            segments.insert(id, Segment { file, salt: header.salt });
+        }
+        let (active, recovered) = match last {
+            None => (1, create_segment(vfs.as_ref(), dir, dir_handle.as_ref(), 1, 1)?),
+            Some(last) => (last, recover_last(vfs.as_ref(), dir, dir_handle.as_ref(), last)?),
         };
-        let shared = Arc::new(Shared::new());
+        let Recovered { file, salt, len: active_len, last_seq } = recovered;
+        segments.insert(active, Segment { file: file.clone(), salt });
+
+        let shared = Arc::new(Shared::new(last_seq));
         let (tx, rx) = mpsc::channel();
         let writer = Writer {
             dir: dir.to_owned(),
+            vfs: vfs.clone(),
+            dir_handle,
             shared: shared.clone(),
-            files,
-            durable_seq: 0,
+            files: [(active, file)].into_iter().collect(),
+            durable_seq: last_seq,
             buf: Vec::new(),
         };
         let handle = std::thread::Builder::new()
@@ -286,29 +372,54 @@ impl Log {
             .map_err(io_err(dir))?;
         let replay = Replay {
             dir: dir.to_owned(),
-            segments: ids.iter().copied().collect(),
+            segments: segments.iter().map(|(&id, s)| (id, s.file.clone())).collect(),
             last_end: active_len,
             current: None,
         };
         let durable = DurableWatch { rx: shared.durable.subscribe(), shared: shared.clone() };
-        let log = Log {
+        let mut log = Log {
             dir: dir.to_owned(),
             options,
             active,
             active_len,
-            segments: ids,
+            segments,
+            spare: None,
+            spare_failed: false,
             pending: Vec::new(),
             arena: BytesMut::new(),
-            last_seq: 0,
+            last_seq,
             cache: Cache::default(),
-            readers: Mutex::new(HashMap::new()),
             shared,
             jobs: Some(tx),
             writer: Some(handle),
             durable,
             _lock: lock,
         };
+        log.prepare_spare();
         Ok((log, replay))
+    }
+
+    /// Creates the file of the next segment ahead of time, if it is not there yet. A failure
+    /// (no file descriptor left, say) is not an error: the active segment grows past its size
+    /// until a later attempt succeeds.
+    fn prepare_spare(&mut self) {
+        let id = self.active + 1;
+        if self.spare.as_ref().is_some_and(|s| s.id == id) {
+            return;
+        }
+        let path = self.dir.join(format::spare_file_name(id));
+        match self.options.vfs.open(&path, OpenMode::Create) {
+            Ok(file) => {
+                self.spare = Some(Spare { id, file });
+                self.spare_failed = false;
+            }
+            Err(e) => {
+                if !self.spare_failed {
+                    tracing::warn!(error = %e, path = %path.display(), "cannot prepare the next log segment; the active one grows until this succeeds");
+                }
+                self.spare_failed = true;
+            }
+        }
     }
 
     /// Buffers a record and returns where it will live. It is durable once the next
@@ -344,39 +455,72 @@ impl Log {
             self.arena.clear();
             return Err(StorageError::RecordTooLarge { len: payload_len, max: MAX_RECORD_LEN });
         };
-        let crc = frame_crc(len, &self.arena[frame_len..]);
+        let segment = self.active;
+        let salt = self.segments.get(&segment).map_or(0, |s| s.salt);
+        let crc = frame_crc(salt, len, &self.arena[frame_len..]);
         self.arena[..4].copy_from_slice(&len.to_le_bytes());
         self.arena[4..8].copy_from_slice(&crc.to_le_bytes());
         let frame = self.arena.split().freeze();
         let payload = frame.slice(frame_len..);
-        let offset = self.active_len;
-        let segment = self.active;
-        match self.pending.last_mut() {
-            Some(c) if c.segment == segment => c.frames.push(frame),
-            _ => self.pending.push(Chunk { segment, offset, create: false, frames: vec![frame] }),
+        // The first record of this commit in this segment opens a block.
+        let chunk = match self.pending.last_mut() {
+            Some(c) if c.segment == segment => c,
+            _ => {
+                self.pending.push(Chunk {
+                    segment,
+                    offset: self.active_len,
+                    create: None,
+                    has_block: false,
+                    block: Bytes::new(),
+                    body_len: 0,
+                    frames: Vec::new(),
+                });
+                let Some(c) = self.pending.last_mut() else { unreachable!("just pushed") };
+                c
+            }
+        };
+        if !chunk.has_block {
+            chunk.has_block = true;
+            self.active_len += BLOCK_LEN;
         }
-        self.active_len += FRAME_LEN + u64::from(len);
+        let frame_bytes = FRAME_LEN + u64::from(len);
+        chunk.frames.push(frame);
+        chunk.body_len += frame_bytes;
+        let offset = self.active_len;
+        self.active_len += frame_bytes;
         self.cache_insert(segment, offset, payload);
         Ok(Location { segment, offset, len })
     }
 
-    /// Whether the active segment has reached the segment size.
-    pub(crate) fn should_roll(&self) -> bool {
-        self.active_len >= self.options.segment_size
+    /// Whether the active segment has reached the segment size (and the next one can start).
+    pub(crate) fn should_roll(&mut self) -> bool {
+        if self.active_len < self.options.segment_size {
+            return false;
+        }
+        self.prepare_spare();
+        self.spare.is_some()
     }
 
-    /// Starts a new segment; records appended from now on go to it. Returns its id.
-    pub(crate) fn roll(&mut self) -> u64 {
-        self.active += 1;
+    /// Starts a new segment; records appended from now on go to it. Returns its id, or `None`
+    /// when its file could not be prepared (see [`Log::should_roll`]).
+    pub(crate) fn roll(&mut self) -> Option<u64> {
+        self.prepare_spare();
+        let spare = self.spare.take()?;
+        let header = SegmentHeader { salt: new_salt(), first_seq: self.last_seq + 1 };
+        self.active = spare.id;
         self.active_len = HEADER_LEN;
-        self.segments.insert(self.active);
+        self.segments.insert(self.active, Segment { file: spare.file.clone(), salt: header.salt });
         self.pending.push(Chunk {
             segment: self.active,
             offset: 0,
-            create: true,
-            frames: vec![Bytes::copy_from_slice(&format::segment_header(self.active))],
+            create: Some((spare.file, Bytes::copy_from_slice(&header.encode(self.active)))),
+            has_block: false,
+            block: Bytes::new(),
+            body_len: 0,
+            frames: Vec::new(),
         });
-        self.active
+        self.prepare_spare();
+        Some(self.active)
     }
 
     /// The id of the segment new records go to.
@@ -386,7 +530,12 @@ impl Log {
 
     /// The ids of every segment, oldest first.
     pub(crate) fn segments(&self) -> impl Iterator<Item = u64> + '_ {
-        self.segments.iter().copied()
+        self.segments.keys().copied()
+    }
+
+    /// The size at which the log starts a new segment.
+    pub(crate) fn segment_size(&self) -> u64 {
+        self.options.segment_size
     }
 
     /// Hands everything appended since the last commit to the writer and returns the commit's
@@ -396,15 +545,20 @@ impl Log {
         if self.pending.is_empty() {
             return Ok(self.last_seq);
         }
-        self.durable.current()?;
+        let watermark = self.durable.current()?;
         let seq = self.last_seq + 1;
-        let chunks = std::mem::take(&mut self.pending);
+        let mut chunks = std::mem::take(&mut self.pending);
+        for c in chunks.iter_mut().filter(|c| c.has_block) {
+            let salt = self.segments.get(&c.segment).map_or(0, |s| s.salt);
+            let block = Block { body_len: c.body_len, seq, watermark };
+            c.block = Bytes::copy_from_slice(&block.encode(salt));
+        }
         self.send(Job::Commit { seq, chunks })?;
         self.last_seq = seq;
         Ok(seq)
     }
 
-    /// The number of the last commit handed to the writer (0 before the first).
+    /// The number of the last commit handed to the writer.
     pub(crate) fn last_commit(&self) -> u64 {
         self.last_seq
     }
@@ -431,10 +585,21 @@ impl Log {
         self.shared.fsyncs.load(Ordering::Relaxed)
     }
 
+    /// How many bytes the writer has written to segment files.
+    pub(crate) fn bytes_written(&self) -> u64 {
+        self.shared.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The failure that stopped the log, if one did.
+    #[cfg(test)]
+    pub(crate) fn failure(&self) -> Option<StorageError> {
+        self.durable.current().err()
+    }
+
     /// Deletes a segment that is not the active one, once everything committed before this
     /// call is durable. Records in it can no longer be read.
     pub(crate) fn remove_segment(&mut self, segment: u64) -> Result<(), StorageError> {
-        if segment == self.active || !self.segments.contains(&segment) {
+        if segment == self.active || !self.segments.contains_key(&segment) {
             return Err(StorageError::NotFound { segment, offset: 0 });
         }
         // Anything appended but not committed is committed first, so the order of the
@@ -442,7 +607,6 @@ impl Log {
         self.commit()?;
         self.send(Job::Remove { segment })?;
         self.segments.remove(&segment);
-        self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&segment);
         self.cache.entries.retain(|e| e.segment != segment);
         self.cache.bytes = self.cache.entries.iter().map(|e| e.payload.len()).sum();
         Ok(())
@@ -453,30 +617,11 @@ impl Log {
         if let Some(b) = self.cache.get(loc.segment, loc.offset) {
             return Ok(b.clone());
         }
-        if !self.segments.contains(&loc.segment) {
+        let Some(seg) = self.segments.get(&loc.segment) else {
             return Err(StorageError::NotFound { segment: loc.segment, offset: loc.offset });
-        }
-        let file = self.reader(loc.segment)?;
-        let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
-        let mut buf = vec![0u8; len + 8];
-        file.read_exact_at(&mut buf, loc.offset).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                corrupt(loc)
-            } else {
-                StorageError::Io {
-                    path: self.dir.join(format::segment_file_name(loc.segment)),
-                    source: e,
-                }
-            }
-        })?;
-        let mut h = [0u8; 8];
-        h.copy_from_slice(&buf[..8]);
-        let (flen, crc) = frame_header(&h);
-        if flen != loc.len || frame_crc(flen, &buf[8..]) != crc {
-            return Err(corrupt(loc));
-        }
-        let mut b = Bytes::from(buf);
-        Ok(b.split_off(8))
+        };
+        let path = self.dir.join(format::segment_file_name(loc.segment));
+        read_record(seg.file.as_ref(), seg.salt, loc, &path)
     }
 
     /// Commits what is buffered, waits for it, and stops the writer thread.
@@ -496,17 +641,6 @@ impl Log {
     fn send(&self, job: Job) -> Result<(), StorageError> {
         let jobs = self.jobs.as_ref().ok_or_else(stopped)?;
         jobs.send(job).map_err(|_| self.durable.current().err().unwrap_or_else(stopped))
-    }
-
-    fn reader(&self, segment: u64) -> Result<Arc<File>, StorageError> {
-        let mut readers = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(f) = readers.get(&segment) {
-            return Ok(f.clone());
-        }
-        let path = self.dir.join(format::segment_file_name(segment));
-        let f = Arc::new(File::open(&path).map_err(io_err(&path))?);
-        readers.insert(segment, f.clone());
-        Ok(f)
     }
 
     fn cache_insert(&mut self, segment: u64, offset: u64, payload: Bytes) {
@@ -551,6 +685,52 @@ impl WriterGate {
     }
 }
 
+/// Reads the record at `loc` from `file` (whose salt is `salt`) and checks it.
+fn read_record(
+    file: &dyn VFile,
+    salt: u32,
+    loc: Location,
+    path: &Path,
+) -> Result<Bytes, StorageError> {
+    let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
+    let mut buf = vec![0u8; len + 8];
+    vfs::read_exact_at(file, &mut buf, loc.offset).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            corrupt(loc)
+        } else {
+            StorageError::Io { path: path.to_owned(), source: e }
+        }
+    })?;
+    let mut h = [0u8; 8];
+    h.copy_from_slice(&buf[..8]);
+    let (flen, crc) = frame_header(&h);
+    if flen != loc.len || frame_crc(salt, flen, &buf[8..]) != crc {
+        return Err(corrupt(loc));
+    }
+    let mut b = Bytes::from(buf);
+    Ok(b.split_off(8))
+}
+
+/// A random salt for a new segment's checksums.
+fn new_salt() -> u32 {
+    let b = uuid::Uuid::new_v4().into_bytes();
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Refuses a log with a gap in its segment ids: segments are only ever removed oldest first,
+/// so a gap means records that were acknowledged are gone.
+fn check_contiguous(ids: &BTreeSet<u64>) -> Result<(), StorageError> {
+    let mut it = ids.iter().copied();
+    let Some(mut before) = it.next() else { return Ok(()) };
+    for after in it {
+        if after != before + 1 {
+            return Err(StorageError::MissingSegment { segment: before + 1, before, after });
+        }
+        before = after;
+    }
+    Ok(())
+}
+
 fn stopped() -> StorageError {
     StorageError::Failed(Arc::new(io::Error::other("log writer stopped")))
 }
@@ -559,75 +739,74 @@ fn corrupt(loc: Location) -> StorageError {
     StorageError::Corrupt { segment: loc.segment, offset: loc.offset }
 }
 
-fn lock_dir(dir: &Path) -> Result<File, StorageError> {
-    let path = dir.join("LOCK");
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(f),
-        Err(e) if e == rustix::io::Errno::WOULDBLOCK => Err(StorageError::Locked(dir.to_owned())),
-        Err(e) => Err(StorageError::Io { path, source: e.into() }),
-    }
+/// The newest segment as recovery left it.
+struct Recovered {
+    file: Arc<dyn VFile>,
+    salt: u32,
+    /// Its valid length.
+    len: u64,
+    /// The number of its last commit (or the one before its first).
+    last_seq: u64,
 }
 
-fn create_segment(dir: &Path, id: u64) -> Result<File, StorageError> {
+/// Creates segment `id` with only its header, durably.
+fn create_segment(
+    vfs: &dyn Vfs,
+    dir: &Path,
+    dir_handle: &dyn VFile,
+    id: u64,
+    first_seq: u64,
+) -> Result<Recovered, StorageError> {
     let path = dir.join(format::segment_file_name(id));
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    f.write_all_at(&format::segment_header(id), 0).map_err(io_err(&path))?;
-    f.sync_data().map_err(io_err(&path))?;
-    sync_dir(dir).map_err(io_err(dir))?;
-    Ok(f)
+    let salt = new_salt();
+    let header = SegmentHeader { salt, first_seq }.encode(id);
+    let io = io_err(&path);
+    let file = vfs.open(&path, OpenMode::Create).map_err(io_err(&path))?;
+    file.write_at(&header, 0)
+        .and_then(|()| file.sync())
+        .and_then(|()| dir_handle.sync())
+        .map_err(io)?;
+    Ok(Recovered { file, salt, len: HEADER_LEN, last_seq: first_seq - 1 })
 }
 
-/// Validates the newest segment, truncating a torn tail, and returns it open for writing with
-/// its valid length.
-fn recover_last(dir: &Path, id: u64) -> Result<(File, u64), StorageError> {
+/// Validates the newest segment, truncating a torn tail, and returns it open for writing.
+fn recover_last(
+    vfs: &dyn Vfs,
+    dir: &Path,
+    dir_handle: &dyn VFile,
+    id: u64,
+) -> Result<Recovered, StorageError> {
     let path = dir.join(format::segment_file_name(id));
-    let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err(&path))?;
-    let file_len = file.metadata().map_err(io_err(&path))?.len();
+    let file = vfs.open(&path, OpenMode::ReadWrite).map_err(io_err(&path))?;
+    let file_len = file.len().map_err(io_err(&path))?;
     if file_len < HEADER_LEN {
-        // The crash came while the segment was being created: it holds nothing.
+        // A segment takes its name only once its header is durable; an operator's copy or a
+        // file system that lost it leaves it short. It holds nothing that was acknowledged.
         tracing::warn!(
             segment = id,
             len = file_len,
             "log segment header is incomplete; rewriting it"
         );
         drop(file);
-        return Ok((create_segment(dir, id)?, HEADER_LEN));
+        return create_segment(vfs, dir, dir_handle, id, 1);
     }
-    let mut header = [0u8; 24];
-    file.read_exact_at(&mut header, 0).map_err(io_err(&path))?;
-    check_header(id, &header)?;
-
-    let mut reader = BufReader::with_capacity(1 << 20, &file);
-    reader.seek(SeekFrom::Start(HEADER_LEN)).map_err(io_err(&path))?;
-    let mut pos = HEADER_LEN;
-    let mut payload = Vec::new();
+    let scan_err = |e: ScanError| match e {
+        ScanError::Storage(e) => e,
+        ScanError::Io(e) => StorageError::Io { path: path.clone(), source: e },
+    };
+    let mut scan = SegmentScan::open(file.clone(), id, file_len).map_err(scan_err)?;
     let valid_end = loop {
-        match read_frame(&mut reader, &mut payload, file_len - pos).map_err(io_err(&path))? {
-            ReadFrame::Valid(len) => pos += FRAME_LEN + u64::from(len),
-            ReadFrame::End => break pos,
-            ReadFrame::Incomplete | ReadFrame::Bad => {
-                // Damage: it is a torn tail only if no valid record follows it.
-                let mut rest = Vec::new();
-                let mut f = &file;
-                f.seek(SeekFrom::Start(pos)).map_err(io_err(&path))?;
-                f.read_to_end(&mut rest).map_err(io_err(&path))?;
-                if any_valid_after(&rest, 1) {
-                    return Err(StorageError::Corrupt { segment: id, offset: pos });
+        match scan.next_block().map_err(io_err(&path))? {
+            Scanned::Block { .. } => {}
+            Scanned::End => break file_len,
+            Scanned::Damaged { block, at, header } => {
+                let seq = scan.damaged_seq(header);
+                if durable_block_after(file.as_ref(), scan.header.salt, block + 1, file_len, seq)
+                    .map_err(io_err(&path))?
+                {
+                    return Err(StorageError::Corrupt { segment: id, offset: at });
                 }
-                break pos;
+                break block;
             }
         }
     };
@@ -636,50 +815,25 @@ fn recover_last(dir: &Path, id: u64) -> Result<(File, u64), StorageError> {
             segment = id,
             offset = valid_end,
             dropped = file_len - valid_end,
-            "truncating a torn tail of the log (records never acknowledged)"
+            "truncating a torn tail of the log (commits never acknowledged)"
         );
         file.set_len(valid_end).map_err(io_err(&path))?;
-        file.sync_all().map_err(io_err(&path))?;
     }
-    Ok((file, valid_end))
+    // What recovery kept may have been written but never synced (after a crash of the process
+    // alone): it is made durable before any new commit can claim it was.
+    file.sync().map_err(io_err(&path))?;
+    let last_seq = scan
+        .last_seq()
+        .unwrap_or(scan.header.first_seq - 1)
+        .max(scan.header.first_seq.saturating_sub(1));
+    Ok(Recovered { file, salt: scan.header.salt, len: valid_end, last_seq })
 }
 
-enum ReadFrame {
-    Valid(u32),
-    End,
-    Incomplete,
-    Bad,
-}
-
-/// Reads the next frame into `payload`, with `left` bytes left in the file.
-fn read_frame(r: &mut impl Read, payload: &mut Vec<u8>, left: u64) -> io::Result<ReadFrame> {
-    if left == 0 {
-        return Ok(ReadFrame::End);
-    }
-    if left < FRAME_LEN {
-        return Ok(ReadFrame::Incomplete);
-    }
-    let mut h = [0u8; 8];
-    r.read_exact(&mut h)?;
-    let (len, crc) = frame_header(&h);
-    if len > MAX_RECORD_LEN {
-        return Ok(ReadFrame::Bad);
-    }
-    if u64::from(len) > left - FRAME_LEN {
-        return Ok(ReadFrame::Incomplete);
-    }
-    let n = usize::try_from(len).map_err(io::Error::other)?;
-    payload.clear();
-    payload.resize(n, 0);
-    r.read_exact(payload)?;
-    Ok(if frame_crc(len, payload) == crc { ReadFrame::Valid(len) } else { ReadFrame::Bad })
-}
-
-/// Streams every record of the log, oldest first, one at a time.
+/// Streams every record of the log, oldest first, one block at a time.
 #[derive(Debug)]
 pub(crate) struct Replay {
     dir: PathBuf,
-    segments: VecDeque<u64>,
+    segments: VecDeque<(u64, Arc<dyn VFile>)>,
     /// The valid length of the newest segment, as found by [`Log::open`].
     last_end: u64,
     current: Option<ReplaySegment>,
@@ -687,55 +841,55 @@ pub(crate) struct Replay {
 
 #[derive(Debug)]
 struct ReplaySegment {
-    id: u64,
-    reader: BufReader<File>,
-    pos: u64,
-    end: u64,
+    scan: SegmentScan,
+    /// The records of the current block not yet returned.
+    records: VecDeque<ReplayRecord>,
 }
 
 impl Replay {
     fn next_record(&mut self) -> Result<Option<ReplayRecord>, StorageError> {
         loop {
-            if self.current.is_none() {
-                let Some(id) = self.segments.pop_front() else { return Ok(None) };
+            if let Some(r) = self.current.as_mut().and_then(|c| c.records.pop_front()) {
+                return Ok(Some(r));
+            }
+            let Some(cur) = self.current.as_mut() else {
+                let Some((id, file)) = self.segments.pop_front() else { return Ok(None) };
                 let path = self.dir.join(format::segment_file_name(id));
-                let file = File::open(&path).map_err(io_err(&path))?;
                 let end = if self.segments.is_empty() {
                     self.last_end
                 } else {
-                    file.metadata().map_err(io_err(&path))?.len()
+                    file.len().map_err(io_err(&path))?
                 };
-                let mut reader = BufReader::with_capacity(1 << 20, file);
-                let mut header = [0u8; 24];
-                if end < HEADER_LEN {
-                    return Err(StorageError::Corrupt { segment: id, offset: 0 });
-                }
-                reader.read_exact(&mut header).map_err(io_err(&path))?;
-                check_header(id, &header)?;
-                self.current = Some(ReplaySegment { id, reader, pos: HEADER_LEN, end });
-            }
-            let Some(seg) = self.current.as_mut() else { continue };
-            let mut payload = Vec::new();
-            let left = seg.end - seg.pos;
-            let frame =
-                read_frame(&mut seg.reader, &mut payload, left).map_err(|e| StorageError::Io {
-                    path: self.dir.join(format::segment_file_name(seg.id)),
-                    source: e,
+                let scan = SegmentScan::open(file, id, end).map_err(|e| match e {
+                    ScanError::Storage(e) => e,
+                    ScanError::Io(e) => StorageError::Io { path: path.clone(), source: e },
                 })?;
-            match frame {
-                ReadFrame::Valid(len) => {
-                    let location = Location { segment: seg.id, offset: seg.pos, len };
-                    seg.pos += FRAME_LEN + u64::from(len);
-                    return Ok(Some(ReplayRecord { location, payload: Bytes::from(payload) }));
+                self.current = Some(ReplaySegment { scan, records: VecDeque::new() });
+                continue;
+            };
+            let id = cur.scan.id;
+            let next = cur.scan.next_block().map_err(|e| StorageError::Io {
+                path: self.dir.join(format::segment_file_name(id)),
+                source: e,
+            })?;
+            match next {
+                Scanned::Block { offset, body, records, .. } => {
+                    let body_at = offset + BLOCK_LEN;
+                    cur.records.extend(records.into_iter().map(|(at, len)| {
+                        let start = at + usize::try_from(FRAME_LEN).unwrap_or(8);
+                        let end = start + usize::try_from(len).unwrap_or(0);
+                        ReplayRecord {
+                            location: Location { segment: id, offset: body_at + at as u64, len },
+                            payload: body.slice(start..end),
+                        }
+                    }));
                 }
-                ReadFrame::End => self.current = None,
-                ReadFrame::Incomplete | ReadFrame::Bad => {
-                    let offset = seg.pos;
-                    let segment = seg.id;
+                Scanned::End => self.current = None,
+                Scanned::Damaged { at, .. } => {
                     // Stop here for good: a replay that went on would skip acknowledged data.
                     self.segments.clear();
                     self.current = None;
-                    return Err(StorageError::Corrupt { segment, offset });
+                    return Err(StorageError::Corrupt { segment: id, offset: at });
                 }
             }
         }
@@ -750,5 +904,9 @@ impl Iterator for Replay {
     }
 }
 
+#[cfg(test)]
+mod broker_fault_tests;
+#[cfg(test)]
+mod fault_tests;
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,7 @@
 use super::*;
 
 fn opts(segment_size: u64, cache_bytes: usize) -> LogOptions {
-    LogOptions { segment_size, cache_bytes }
+    LogOptions { segment_size, cache_bytes, ..LogOptions::default() }
 }
 
 fn payload(i: usize) -> Bytes {
@@ -18,7 +18,8 @@ fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format::segment_file_name(id))
 }
 
-/// Writes `n` records into a fresh log in `dir` and returns their locations.
+/// Writes `n` records into a fresh log in `dir`, each in a commit of its own made durable
+/// before the next, and returns their locations.
 fn write_records(dir: &Path, n: usize, options: LogOptions) -> Vec<Location> {
     let (mut log, replay) = Log::open(dir, options).unwrap();
     assert!(replay_all(replay).unwrap().is_empty());
@@ -28,6 +29,7 @@ fn write_records(dir: &Path, n: usize, options: LogOptions) -> Vec<Location> {
             log.roll();
         }
         locs.push(log.append(payload(i)).unwrap());
+        log.flush_blocking().unwrap();
     }
     log.close().unwrap();
     locs
@@ -77,8 +79,8 @@ fn a_damaged_record_read_from_disk_is_corrupt() {
     log.flush_blocking().unwrap();
     // The next append pushes the written record out of the (zero-sized) cache.
     log.append(Bytes::from_static(b"next")).unwrap();
-    let f = OpenOptions::new().write(true).open(segment_path(dir.path(), 1)).unwrap();
-    f.write_all_at(b"X", loc.offset + 10).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(segment_path(dir.path(), 1)).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"X", loc.offset + 10).unwrap();
     assert!(
         matches!(log.read(loc), Err(StorageError::Corrupt { segment: 1, offset }) if offset == loc.offset)
     );
@@ -107,7 +109,7 @@ fn torn_tail_at_every_byte_offset_is_truncated() {
         assert_eq!(len, valid, "cut at {cut}: the torn tail is truncated");
         // The repaired log takes new records after the intact ones.
         let loc = log.append(Bytes::from_static(b"after")).unwrap();
-        assert_eq!(loc.offset, valid);
+        assert_eq!(loc.offset, valid + BLOCK_LEN);
         log.close().unwrap();
         let (_, replay) = Log::open(dir.path(), LogOptions::default()).unwrap();
         assert_eq!(replay_all(replay).unwrap().len(), intact + 1, "cut at {cut}");
@@ -137,14 +139,16 @@ fn bit_flips_are_caught_never_skipped() {
                     ),
                     "flip {byte}.{bit}: {outcome:?}"
                 );
-            } else if byte64 >= last.offset {
-                // The newest record with nothing after it: an unacknowledged torn write.
+            } else if byte64 >= last.offset - BLOCK_LEN {
+                // The newest commit with nothing after it: an unacknowledged torn write.
                 let got = outcome.unwrap().unwrap();
                 assert_eq!(got.len(), locs.len() - 1, "flip {byte}.{bit}");
             } else {
-                let rec = locs.iter().rev().find(|l| l.offset <= byte64).unwrap();
+                // A later commit was written when this one was durable: it is damage.
+                let rec = locs.iter().rev().find(|l| l.offset - BLOCK_LEN <= byte64).unwrap();
+                let at = if byte64 < rec.offset { rec.offset - BLOCK_LEN } else { rec.offset };
                 assert!(
-                    matches!(outcome, Err(StorageError::Corrupt { segment: 1, offset }) if offset == rec.offset),
+                    matches!(outcome, Err(StorageError::Corrupt { segment: 1, offset }) if offset == at),
                     "flip {byte}.{bit}: {outcome:?}"
                 );
             }
@@ -159,7 +163,7 @@ fn damage_in_an_older_segment_fails_replay() {
     let victim = locs.iter().find(|l| l.segment == 2).copied().unwrap();
     // Cut the older segment short: not the newest one, so it is corruption, not a torn tail.
     let path = segment_path(dir.path(), 2);
-    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(victim.offset + 3).unwrap();
     let (_, replay) = Log::open(dir.path(), opts(2048, 0)).unwrap();
     let err = replay_all(replay).unwrap_err();
@@ -279,5 +283,67 @@ fn records_encoded_in_place_span_blocks_and_a_failed_encoding_leaves_no_trace() 
         assert_eq!(loc, want_loc);
         assert_eq!(bytes.as_ref(), body.as_slice());
         assert_eq!(log.read(*loc).unwrap().as_ref(), body.as_slice());
+    }
+}
+
+#[test]
+fn a_missing_middle_segment_is_refused_with_its_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let locs = write_records(dir.path(), 200, opts(2048, 0));
+    assert!(locs.last().unwrap().segment >= 4);
+    std::fs::remove_file(segment_path(dir.path(), 3)).unwrap();
+    let err = Log::open(dir.path(), opts(2048, 0)).map(|(_, r)| replay_all(r).map(|v| v.len()));
+    assert!(
+        matches!(err, Err(StorageError::MissingSegment { segment: 3, before: 2, after: 4 })),
+        "{err:?}"
+    );
+    // Removing the oldest segments (as compaction does) leaves a log that opens.
+    std::fs::remove_file(segment_path(dir.path(), 1)).unwrap();
+    std::fs::remove_file(segment_path(dir.path(), 2)).unwrap();
+    let (_, replay) = Log::open(dir.path(), opts(2048, 0)).unwrap();
+    let got = replay_all(replay).unwrap();
+    assert_eq!(got.first().unwrap().0.segment, 4);
+}
+
+/// A frame as a client could build it without access to the disk: length, CRC-32 of the length
+/// and payload, payload.
+fn forged_frame(payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap();
+    let mut h = crc32fast::Hasher::new();
+    h.update(&len.to_le_bytes());
+    h.update(payload);
+    let mut out = len.to_le_bytes().to_vec();
+    out.extend_from_slice(&h.finalize().to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+#[test]
+fn a_frame_forged_inside_a_torn_record_does_not_block_recovery() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut log, _) = Log::open(dir.path(), LogOptions::default()).unwrap();
+    for i in 0..3 {
+        log.append(payload(i)).unwrap();
+    }
+    log.flush_blocking().unwrap();
+    // A message body that carries well-formed frames, as any client may send.
+    let mut body = vec![0xAB; 100];
+    for _ in 0..4 {
+        body.extend_from_slice(&forged_frame(b"a record the log never wrote"));
+        body.extend_from_slice(&[0xCD; 50]);
+    }
+    let victim = log.append(Bytes::from(body.clone())).unwrap();
+    log.close().unwrap();
+    let path = segment_path(dir.path(), 1);
+    let full = std::fs::read(&path).unwrap();
+    // A crash tears the record at every point after its first forged frame.
+    let body_at = usize::try_from(victim.offset + FRAME_LEN).unwrap();
+    for cut in (body_at + 150..full.len()).step_by(7) {
+        std::fs::write(&path, &full[..cut]).unwrap();
+        let (log, replay) = Log::open(dir.path(), LogOptions::default())
+            .unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
+        let got = replay_all(replay).unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
+        assert_eq!(got.len(), 3, "cut at {cut}: the torn record is dropped, the others stay");
+        drop(log);
     }
 }

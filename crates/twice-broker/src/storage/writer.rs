@@ -6,10 +6,8 @@
 //! operation that arrived while the previous one ran.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,22 +15,34 @@ use std::sync::{Arc, Condvar, Mutex};
 use bytes::Bytes;
 use tokio::sync::watch;
 
-use super::format::segment_file_name;
+use super::format::{segment_file_name, spare_file_name};
+use super::vfs::{VFile, Vfs};
 
-/// Bytes for one segment, to be written at `offset`.
+/// Bytes for one segment, to be written at `offset`: what one commit put there.
 #[derive(Debug)]
 pub(crate) struct Chunk {
     pub(crate) segment: u64,
     pub(crate) offset: u64,
-    /// Whether this chunk starts a new segment file (it then begins with the header).
-    pub(crate) create: bool,
-    /// Framed records (or a segment header), back to back from `offset`.
+    /// For a chunk that starts a new segment: the prepared file it is written to (which then
+    /// takes the segment's name) and the segment header.
+    pub(crate) create: Option<(Arc<dyn VFile>, Bytes)>,
+    /// Whether the chunk carries records, behind a block header.
+    pub(crate) has_block: bool,
+    /// The block header, filled in when the chunk is committed.
+    pub(crate) block: Bytes,
+    /// The bytes of the framed records.
+    pub(crate) body_len: u64,
+    /// Framed records, back to back after the block header.
     pub(crate) frames: Vec<Bytes>,
 }
 
 impl Chunk {
+    fn parts(&self) -> impl Iterator<Item = &Bytes> {
+        self.create.iter().map(|(_, h)| h).chain(std::iter::once(&self.block)).chain(&self.frames)
+    }
+
     fn len(&self) -> u64 {
-        self.frames.iter().map(|f| len_u64(f)).sum()
+        self.parts().map(|f| len_u64(f)).sum()
     }
 }
 
@@ -62,6 +72,8 @@ pub(crate) struct Shared {
     pub(crate) written: AtomicU64,
     /// How many `fdatasync` calls the writer made on segment files.
     pub(crate) fsyncs: AtomicU64,
+    /// How many bytes the writer wrote to segment files.
+    pub(crate) bytes: AtomicU64,
     /// Durability for async waiters.
     pub(crate) durable: watch::Sender<DurableState>,
     /// Durability for blocking waiters. A std mutex: held only to copy or replace a small
@@ -74,12 +86,15 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new() -> Self {
+    /// The state of a log whose commits up to `seq` are durable.
+    pub(crate) fn new(seq: u64) -> Self {
+        let state = DurableState { seq, failed: None };
         Self {
-            written: AtomicU64::new(0),
+            written: AtomicU64::new(seq),
             fsyncs: AtomicU64::new(0),
-            durable: watch::Sender::new(DurableState::default()),
-            durable_sync: Mutex::new(DurableState::default()),
+            bytes: AtomicU64::new(0),
+            durable: watch::Sender::new(state.clone()),
+            durable_sync: Mutex::new(state),
             durable_cv: Condvar::new(),
             #[cfg(test)]
             gate: Mutex::new(()),
@@ -87,12 +102,14 @@ impl Shared {
     }
 
     fn publish(&self, state: DurableState) {
+        // The watch first: a blocking waiter that wakes up then finds the same state in it
+        // (a commit's watermark is read from it).
+        self.durable.send_replace(state.clone());
         {
             let mut g = self.durable_sync.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            *g = state.clone();
+            *g = state;
         }
         self.durable_cv.notify_all();
-        self.durable.send_replace(state);
     }
 }
 
@@ -100,9 +117,13 @@ impl Shared {
 #[derive(Debug)]
 pub(crate) struct Writer {
     pub(crate) dir: PathBuf,
+    pub(crate) vfs: Arc<dyn Vfs>,
+    /// The data directory, held open so that making its entries durable needs no new file
+    /// descriptor.
+    pub(crate) dir_handle: Arc<dyn VFile>,
     pub(crate) shared: Arc<Shared>,
     /// Open write handles, normally only the active segment.
-    pub(crate) files: HashMap<u64, File>,
+    pub(crate) files: HashMap<u64, Arc<dyn VFile>>,
     pub(crate) durable_seq: u64,
     /// Where a run of frames is gathered for one write; kept between commits so that its
     /// memory is reused.
@@ -145,12 +166,12 @@ impl Writer {
                     }
                     self.files.remove(&segment);
                     let path = self.dir.join(segment_file_name(segment));
-                    match std::fs::remove_file(&path) {
+                    match self.vfs.remove(&path) {
                         Ok(()) => {}
                         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                         Err(e) => return Err(e),
                     }
-                    sync_dir(&self.dir)?;
+                    self.dir_handle.sync()?;
                 }
             }
         }
@@ -167,7 +188,9 @@ impl Writer {
         let mut runs: Vec<Vec<Chunk>> = Vec::new();
         for c in chunks {
             match runs.last_mut().and_then(|r| r.last().map(|l| (l.segment, l.offset + l.len()))) {
-                Some((segment, end)) if segment == c.segment && end == c.offset && !c.create => {
+                Some((segment, end))
+                    if segment == c.segment && end == c.offset && c.create.is_none() =>
+                {
                     if let Some(run) = runs.last_mut() {
                         run.push(c);
                     }
@@ -177,45 +200,40 @@ impl Writer {
         }
         let n = runs.len();
         for (i, run) in runs.into_iter().enumerate() {
-            let (segment, offset, create) = (run[0].segment, run[0].offset, run[0].create);
+            let (segment, offset) = (run[0].segment, run[0].offset);
+            let create = run[0].create.as_ref().map(|(f, _)| f.clone());
             self.buf.clear();
-            for frame in run.iter().flat_map(|c| &c.frames) {
-                self.buf.extend_from_slice(frame);
+            for part in run.iter().flat_map(Chunk::parts) {
+                self.buf.extend_from_slice(part);
             }
             // The frames go now: the blocks they were cut from are freed as soon as the read
             // cache lets go too.
             drop(run);
-            if create {
-                // A segment file exists only once every earlier segment is complete on disk
-                // (the previous run was synced below), so a crash never leaves a hole in a
-                // segment that is not the last one.
-                let f = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(self.dir.join(segment_file_name(segment)))?;
+            if let Some(f) = &create {
                 // Only the newest segment is written to from now on.
                 self.files.clear();
-                self.files.insert(segment, f);
+                self.files.insert(segment, f.clone());
             }
-            let file = match self.files.get(&segment) {
-                Some(f) => f,
-                None => {
-                    let f = OpenOptions::new()
-                        .write(true)
-                        .open(self.dir.join(segment_file_name(segment)))?;
-                    self.files.entry(segment).or_insert(f)
-                }
-            };
-            file.write_all_at(&self.buf, offset)?;
+            let file = self.files.get(&segment).ok_or_else(|| {
+                io::Error::other(format!("log segment {segment} is not open for writing"))
+            })?;
+            file.write_at(&self.buf, offset)?;
+            self.shared.bytes.fetch_add(len_u64(&self.buf), Ordering::Relaxed);
             if i + 1 == n {
                 self.shared.written.store(seq, Ordering::Release);
             }
-            file.sync_data()?;
+            file.sync()?;
             self.shared.fsyncs.fetch_add(1, Ordering::Relaxed);
-            if create {
-                sync_dir(&self.dir)?;
+            if create.is_some() {
+                // The prepared file takes the segment's name only once its header and first
+                // records are durable, and only once every earlier segment is complete on disk
+                // (the previous run was synced above): a crash never leaves a segment with a
+                // torn header, nor a hole in a segment that is not the newest.
+                self.vfs.rename(
+                    &self.dir.join(spare_file_name(segment)),
+                    &self.dir.join(segment_file_name(segment)),
+                )?;
+                self.dir_handle.sync()?;
             }
         }
         // A burst of large commits should not keep its buffer for good.
@@ -233,9 +251,4 @@ const MAX_KEPT_BUFFER: usize = 8 << 20;
 
 fn len_u64(b: &[u8]) -> u64 {
     u64::try_from(b.len()).unwrap_or(u64::MAX)
-}
-
-/// Makes a directory's entries (created or removed files) durable.
-pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
 }

@@ -2,6 +2,7 @@
 //! load, memory with a large backlog, long polls, subscription rules and session listing, and
 //! the in-process transport, and a tidy check that the engine stays pure.
 
+mod amplification;
 mod corruption;
 mod crash;
 mod durability;

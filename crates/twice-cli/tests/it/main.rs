@@ -1,4 +1,5 @@
 //! Tests of the `twice` binary, run as a user runs it.
 
+mod data;
 mod demo;
 mod serve;
