@@ -207,6 +207,14 @@ pub enum StoreError {
     /// A registered business key names no unique index (SQLite resolves names at start).
     #[error("business key {0:?} names no unique index in the database")]
     BusinessKeyNotFound(String),
+    /// The database aborted or ended the transaction before its commit (on PostgreSQL after
+    /// any failed statement; on MariaDB when it chose the transaction as a deadlock victim),
+    /// so committing it would keep none of the handler's work.
+    #[error(
+        "the database aborted the transaction before its commit (a statement in it failed, or \
+         it was a deadlock victim); none of the handler's work would be kept"
+    )]
+    TransactionAborted,
     /// The database failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -309,6 +317,8 @@ pub struct SqlxInbox<DB: Database> {
     options: InboxOptions,
     /// Resolved business keys: (registered name, what the store's error text names).
     business_keys: Vec<(String, String)>,
+    /// MySQL only: the server is MariaDB, which has `@@in_transaction`.
+    mariadb: bool,
 }
 
 impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
@@ -341,7 +351,7 @@ impl<DB: Backend> SqlxInbox<DB> {
     /// unique index.
     pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
         validate_table(&options.table)?;
-        let mut inbox = Self { pool, options, business_keys: Vec::new() };
+        let mut inbox = Self { pool, options, business_keys: Vec::new(), mariadb: false };
         DB::prepare(&mut inbox).await?;
         Ok(inbox)
     }

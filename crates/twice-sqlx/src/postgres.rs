@@ -145,6 +145,20 @@ impl Inbox for SqlxInbox<Postgres> {
         self.claim_in(tx, consumer, message_id, now).await
     }
 
+    /// One `SELECT 1` in the transaction: PostgreSQL refuses every statement of an aborted
+    /// transaction with SQLSTATE 25P02. It is the cheapest check that is exact: one round trip
+    /// with no table access, where running the handler in a savepoint costs two, and the
+    /// COMMIT's command tag (`ROLLBACK` for an aborted transaction) is not visible through sqlx.
+    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        match sqlx::query("SELECT 1").execute(&mut **tx).await {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
+                Err(StoreError::TransactionAborted)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         Ok(tx.commit().await?)
     }

@@ -32,6 +32,11 @@ pub trait Fixture: Send + Sync + Sized + 'static {
         order_id: i64,
         message_id: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// Runs a statement inside the handler's transaction.
+    fn try_exec(
+        tx: &mut Transaction<'static, Self::DB>,
+        sql: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Seed 2 strategy 3's check: is the id in `naive_processed`?
     fn naive_seen(
         tx: &mut Transaction<'static, Self::DB>,
@@ -102,6 +107,12 @@ impl Fixture for Pg {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(
+        tx: &mut Transaction<'static, Postgres>,
+        sql: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, Postgres>,
@@ -176,6 +187,9 @@ impl Fixture for Maria {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(tx: &mut Transaction<'static, MySql>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, MySql>,
@@ -259,6 +273,9 @@ impl Fixture for Lite {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(tx: &mut Transaction<'static, Sqlite>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, Sqlite>,
