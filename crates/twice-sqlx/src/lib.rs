@@ -408,6 +408,37 @@ fn find_sqlx_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a sqlx::
     None
 }
 
+/// Begins a transaction (with `statement`, or the default `BEGIN`), safely against
+/// cancellation.
+///
+/// sqlx 0.8's begin is not cancel safe: it counts the transaction as open only after the
+/// `BEGIN` round trip, so a caller that gives up while that round trip is in flight (the
+/// processor does, when the message lock is lost while it waits for a connection or a write
+/// lock, and at shutdown) returns the connection to the pool inside a transaction that nothing
+/// will end: the next borrower, the application's own writes on a shared pool included, runs
+/// in it. So the begin runs in a task of its own: a caller that goes away leaves the task to
+/// finish, and the transaction it made is dropped there, which rolls it back before the
+/// connection goes back to the pool. The task costs a spawn per begin, a few microseconds.
+pub(crate) async fn begin_detached<DB: Database>(
+    pool: &Pool<DB>,
+    statement: Option<&'static str>,
+) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    })
+    .await;
+    match begun {
+        Ok(begun) => Ok(begun?),
+        Err(e) => Err(StoreError::Database(sqlx::Error::Protocol(format!(
+            "beginning a transaction failed: {e}"
+        )))),
+    }
+}
+
 /// Whether a non-database sqlx error is worth retrying.
 fn is_transient_sqlx(error: &sqlx::Error) -> bool {
     matches!(

@@ -156,7 +156,7 @@ impl Inbox for SqlxInbox<MySql> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(self.pool.begin().await?)
+        crate::begin_detached(&self.pool, None).await
     }
 
     async fn claim<'a>(
@@ -204,7 +204,7 @@ impl Inbox for SqlxInbox<MySql> {
         message_id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::begin_detached(&self.pool, None).await?;
         let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
         tx.commit().await?;
         Ok(claim)

@@ -132,7 +132,7 @@ impl Inbox for SqlxInbox<Postgres> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(self.pool.begin().await?)
+        crate::begin_detached(&self.pool, None).await
     }
 
     async fn claim<'a>(
@@ -173,7 +173,7 @@ impl Inbox for SqlxInbox<Postgres> {
         message_id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::begin_detached(&self.pool, None).await?;
         let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
         tx.commit().await?;
         Ok(claim)
@@ -232,7 +232,7 @@ impl Purge for SqlxInbox<Postgres> {
         let t = self.table();
         let mut total = 0;
         loop {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = crate::begin_detached(&self.pool, None).await?;
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
                 .bind(format!("twice-purge:{t}"))
                 .fetch_one(&mut *tx)
