@@ -88,6 +88,28 @@ impl Transport for Receiver {
     async fn renew_lock(&self, delivery: &ReceivedMessage) -> Result<Timestamp, TransportError> {
         Ok(self.broker.renew_lock(token(delivery)?).await?)
     }
+
+    /// Schedules a copy of the message (same id, body and properties, plus `properties`) on a
+    /// queue, then completes the original. Unsupported on subscriptions (a copy cannot be sent
+    /// to one subscription alone) and on entities with duplicate detection (which would drop
+    /// the copy). A completion that fails after the copy was scheduled leaves two copies: the
+    /// claim makes the second a duplicate.
+    async fn redeliver_later(
+        &self,
+        delivery: &ReceivedMessage,
+        delay: Duration,
+        properties: Properties,
+    ) -> Result<(), TransportError> {
+        if self.info.duplicate_detection_window.is_some() || self.info.path.contains('/') {
+            return Err(TransportError::Unsupported("delayed redelivery"));
+        }
+        let token = token(delivery)?;
+        let mut copy = delivery.message.clone();
+        copy.application_properties.extend(properties);
+        copy.scheduled_enqueue_time = Some(self.broker.clock().now() + delay);
+        self.broker.send(&self.info.path, copy).await?;
+        Ok(self.broker.complete(token).await?)
+    }
 }
 
 impl SessionTransport for Receiver {

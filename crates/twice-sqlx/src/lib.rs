@@ -207,6 +207,14 @@ pub enum StoreError {
     /// A registered business key names no unique index (SQLite resolves names at start).
     #[error("business key {0:?} names no unique index in the database")]
     BusinessKeyNotFound(String),
+    /// The database aborted or ended the transaction before its commit (on PostgreSQL after
+    /// any failed statement; on MariaDB when it chose the transaction as a deadlock victim),
+    /// so committing it would keep none of the handler's work.
+    #[error(
+        "the database aborted the transaction before its commit (a statement in it failed, or \
+         it was a deadlock victim); none of the handler's work would be kept"
+    )]
+    TransactionAborted,
     /// The database failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -309,6 +317,8 @@ pub struct SqlxInbox<DB: Database> {
     options: InboxOptions,
     /// Resolved business keys: (registered name, what the store's error text names).
     business_keys: Vec<(String, String)>,
+    /// MySQL only: the server is MariaDB, which has `@@in_transaction`.
+    mariadb: bool,
 }
 
 impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
@@ -341,7 +351,7 @@ impl<DB: Backend> SqlxInbox<DB> {
     /// unique index.
     pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
         validate_table(&options.table)?;
-        let mut inbox = Self { pool, options, business_keys: Vec::new() };
+        let mut inbox = Self { pool, options, business_keys: Vec::new(), mariadb: false };
         DB::prepare(&mut inbox).await?;
         Ok(inbox)
     }
@@ -396,6 +406,37 @@ fn find_sqlx_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a sqlx::
         next = e.source();
     }
     None
+}
+
+/// Begins a transaction (with `statement`, or the default `BEGIN`), safely against
+/// cancellation.
+///
+/// sqlx 0.8's begin is not cancel safe: it counts the transaction as open only after the
+/// `BEGIN` round trip, so a caller that gives up while that round trip is in flight (the
+/// processor does, when the message lock is lost while it waits for a connection or a write
+/// lock, and at shutdown) returns the connection to the pool inside a transaction that nothing
+/// will end: the next borrower, the application's own writes on a shared pool included, runs
+/// in it. So the begin runs in a task of its own: a caller that goes away leaves the task to
+/// finish, and the transaction it made is dropped there, which rolls it back before the
+/// connection goes back to the pool. The task costs a spawn per begin, a few microseconds.
+pub(crate) async fn begin_detached<DB: Database>(
+    pool: &Pool<DB>,
+    statement: Option<&'static str>,
+) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    })
+    .await;
+    match begun {
+        Ok(begun) => Ok(begun?),
+        Err(e) => Err(StoreError::Database(sqlx::Error::Protocol(format!(
+            "beginning a transaction failed: {e}"
+        )))),
+    }
 }
 
 /// Whether a non-database sqlx error is worth retrying.

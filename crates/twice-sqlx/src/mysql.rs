@@ -141,6 +141,8 @@ impl crate::Backend for MySql {
         // The server names the violated constraint itself: keys need no resolving.
         inbox.business_keys =
             inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&inbox.pool).await?;
+        inbox.mariadb = version.contains("MariaDB");
         Ok(())
     }
 }
@@ -154,7 +156,7 @@ impl Inbox for SqlxInbox<MySql> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(self.pool.begin().await?)
+        crate::begin_detached(&self.pool, None).await
     }
 
     async fn claim<'a>(
@@ -165,6 +167,27 @@ impl Inbox for SqlxInbox<MySql> {
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
         self.claim_in(tx, consumer, message_id, now).await
+    }
+
+    /// Asks the server whether the transaction is still open: InnoDB rolls back a deadlock
+    /// victim's whole transaction (error 1213), after which the handler's later statements run
+    /// one by one in autocommit and the COMMIT is a no-op. MariaDB answers with
+    /// `@@in_transaction` (one round trip, no table access); MySQL, which lacks it, is asked
+    /// whether InnoDB lists a transaction for this connection.
+    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        let open: i64 = if self.mariadb {
+            sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+                .fetch_one(&mut **tx)
+                .await?
+        } else {
+            sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.innodb_trx \
+                 WHERE trx_mysql_thread_id = CONNECTION_ID()",
+            )
+            .fetch_one(&mut **tx)
+            .await?
+        };
+        if open == 0 { Err(StoreError::TransactionAborted) } else { Ok(()) }
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
@@ -181,7 +204,7 @@ impl Inbox for SqlxInbox<MySql> {
         message_id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::begin_detached(&self.pool, None).await?;
         let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
         tx.commit().await?;
         Ok(claim)

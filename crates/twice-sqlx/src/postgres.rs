@@ -132,7 +132,7 @@ impl Inbox for SqlxInbox<Postgres> {
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        Ok(self.pool.begin().await?)
+        crate::begin_detached(&self.pool, None).await
     }
 
     async fn claim<'a>(
@@ -143,6 +143,20 @@ impl Inbox for SqlxInbox<Postgres> {
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
         self.claim_in(tx, consumer, message_id, now).await
+    }
+
+    /// One `SELECT 1` in the transaction: PostgreSQL refuses every statement of an aborted
+    /// transaction with SQLSTATE 25P02. It is the cheapest check that is exact: one round trip
+    /// with no table access, where running the handler in a savepoint costs two, and the
+    /// COMMIT's command tag (`ROLLBACK` for an aborted transaction) is not visible through sqlx.
+    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        match sqlx::query("SELECT 1").execute(&mut **tx).await {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
+                Err(StoreError::TransactionAborted)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
@@ -159,7 +173,7 @@ impl Inbox for SqlxInbox<Postgres> {
         message_id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::begin_detached(&self.pool, None).await?;
         let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
         tx.commit().await?;
         Ok(claim)
@@ -218,7 +232,7 @@ impl Purge for SqlxInbox<Postgres> {
         let t = self.table();
         let mut total = 0;
         loop {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = crate::begin_detached(&self.pool, None).await?;
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
                 .bind(format!("twice-purge:{t}"))
                 .fetch_one(&mut *tx)

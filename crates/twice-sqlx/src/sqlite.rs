@@ -59,25 +59,12 @@ pub fn connect_options(path: impl AsRef<Path>) -> SqliteConnectOptions {
         .busy_timeout(Duration::from_secs(30))
 }
 
-/// Begins a `BEGIN IMMEDIATE` transaction, safely against cancellation.
-///
-/// sqlx 0.8's `begin_with` for SQLite has an await point after the `BEGIN` has run (it checks
-/// that the statement opened a transaction) and before the `Transaction` that would roll it back
-/// on drop exists. A caller that gives up at that moment (the processor does, when the message
-/// lock is lost while it waits for the write lock, or at shutdown) would return the connection to
-/// the pool still inside a write transaction: every other writer would then wait on SQLite's busy
-/// timeout forever after. So the begin runs in a task of its own: a caller that goes away leaves
-/// the task to finish, and the transaction it made is dropped there, which rolls it back.
+/// Begins a `BEGIN IMMEDIATE` transaction, safely against cancellation (see
+/// [`begin_detached`](crate::begin_detached)).
 pub(crate) async fn begin_immediate(
     pool: &sqlx::SqlitePool,
 ) -> Result<Transaction<'static, Sqlite>, StoreError> {
-    let pool = pool.clone();
-    match tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await }).await {
-        Ok(begun) => Ok(begun?),
-        Err(e) => Err(StoreError::Database(sqlx::Error::Protocol(format!(
-            "beginning a transaction failed: {e}"
-        )))),
-    }
+    crate::begin_detached(pool, Some("BEGIN IMMEDIATE")).await
 }
 
 impl SqlxInbox<Sqlite> {

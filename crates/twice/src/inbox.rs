@@ -68,6 +68,26 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
         now: Timestamp,
     ) -> impl Future<Output = Result<Claim, Self::Error>> + Send + 'a;
 
+    /// Checks, after the handler returned [`Outcome::Complete`](crate::Outcome::Complete) and
+    /// before the commit, that the transaction can still commit the handler's work: that the
+    /// database did not abort or end it while the handler carried on (PostgreSQL aborts a
+    /// transaction at any failed statement and then answers its COMMIT with a silent
+    /// rollback; InnoDB rolls back a deadlock victim's whole transaction). An error here is
+    /// the handler's failure: the transaction is rolled back and the message is not
+    /// completed. The default finds nothing wrong, for stores whose commit itself fails in
+    /// that case.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn check_committable<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;
 

@@ -458,6 +458,10 @@ where
                     self.rollback(tx, id).await;
                     return Verdict::LockLost;
                 }
+                if let Err(verdict) = self.check_committable(&mut tx, id).await {
+                    self.rollback(tx, id).await;
+                    return verdict;
+                }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
                         self.counters.inc(Counter::Committed);
@@ -584,6 +588,10 @@ where
                 Verdict::LockLost
             }
             Some(Step::Handled(Ok(Outcome::Complete))) if lock.held(self.clock.now()) => {
+                if let Err(verdict) = self.check_committable(&mut tx, id).await {
+                    self.rollback(tx, id).await;
+                    return verdict;
+                }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
                         self.counters.inc(Counter::Committed);
@@ -655,6 +663,23 @@ where
                 };
                 self.report(ProcessError::new(ErrorSource::Handler, Some(id), error.into_error()));
                 verdict
+            }
+        }
+    }
+
+    /// The handler said `Complete`; a transaction the database has already aborted or ended
+    /// would commit nothing, so that is the handler's failure, not a completion.
+    async fn check_committable(
+        &self,
+        tx: &mut I::Tx,
+        id: &crate::ids::MessageId,
+    ) -> Result<(), Verdict> {
+        match self.inbox.check_committable(tx).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.counters.inc(Counter::HandlerErrors);
+                self.report(ProcessError::new(ErrorSource::Handler, Some(id), e));
+                Err(Verdict::Abandon)
             }
         }
     }

@@ -11,6 +11,7 @@
 //! | `defer`       | defer                    | —                     | —                              |
 //! | `release`     | release (no count)       | `Nak` with delay 0    | basic.nack requeue             |
 //! | `renew_lock`  | renew lock               | `InProgress`          | — (no lock expiry)             |
+//! | `redeliver_later` | schedule a copy, complete | `Nak` with delay   | — (optional; default: unsupported) |
 //!
 //! A transport that lacks an operation returns [`TransportError::Unsupported`].
 
@@ -191,6 +192,30 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
         &self,
         delivery: &Self::Delivery,
     ) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;
+
+    /// Settles the delivery so that the message is delivered again no sooner than `delay` from
+    /// now, with `properties` merged into its application properties, and without raising its
+    /// delivery count (delayed redelivery, as MassTransit's `UseDelayedRedelivery` and
+    /// NServiceBus's delayed retries do it).
+    ///
+    /// The message that comes back must keep its message id, body and properties, and must not
+    /// be dropped by the broker's duplicate detection; a transport that cannot promise that
+    /// returns [`TransportError::Unsupported`], as the default implementation does, and the
+    /// processor then abandons the message instead.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe in general: dropped midway, the message may have been scheduled again
+    /// and still be locked here, so it can come back twice (the claim makes that harmless).
+    fn redeliver_later(
+        &self,
+        delivery: &Self::Delivery,
+        delay: Duration,
+        properties: Properties,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        let _ = (delivery, delay, properties);
+        async { Err(TransportError::Unsupported("delayed redelivery")) }
+    }
 }
 
 /// A transport whose entity has sessions: a receiver first locks a session, then receives that

@@ -7,5 +7,6 @@
 mod support;
 
 mod crash;
+mod edges;
 mod processor;
 mod store;

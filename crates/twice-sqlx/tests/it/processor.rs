@@ -44,6 +44,9 @@ pub struct Ship<F> {
     pub fail: bool,
     /// When set (and still true), the handler panics after writing, once.
     pub panic_once: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// When set (and still true), the handler runs a statement that fails after writing, once,
+    /// ignores the error and returns `Complete` (a handler that logs and carries on).
+    pub swallow_error_once: Option<Arc<std::sync::atomic::AtomicBool>>,
     _store: PhantomData<fn() -> F>,
 }
 
@@ -55,6 +58,7 @@ impl<F> Ship<F> {
             gate: None,
             fail: false,
             panic_once: None,
+            swallow_error_once: None,
             _store: PhantomData,
         }
     }
@@ -69,6 +73,10 @@ impl<F: Fixture> JsonHandler<OrderPlaced, Transaction<'static, F::DB>> for Ship<
     ) -> Result<Outcome, HandlerError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         F::insert_shipment(tx, order.order_id, ctx.message_id().as_str()).await?;
+        if self.swallow_error_once.as_ref().is_some_and(|p| p.swap(false, Ordering::SeqCst)) {
+            let failed = F::try_exec(tx, "INSERT INTO no_such_table (x) VALUES (1)").await;
+            assert!(failed.is_err(), "the statement must fail");
+        }
         if let Some(entered) = &self.entered {
             let _ = entered.send(ctx.message_id().to_string());
         }

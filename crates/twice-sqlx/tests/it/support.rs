@@ -32,6 +32,16 @@ pub trait Fixture: Send + Sync + Sized + 'static {
         order_id: i64,
         message_id: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    /// A second pool on the same database with a single connection, so that whatever one
+    /// borrower leaves on it the next one meets.
+    fn pool_of_one(&self) -> impl Future<Output = Pool<Self::DB>> + Send;
+    /// Whether the pool's one connection is inside a transaction, asked on that connection.
+    fn in_transaction(pool: &Pool<Self::DB>) -> impl Future<Output = bool> + Send;
+    /// Runs a statement inside the handler's transaction.
+    fn try_exec(
+        tx: &mut Transaction<'static, Self::DB>,
+        sql: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Seed 2 strategy 3's check: is the id in `naive_processed`?
     fn naive_seen(
         tx: &mut Transaction<'static, Self::DB>,
@@ -102,6 +112,27 @@ impl Fixture for Pg {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(
+        tx: &mut Transaction<'static, Postgres>,
+        sql: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
+    }
+    async fn pool_of_one(&self) -> Pool<Postgres> {
+        self.db_.pool(1).await.expect("pool of one")
+    }
+    async fn in_transaction(pool: &Pool<Postgres>) -> bool {
+        // Outside a transaction the statement is a transaction of its own, which starts with
+        // it; inside one, now() is when the transaction began, before this statement. (The
+        // simple query protocol, because the extended one restarts the statement's clock at
+        // each of its steps.)
+        use sqlx::Row as _;
+        let row = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+            .fetch_one(pool)
+            .await
+            .expect("now() = statement_timestamp()");
+        !row.get::<bool, _>(0)
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, Postgres>,
@@ -176,6 +207,19 @@ impl Fixture for Maria {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(tx: &mut Transaction<'static, MySql>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
+    }
+    async fn pool_of_one(&self) -> Pool<MySql> {
+        self.db_.pool(1).await.expect("pool of one")
+    }
+    async fn in_transaction(pool: &Pool<MySql>) -> bool {
+        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+            .fetch_one(pool)
+            .await
+            .expect("@@in_transaction");
+        open != 0
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, MySql>,
@@ -259,6 +303,28 @@ impl Fixture for Lite {
             .execute(&mut **tx)
             .await
             .map(drop)
+    }
+    async fn try_exec(tx: &mut Transaction<'static, Sqlite>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(&mut **tx).await.map(drop)
+    }
+    async fn pool_of_one(&self) -> Pool<Sqlite> {
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(twice_sqlx::sqlite::connect_options(self.db.path()))
+            .await
+            .expect("pool of one")
+    }
+    async fn in_transaction(pool: &Pool<Sqlite>) -> bool {
+        // SQLite refuses a BEGIN inside a transaction (it has no other way to ask in SQL).
+        let mut conn = pool.acquire().await.expect("acquire");
+        match sqlx::query("BEGIN").execute(&mut *conn).await {
+            Ok(_) => {
+                sqlx::query("ROLLBACK").execute(&mut *conn).await.expect("rollback");
+                false
+            }
+            Err(_) => true,
+        }
     }
     async fn naive_seen(
         tx: &mut Transaction<'static, Sqlite>,

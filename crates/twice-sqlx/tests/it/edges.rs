@@ -1,0 +1,165 @@
+//! The processor at the edges of its promise, on every store: a transaction the database
+//! aborted, a cancelled begin, failures that are not the message's fault, messages without an
+//! id.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use sqlx::Transaction;
+use twice::{Inbox, ProcessorOptions, SharedClock};
+use twice_sqlx::{InboxOptions, SqlxInbox, StoreError};
+
+use crate::on_all_stores;
+use crate::processor::{Ship, order, processor};
+use crate::support::{
+    Fixture, Shutdown, create_shipments, inbox_rows, queue, shipments, until_async,
+};
+
+type Inboxed<F> = SqlxInbox<<F as Fixture>::DB>;
+
+fn options(clock: &twice::ManualClock) -> ProcessorOptions {
+    ProcessorOptions::new().consumer("shipping").clock(SharedClock::from(clock.clone()))
+}
+
+/// A handler whose statement fails, and which logs the error and returns `Complete` anyway:
+/// on PostgreSQL the failure aborted the transaction, and its COMMIT is a silent rollback.
+/// The message is never completed without its work: the attempt counts as a handler error,
+/// the message comes back, and the second attempt ships. (On MariaDB and SQLite a failed
+/// statement leaves the transaction usable, and the first attempt commits.)
+async fn an_aborted_transaction_is_never_completed_without_its_work<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_aborted")).await);
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let mut handler = Ship::<F>::new();
+    handler.swallow_error_once = Some(Arc::new(AtomicBool::new(true)));
+    let calls = handler.calls.clone();
+    let p = processor::<F>(&queue, inbox, handler, options(&clock)).await;
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-61-placed", 61)).await;
+    until_async("completed", || async { queue.completed().await == 1 }).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!(shipments(&f).await, 1, "{}: the completed message has its work", F::NAME);
+    assert_eq!(inbox_rows(&f, "inbox_aborted").await, 1, "{}: and its claim", F::NAME);
+    assert_eq!(s.committed, 1, "{}: {s:?}", F::NAME);
+    let expected_calls = if F::NAME == "postgres" { 2 } else { 1 };
+    assert_eq!(calls.load(Ordering::SeqCst), expected_calls, "{}: {s:?}", F::NAME);
+    assert_eq!(s.handler_errors, u64::try_from(expected_calls - 1).unwrap_or(0), "{s:?}");
+}
+on_all_stores!(an_aborted_transaction_is_never_completed_without_its_work);
+
+/// The handler of the deadlock test: on its first delivery it updates row 1, lets the helper
+/// wait for row 1 while holding row 2, then asks for row 2. InnoDB breaks the deadlock by
+/// rolling back the lighter transaction, the handler's, whole; the handler ignores the error
+/// and returns `Complete`.
+struct Deadlocked {
+    pool: sqlx::MySqlPool,
+    first: AtomicBool,
+    handler_has_row_1: tokio::sync::Notify,
+    /// The helper's connection id, to watch it wait (the server is shared with other tests).
+    helper_connection: std::sync::atomic::AtomicU64,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl twice::Handler<Transaction<'static, sqlx::MySql>> for Deadlocked {
+    async fn handle<'a>(
+        &'a self,
+        ctx: twice::Context<'a>,
+        tx: &'a mut Transaction<'static, sqlx::MySql>,
+    ) -> Result<twice::Outcome, twice::HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("INSERT INTO shipments (order_id, message_id) VALUES (71, ?)")
+            .bind(ctx.message_id().as_str())
+            .execute(&mut **tx)
+            .await?;
+        if self.first.swap(false, Ordering::SeqCst) {
+            sqlx::query("UPDATE pair SET v = v + 1 WHERE id = 1").execute(&mut **tx).await?;
+            self.handler_has_row_1.notify_one();
+            until_async("the helper waits for row 1", || async {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.innodb_trx \
+                     WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?",
+                )
+                .bind(self.helper_connection.load(Ordering::SeqCst))
+                .fetch_one(&self.pool)
+                .await
+                .expect("innodb_trx");
+                waiting == 1
+            })
+            .await;
+            let deadlock = sqlx::query("UPDATE pair SET v = v + 1 WHERE id = 2")
+                .execute(&mut **tx)
+                .await
+                .expect_err("this transaction is the deadlock victim");
+            let code = deadlock.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+            // 40001 is the SQLSTATE of InnoDB's error 1213 (deadlock found).
+            assert_eq!(code.as_deref(), Some("40001"), "{deadlock}");
+        }
+        Ok(twice::Outcome::Complete)
+    }
+}
+
+/// MariaDB: a handler chosen as a deadlock victim that carries on and returns `Complete`. InnoDB
+/// rolled its transaction back whole (the claim with it); its COMMIT is a no-op. The message is
+/// not completed then; the redelivery ships.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_deadlock_victim_is_never_completed_without_its_work() {
+    use crate::support::Maria;
+    let Some(f) = Maria::create().await else { return };
+    create_shipments(&f, false).await;
+    f.exec("CREATE TABLE pair (id INT PRIMARY KEY, v INT NOT NULL) ENGINE = InnoDB").await;
+    f.exec("INSERT INTO pair VALUES (1, 0), (2, 0)").await;
+    f.exec("CREATE TABLE ballast (x INT NOT NULL) ENGINE = InnoDB").await;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_deadlock")).await);
+    let handler = Arc::new(Deadlocked {
+        pool: f.pool().clone(),
+        first: AtomicBool::new(true),
+        handler_has_row_1: tokio::sync::Notify::new(),
+        helper_connection: Default::default(),
+        calls: Default::default(),
+    });
+    // The helper: heavier than the handler's transaction (it inserted more rows), it holds row
+    // 2 and then waits for row 1.
+    let helper = tokio::spawn({
+        let (pool, handler) = (f.pool().clone(), handler.clone());
+        async move {
+            let mut tx = pool.begin().await?;
+            let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *tx).await?;
+            handler.helper_connection.store(id, Ordering::SeqCst);
+            for _ in 0..20 {
+                sqlx::query("INSERT INTO ballast (x) VALUES (1), (2), (3), (4), (5)")
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query("UPDATE pair SET v = v + 1 WHERE id = 2").execute(&mut *tx).await?;
+            handler.handler_has_row_1.notified().await;
+            sqlx::query("UPDATE pair SET v = v + 1 WHERE id = 1").execute(&mut *tx).await?;
+            tx.commit().await
+        }
+    });
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let receiver = Arc::new(queue.receiver().await);
+    let p = twice::Processor::from_arcs(receiver, inbox, handler.clone(), options(&clock))
+        .on_error(|e| eprintln!("mariadb processor: {e}"));
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-71-placed", 71)).await;
+    until_async("completed", || async { queue.completed().await == 1 }).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+    helper.await.expect("join").expect("the helper survives the deadlock");
+
+    let s = counters.snapshot();
+    assert_eq!(shipments(&f).await, 1, "the completed message has its work: {s:?}");
+    assert_eq!(inbox_rows(&f, "inbox_deadlock").await, 1, "and its claim");
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 2, "the victim's attempt was retried");
+    assert_eq!((s.committed, s.handler_errors), (1, 1), "{s:?}");
+}
