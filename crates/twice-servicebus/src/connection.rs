@@ -73,6 +73,8 @@ pub(crate) mod cond {
     pub(crate) const MESSAGE_NOT_FOUND: &str = "com.microsoft:message-not-found";
     pub(crate) const ARGUMENT: &str = "com.microsoft:argument-error";
     pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
+    pub(crate) const UNATTACHED_HANDLE: &str = "amqp:session:unattached-handle";
+    pub(crate) const TRANSFER_LIMIT: &str = "amqp:link:transfer-limit-exceeded";
 }
 
 /// The AMQP error for a broker refusal.
@@ -996,6 +998,10 @@ impl<B: Backend> Conn<B> {
     fn on_resolved(&mut self, link: u64, kind: Option<EntityKind>) {
         let Some(&(ch, handle)) = self.links.get(&link) else { return };
         let Some(l) = self.sessions.get(&ch).and_then(|s| s.links.get(&handle)) else { return };
+        if l.detached {
+            // Refused meanwhile (a transfer beyond its credit).
+            return;
+        }
         let (e, node) = match &l.node {
             Node::Cbs => return,
             Node::Management(e) | Node::Entity(e) => (e.clone(), l.node.clone()),
@@ -1083,6 +1089,13 @@ impl<B: Backend> Conn<B> {
         let events = self.events.clone();
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         let Some(l) = s.links.get_mut(&handle) else { return };
+        if l.detached {
+            // Refused meanwhile: whatever was taken for it goes back.
+            if let Some(sess) = session {
+                tokio::spawn(async move { sess.close().await });
+            }
+            return;
+        }
         let mut source = l.attach.source.clone();
         let mut properties = None;
         if let Some(sess) = session {
@@ -1224,7 +1237,8 @@ impl<B: Backend> Conn<B> {
             self.out.flush(s);
             return;
         };
-        let Some(l) = s.links.get_mut(&handle) else {
+        // A flow for a link twice refused or detached changes nothing.
+        let Some(l) = s.links.get_mut(&handle).filter(|l| !l.detached) else {
             self.out.flush(s);
             return;
         };
@@ -1298,9 +1312,31 @@ impl<B: Backend> Conn<B> {
             let fl = sflow!(s);
             self.out.send(s.local_channel, &Performative::Flow(fl));
         }
-        let Some(l) = s.links.get_mut(&t.handle) else { return };
+        // A transfer on a handle that is not attached (never attached, or refused or detached
+        // by twice) is a session error (AMQP 1.0 section 2.7.5): nothing it carries is used.
+        let Some(l) = s.links.get_mut(&t.handle).filter(|l| !l.detached) else {
+            let error = AmqpError::new(
+                cond::UNATTACHED_HANDLE,
+                format!("transfer on handle {}, which is not attached", t.handle),
+            );
+            self.end_session(ch, error);
+            return;
+        };
         if l.client_receives {
             return;
+        }
+        if l.partial.is_none() {
+            // A new delivery takes one credit; one the client was not given ends the link.
+            if l.rx_credit == 0 {
+                let error = AmqpError::new(
+                    cond::TRANSFER_LIMIT,
+                    "transfer beyond the link credit the server granted",
+                );
+                self.link_error(ch, t.handle, error);
+                return;
+            }
+            l.rx_credit -= 1;
+            l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
         }
         let partial = l.partial.get_or_insert_with(|| Partial {
             delivery_id: t.delivery_id.unwrap_or(0),
@@ -1327,8 +1363,6 @@ impl<B: Backend> Conn<B> {
         if t.aborted {
             return;
         }
-        l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
-        l.rx_credit = l.rx_credit.saturating_sub(1);
         let node = l.node.clone();
         let link_id = l.id;
         let outcome = if done.oversize {
@@ -1711,6 +1745,26 @@ impl<B: Backend> Conn<B> {
             update_pump(l, max_unsettled);
         }
         send_echoes(&mut self.out, s.local_channel, ROLE_SENDER, results.into_iter());
+    }
+
+    /// Ends a session for a session error: `end` with the error, and everything it held goes.
+    fn end_session(&mut self, ch: u16, error: AmqpError) {
+        let Some(local) = self.sessions.get(&ch).map(|s| s.local_channel) else { return };
+        tracing::debug!(channel = ch, condition = %error.condition, "ending session");
+        self.drop_session(ch);
+        self.out.send(local, &Performative::End(Some(error)));
+    }
+
+    /// Ends a link for a link error: refused if twice has not answered its attach yet,
+    /// detached otherwise.
+    fn link_error(&mut self, ch: u16, handle: u32, error: AmqpError) {
+        let attached =
+            self.sessions.get(&ch).and_then(|s| s.links.get(&handle)).is_some_and(|l| l.attached);
+        if attached {
+            self.detach_with(ch, handle, error);
+        } else {
+            self.refuse(ch, handle, error);
+        }
     }
 
     /// Detaches a link twice's side ends (e.g. a session lock lost).
