@@ -539,7 +539,9 @@ pub(crate) async fn serve<B, IO>(
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let (rd, mut wr) = tokio::io::split(io);
-    let mut reader = FrameReader::new(rd, shared.options.max_frame_size);
+    // Until `open` has negotiated a frame size, frames are at most 512 bytes (AMQP 1.0 section
+    // 2.4.1): an unauthenticated peer cannot make the server buffer more.
+    let mut reader = FrameReader::new(rd, frame::MIN_MAX_FRAME_SIZE);
     let sasl_ok =
         match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut reader, &mut wr, &shared))
             .await
@@ -575,6 +577,7 @@ pub(crate) async fn serve<B, IO>(
         return;
     }
     conn.out.buf.clear();
+    reader.set_max_frame_size(shared.options.max_frame_size);
     let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
     let mut silent_ticks = 0u32;
@@ -646,7 +649,7 @@ where
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let (rd, mut wr) = tokio::io::split(io);
-    let mut reader = FrameReader::new(rd, shared.options.max_frame_size);
+    let mut reader = FrameReader::new(rd, frame::MIN_MAX_FRAME_SIZE);
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
         handshake(&mut reader, &mut wr, &shared).await.ok()?;
         let f = reader.read_frame().await.ok()?;

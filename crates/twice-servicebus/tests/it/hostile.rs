@@ -209,3 +209,65 @@ async fn a_transfer_on_a_handle_never_attached_ends_the_session() {
     // The connection is still good: a new session works.
     c.begin(100).await;
 }
+
+#[tokio::test]
+async fn frames_before_open_are_limited_to_512_bytes() {
+    let server = TestServer::start().await;
+    let mut c = Raw::connect(server.addr).await;
+    let mut out = frame::SASL_HEADER.to_vec();
+    // The right key, in a sasl-init padded past the 512 bytes allowed before `open`.
+    let init = SaslInit {
+        mechanism: "PLAIN".into(),
+        initial_response: Some(Bytes::from_static(b"\0RootManageSharedAccessKey\0SAS_KEY_VALUE")),
+        hostname: Some("h".repeat(600)),
+    };
+    frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+    assert!(out.len() > 8 + 512);
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+    assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+    let next = tokio::time::timeout(crate::wire::TIMEOUT, c.reader.read_frame()).await.unwrap();
+    assert!(next.is_err(), "the connection ends without an outcome: {next:?}");
+}
+
+#[tokio::test]
+async fn a_decode_bomb_before_authentication_leaves_the_server_serving() {
+    let server = TestServer::start().await;
+    // A sasl-init whose initial response is an array of 4096 values, each described by an
+    // array of 4096 values, each described by an array of 4096 nulls.
+    let zero_width = {
+        let mut b = vec![0xf0];
+        b.extend_from_slice(&5u32.to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b.push(0x40);
+        b
+    };
+    let described = |descriptor: &[u8]| {
+        let mut b = vec![0xf0];
+        b.extend_from_slice(&u32::try_from(6 + descriptor.len()).unwrap().to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b.push(0x00);
+        b.extend_from_slice(descriptor);
+        b.push(0x40);
+        b
+    };
+    let bomb = described(&described(&zero_width));
+    let mut fields = vec![0xa3, 5];
+    fields.extend_from_slice(b"PLAIN");
+    fields.extend_from_slice(&bomb);
+    let mut body = vec![0x00, 0x53, 0x41, 0xc0, u8::try_from(fields.len() + 1).unwrap(), 2];
+    body.extend_from_slice(&fields);
+    let mut out = frame::SASL_HEADER.to_vec();
+    out.extend_from_slice(&u32::try_from(8 + body.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(&[2, frame::TYPE_SASL, 0, 0]);
+    out.extend_from_slice(&body);
+    let mut c = Raw::connect(server.addr).await;
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+    assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+    let next = tokio::time::timeout(crate::wire::TIMEOUT, c.reader.read_frame()).await.unwrap();
+    assert!(next.is_err(), "the bomb ends its connection: {next:?}");
+    // Others are served as before.
+    let mut good = Raw::open(server.addr, 65536).await;
+    good.attach("s", 0, false, "q1", 0).await;
+}

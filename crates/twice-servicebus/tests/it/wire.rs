@@ -20,7 +20,7 @@ use twice_servicebus::performative::{
 
 use crate::harness::TestServer;
 
-const TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A bare AMQP client: frames in, frames out.
 pub(crate) struct Raw {
