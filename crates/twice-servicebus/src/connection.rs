@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use twice::{LockToken, ReceivedMessage, SessionId, SharedClock};
 use uuid::Uuid;
 
@@ -48,8 +48,6 @@ const SESSION_WINDOW: u32 = 5000;
 const PUMP_WAIT: Duration = Duration::from_secs(30);
 /// How long an accept-next-session waits when the client gives no `com.microsoft:timeout`.
 const DEFAULT_SESSION_WAIT: Duration = Duration::from_secs(65);
-/// How long the opening handshake may take.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most settlements a settler takes from its queue at once.
 const SETTLE_BATCH: usize = 1024;
 /// The most messages a pump asks for in one receive, whatever the credit.
@@ -524,7 +522,27 @@ struct Conn<B: Backend> {
     heard: bool,
 }
 
+/// What a connection needs to be let in: the pending slot it holds during its handshake, and
+/// the connection slots it takes one of once it has sent `open`.
+pub(crate) struct Admission {
+    pub(crate) handshake: OwnedSemaphorePermit,
+    pub(crate) slots: Arc<Semaphore>,
+}
+
+/// Counts a connection as open for as long as it lives.
+struct Opened<'a>(&'a Metrics);
+
+impl Drop for Opened<'_> {
+    fn drop(&mut self) {
+        self.0.connection_closed();
+    }
+}
+
 /// Serves one connection until it closes, the peer goes silent, or `shutdown` fires.
+///
+/// The handshake (protocol headers, SASL, `open`) must finish within the handshake timeout.
+/// A connection over the connection limit is then answered with `open` and a `close` carrying
+/// `amqp:resource-limit-exceeded`, so the client sees why (a quota error) instead of a reset.
 ///
 /// # Cancel safety
 ///
@@ -534,6 +552,7 @@ pub(crate) async fn serve<B, IO>(
     io: IO,
     shared: Arc<Shared<B>>,
     mut shutdown: watch::Receiver<bool>,
+    admission: Admission,
 ) where
     B: Backend,
     IO: AsyncRead + AsyncWrite + Unpin + Send,
@@ -542,13 +561,25 @@ pub(crate) async fn serve<B, IO>(
     // Until `open` has negotiated a frame size, frames are at most 512 bytes (AMQP 1.0 section
     // 2.4.1): an unauthenticated peer cannot make the server buffer more.
     let mut reader = FrameReader::new(rd, frame::MIN_MAX_FRAME_SIZE);
-    let sasl_ok =
-        match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut reader, &mut wr, &shared))
-            .await
-        {
-            Ok(Ok(all)) => all,
+    let opening = async {
+        let sasl_ok = handshake(&mut reader, &mut wr, &shared).await?;
+        let first = reader.read_frame().await.map_err(|_| ())?;
+        Ok::<_, ()>((sasl_ok, first))
+    };
+    let (sasl_ok, first) =
+        match tokio::time::timeout(shared.options.handshake_timeout, opening).await {
+            Ok(Ok(opened)) => opened,
             Ok(Err(())) | Err(_) => return,
         };
+    let Ok(_slot) = admission.slots.try_acquire_owned() else {
+        tracing::warn!("connection refused: the connection limit is reached");
+        drop(admission.handshake);
+        refuse(&first, &mut wr, &shared).await;
+        return;
+    };
+    drop(admission.handshake);
+    shared.metrics.connection_opened();
+    let _opened = Opened(&shared.metrics);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut conn = Conn {
         shared: shared.clone(),
@@ -562,10 +593,6 @@ pub(crate) async fn serve<B, IO>(
         heard: true,
     };
     // The first frame must be `open`.
-    let first = match reader.read_frame().await {
-        Ok(f) => f,
-        Err(_) => return,
-    };
     let (heartbeat, idle_ticks) = match conn.on_open(&first) {
         Ok(v) => v,
         Err(end) => {
@@ -637,31 +664,27 @@ pub(crate) async fn serve<B, IO>(
     conn.finish(&mut wr, end).await;
 }
 
-/// Answers a connection over the limit: the handshake, then `open` and a `close` with
-/// `amqp:resource-limit-exceeded`, so the client sees why (a quota error) instead of a reset.
+/// Answers a connection over the limit whose first frame was `open`: `open` and a `close`
+/// with `amqp:resource-limit-exceeded`.
 ///
 /// # Cancel safety
 ///
 /// Dropping the future drops the connection.
-pub(crate) async fn refuse<B, IO>(io: IO, shared: Arc<Shared<B>>, error: AmqpError)
-where
-    B: Backend,
-    IO: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    let (rd, mut wr) = tokio::io::split(io);
-    let mut reader = FrameReader::new(rd, frame::MIN_MAX_FRAME_SIZE);
+async fn refuse<B: Backend, W: AsyncWrite + Unpin>(first: &Frame, wr: &mut W, shared: &Shared<B>) {
+    if !matches!(Performative::decode(&first.body), Ok((Performative::Open(_), _))) {
+        return;
+    }
+    let error = AmqpError::new(
+        cond::RESOURCE_LIMIT,
+        format!("the server serves at most {} connections", shared.options.max_connections),
+    );
+    let mut out = Vec::new();
+    let open = Open { container_id: "twice".into(), max_frame_size: 65536, ..Open::default() };
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Close(Some(error)), &[]);
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        handshake(&mut reader, &mut wr, &shared).await.ok()?;
-        let f = reader.read_frame().await.ok()?;
-        if !matches!(Performative::decode(&f.body), Ok((Performative::Open(_), _))) {
-            return None;
-        }
-        let mut out = Vec::new();
-        let open = Open { container_id: "twice".into(), max_frame_size: 65536, ..Open::default() };
-        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
-        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Close(Some(error)), &[]);
-        wr.write_all(&out).await.ok()?;
-        wr.shutdown().await.ok()
+        wr.write_all(&out).await?;
+        wr.shutdown().await
     })
     .await;
 }

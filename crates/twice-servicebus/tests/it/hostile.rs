@@ -3,10 +3,12 @@
 //! serving others.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use twice_servicebus::ServerOptions;
 use twice_servicebus::codec::Value;
 use twice_servicebus::frame::{self, FrameReader};
 use twice_servicebus::mapping::encode_message;
@@ -270,4 +272,40 @@ async fn a_decode_bomb_before_authentication_leaves_the_server_serving() {
     // Others are served as before.
     let mut good = Raw::open(server.addr, 65536).await;
     good.attach("s", 0, false, "q1", 0).await;
+}
+
+#[tokio::test]
+async fn half_open_connections_do_not_lock_out_real_clients() {
+    let server = TestServer::start_with(ServerOptions::new().max_connections(2), None).await;
+    // Sockets that complete the protocol header and never send `open`.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(server.addr).await.unwrap();
+        s.write_all(&frame::AMQP_HEADER).await.unwrap();
+        let mut header = [0u8; 8];
+        s.read_exact(&mut header).await.unwrap();
+        idle.push(s);
+    }
+    // A real client still gets in.
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("s", 0, false, "q1", 0).await;
+    drop(idle);
+}
+
+#[tokio::test]
+async fn a_client_that_never_sends_open_is_disconnected() {
+    let options = ServerOptions::new().handshake_timeout(Duration::from_millis(200));
+    let server = TestServer::start_with(options, None).await;
+    let mut s = TcpStream::connect(server.addr).await.unwrap();
+    s.write_all(&frame::AMQP_HEADER).await.unwrap();
+    let mut header = [0u8; 8];
+    s.read_exact(&mut header).await.unwrap();
+    assert_eq!(header, frame::AMQP_HEADER);
+    // The server ends the connection; nothing else comes.
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(crate::wire::TIMEOUT, s.read_to_end(&mut rest))
+        .await
+        .expect("disconnected in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "nothing but the end: {rest:?}");
 }
