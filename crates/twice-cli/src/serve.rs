@@ -40,7 +40,8 @@ pub(crate) struct ServeArgs {
     #[arg(long = "sas-key", value_name = "NAME=KEY", value_parser = parse_key)]
     sas_keys: Vec<(String, String)>,
     /// The most connections served at once; one more is answered with
-    /// `amqp:resource-limit-exceeded`.
+    /// `amqp:resource-limit-exceeded`. Capped so that connections never exhaust the
+    /// process's file descriptors (whose soft limit is raised to the hard limit at start).
     #[arg(long, value_name = "N", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_connections: u32,
@@ -94,11 +95,32 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         keys
     };
+    let default_key = args.sas_keys.is_empty();
+    let fds = raise_descriptor_limit();
+    let (max_connections, max_pending) = connection_limits(
+        usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        ServerOptions::new().get_max_pending_connections(),
+        fds,
+    );
+    if max_connections < usize::try_from(args.max_connections).unwrap_or(usize::MAX) {
+        eprintln!(
+            "warning: serving at most {max_connections} connections, not {}: the process may open {} files",
+            args.max_connections,
+            fds.unwrap_or(0)
+        );
+    }
+    if default_key && !args.amqp.ip().is_loopback() {
+        eprintln!(
+            "warning: listening on {} with the emulator's well-known key: anyone who can reach this address can use every entity; give your own key with --sas-key NAME=KEY",
+            args.amqp
+        );
+    }
     let server_options = ServerOptions::new()
         .amqp_addr(args.amqp)
         .http_addr(if args.no_http { None } else { Some(args.http) })
         .keys(keys)
-        .max_connections(usize::try_from(args.max_connections).unwrap_or(usize::MAX))
+        .max_connections(max_connections)
+        .max_pending_connections(max_pending)
         .max_frame_size(args.max_frame_size)
         .max_links_per_session(usize::try_from(args.max_links_per_session).unwrap_or(usize::MAX))
         .max_unsettled_per_link(args.max_unsettled_per_link);
@@ -114,12 +136,48 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             "health and metrics: http://{http}/health  http://{http}/metrics  http://{http}/entities"
         );
     }
-    println!("connection string: {}", server.connection_string());
+    println!(
+        "connections: at most {max_connections} at once, {max_pending} more in their handshake"
+    );
+    if default_key {
+        println!("connection string: {}", server.connection_string());
+    } else {
+        // A key of the user's own is a secret: it is not printed.
+        let name = args.sas_keys.first().map_or("", |(name, _)| name.as_str());
+        println!(
+            "connection string: Endpoint=sb://localhost:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            server.amqp_addr().port()
+        );
+    }
     println!("ready in {} ms; Ctrl-C stops", started.elapsed().as_millis());
     server.run(shutdown_signal()).await.context("serving")?;
     broker.shutdown().await;
-    println!("twice serve: stopped; every acknowledged message is on disk");
+    if args.in_memory {
+        println!("twice serve: stopped; in memory, nothing was kept");
+    } else {
+        println!("twice serve: stopped; every acknowledged message is on disk");
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Descriptors kept apart for the broker's files, the listeners, the HTTP side port and the
+/// runtime, whatever the number of connections.
+const RESERVED_DESCRIPTORS: u64 = 64;
+
+/// Raises the soft limit on open files to the hard limit; returns the limit now in force
+/// (`None` when it cannot be read).
+fn raise_descriptor_limit() -> Option<u64> {
+    rlimit::increase_nofile_limit(u64::MAX).ok()
+}
+
+/// The connection limits that fit in `fds` descriptors: each connection, pending or served,
+/// holds one, and [`RESERVED_DESCRIPTORS`] stay free for everything else.
+fn connection_limits(connections: usize, pending: usize, fds: Option<u64>) -> (usize, usize) {
+    let Some(fds) = fds else { return (connections, pending) };
+    let budget = usize::try_from(fds.saturating_sub(RESERVED_DESCRIPTORS)).unwrap_or(usize::MAX);
+    let pending = pending.min(budget / 4).max(1);
+    let connections = connections.min(budget.saturating_sub(pending)).max(1);
+    (connections, pending)
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use twice::{LockToken, ReceivedMessage, SessionId, SharedClock};
 use uuid::Uuid;
 
@@ -48,8 +48,6 @@ const SESSION_WINDOW: u32 = 5000;
 const PUMP_WAIT: Duration = Duration::from_secs(30);
 /// How long an accept-next-session waits when the client gives no `com.microsoft:timeout`.
 const DEFAULT_SESSION_WAIT: Duration = Duration::from_secs(65);
-/// How long the opening handshake may take.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most settlements a settler takes from its queue at once.
 const SETTLE_BATCH: usize = 1024;
 /// The most messages a pump asks for in one receive, whatever the credit.
@@ -74,6 +72,8 @@ pub(crate) mod cond {
     pub(crate) const ARGUMENT: &str = "com.microsoft:argument-error";
     pub(crate) const ALREADY_EXISTS: &str = "com.microsoft:entity-already-exists";
     pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
+    pub(crate) const UNATTACHED_HANDLE: &str = "amqp:session:unattached-handle";
+    pub(crate) const TRANSFER_LIMIT: &str = "amqp:link:transfer-limit-exceeded";
 }
 
 /// The AMQP error for a broker refusal.
@@ -524,7 +524,27 @@ struct Conn<B: Backend> {
     heard: bool,
 }
 
+/// What a connection needs to be let in: the pending slot it holds during its handshake, and
+/// the connection slots it takes one of once it has sent `open`.
+pub(crate) struct Admission {
+    pub(crate) handshake: OwnedSemaphorePermit,
+    pub(crate) slots: Arc<Semaphore>,
+}
+
+/// Counts a connection as open for as long as it lives.
+struct Opened<'a>(&'a Metrics);
+
+impl Drop for Opened<'_> {
+    fn drop(&mut self) {
+        self.0.connection_closed();
+    }
+}
+
 /// Serves one connection until it closes, the peer goes silent, or `shutdown` fires.
+///
+/// The handshake (protocol headers, SASL, `open`) must finish within the handshake timeout.
+/// A connection over the connection limit is then answered with `open` and a `close` carrying
+/// `amqp:resource-limit-exceeded`, so the client sees why (a quota error) instead of a reset.
 ///
 /// # Cancel safety
 ///
@@ -534,19 +554,34 @@ pub(crate) async fn serve<B, IO>(
     io: IO,
     shared: Arc<Shared<B>>,
     mut shutdown: watch::Receiver<bool>,
+    admission: Admission,
 ) where
     B: Backend,
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let (rd, mut wr) = tokio::io::split(io);
-    let mut reader = FrameReader::new(rd, shared.options.max_frame_size);
-    let sasl_ok =
-        match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut reader, &mut wr, &shared))
-            .await
-        {
-            Ok(Ok(all)) => all,
+    // Until `open` has negotiated a frame size, frames are at most 512 bytes (AMQP 1.0 section
+    // 2.4.1): an unauthenticated peer cannot make the server buffer more.
+    let mut reader = FrameReader::new(rd, frame::MIN_MAX_FRAME_SIZE);
+    let opening = async {
+        let sasl_ok = handshake(&mut reader, &mut wr, &shared).await?;
+        let first = reader.read_frame().await.map_err(|_| ())?;
+        Ok::<_, ()>((sasl_ok, first))
+    };
+    let (sasl_ok, first) =
+        match tokio::time::timeout(shared.options.handshake_timeout, opening).await {
+            Ok(Ok(opened)) => opened,
             Ok(Err(())) | Err(_) => return,
         };
+    let Ok(_slot) = admission.slots.try_acquire_owned() else {
+        tracing::warn!("connection refused: the connection limit is reached");
+        drop(admission.handshake);
+        refuse(&first, &mut wr, &shared).await;
+        return;
+    };
+    drop(admission.handshake);
+    shared.metrics.connection_opened();
+    let _opened = Opened(&shared.metrics);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut conn = Conn {
         shared: shared.clone(),
@@ -560,10 +595,6 @@ pub(crate) async fn serve<B, IO>(
         heard: true,
     };
     // The first frame must be `open`.
-    let first = match reader.read_frame().await {
-        Ok(f) => f,
-        Err(_) => return,
-    };
     let (heartbeat, idle_ticks) = match conn.on_open(&first) {
         Ok(v) => v,
         Err(end) => {
@@ -575,6 +606,7 @@ pub(crate) async fn serve<B, IO>(
         return;
     }
     conn.out.buf.clear();
+    reader.set_max_frame_size(shared.options.max_frame_size);
     let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
     let mut silent_ticks = 0u32;
@@ -634,31 +666,27 @@ pub(crate) async fn serve<B, IO>(
     conn.finish(&mut wr, end).await;
 }
 
-/// Answers a connection over the limit: the handshake, then `open` and a `close` with
-/// `amqp:resource-limit-exceeded`, so the client sees why (a quota error) instead of a reset.
+/// Answers a connection over the limit whose first frame was `open`: `open` and a `close`
+/// with `amqp:resource-limit-exceeded`.
 ///
 /// # Cancel safety
 ///
 /// Dropping the future drops the connection.
-pub(crate) async fn refuse<B, IO>(io: IO, shared: Arc<Shared<B>>, error: AmqpError)
-where
-    B: Backend,
-    IO: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    let (rd, mut wr) = tokio::io::split(io);
-    let mut reader = FrameReader::new(rd, shared.options.max_frame_size);
+async fn refuse<B: Backend, W: AsyncWrite + Unpin>(first: &Frame, wr: &mut W, shared: &Shared<B>) {
+    if !matches!(Performative::decode(&first.body), Ok((Performative::Open(_), _))) {
+        return;
+    }
+    let error = AmqpError::new(
+        cond::RESOURCE_LIMIT,
+        format!("the server serves at most {} connections", shared.options.max_connections),
+    );
+    let mut out = Vec::new();
+    let open = Open { container_id: "twice".into(), max_frame_size: 65536, ..Open::default() };
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Close(Some(error)), &[]);
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        handshake(&mut reader, &mut wr, &shared).await.ok()?;
-        let f = reader.read_frame().await.ok()?;
-        if !matches!(Performative::decode(&f.body), Ok((Performative::Open(_), _))) {
-            return None;
-        }
-        let mut out = Vec::new();
-        let open = Open { container_id: "twice".into(), max_frame_size: 65536, ..Open::default() };
-        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
-        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Close(Some(error)), &[]);
-        wr.write_all(&out).await.ok()?;
-        wr.shutdown().await.ok()
+        wr.write_all(&out).await?;
+        wr.shutdown().await
     })
     .await;
 }
@@ -998,6 +1026,10 @@ impl<B: Backend> Conn<B> {
     fn on_resolved(&mut self, link: u64, kind: Option<EntityKind>) {
         let Some(&(ch, handle)) = self.links.get(&link) else { return };
         let Some(l) = self.sessions.get(&ch).and_then(|s| s.links.get(&handle)) else { return };
+        if l.detached {
+            // Refused meanwhile (a transfer beyond its credit).
+            return;
+        }
         let (e, node) = match &l.node {
             Node::Cbs => return,
             Node::Management(e) | Node::Entity(e) => (e.clone(), l.node.clone()),
@@ -1085,6 +1117,13 @@ impl<B: Backend> Conn<B> {
         let events = self.events.clone();
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         let Some(l) = s.links.get_mut(&handle) else { return };
+        if l.detached {
+            // Refused meanwhile: whatever was taken for it goes back.
+            if let Some(sess) = session {
+                tokio::spawn(async move { sess.close().await });
+            }
+            return;
+        }
         let mut source = l.attach.source.clone();
         let mut properties = None;
         if let Some(sess) = session {
@@ -1226,7 +1265,8 @@ impl<B: Backend> Conn<B> {
             self.out.flush(s);
             return;
         };
-        let Some(l) = s.links.get_mut(&handle) else {
+        // A flow for a link twice refused or detached changes nothing.
+        let Some(l) = s.links.get_mut(&handle).filter(|l| !l.detached) else {
             self.out.flush(s);
             return;
         };
@@ -1300,9 +1340,31 @@ impl<B: Backend> Conn<B> {
             let fl = sflow!(s);
             self.out.send(s.local_channel, &Performative::Flow(fl));
         }
-        let Some(l) = s.links.get_mut(&t.handle) else { return };
+        // A transfer on a handle that is not attached (never attached, or refused or detached
+        // by twice) is a session error (AMQP 1.0 section 2.7.5): nothing it carries is used.
+        let Some(l) = s.links.get_mut(&t.handle).filter(|l| !l.detached) else {
+            let error = AmqpError::new(
+                cond::UNATTACHED_HANDLE,
+                format!("transfer on handle {}, which is not attached", t.handle),
+            );
+            self.end_session(ch, error);
+            return;
+        };
         if l.client_receives {
             return;
+        }
+        if l.partial.is_none() {
+            // A new delivery takes one credit; one the client was not given ends the link.
+            if l.rx_credit == 0 {
+                let error = AmqpError::new(
+                    cond::TRANSFER_LIMIT,
+                    "transfer beyond the link credit the server granted",
+                );
+                self.link_error(ch, t.handle, error);
+                return;
+            }
+            l.rx_credit -= 1;
+            l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
         }
         let partial = l.partial.get_or_insert_with(|| Partial {
             delivery_id: t.delivery_id.unwrap_or(0),
@@ -1329,8 +1391,6 @@ impl<B: Backend> Conn<B> {
         if t.aborted {
             return;
         }
-        l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
-        l.rx_credit = l.rx_credit.saturating_sub(1);
         let node = l.node.clone();
         let link_id = l.id;
         let outcome = if done.oversize {
@@ -1713,6 +1773,26 @@ impl<B: Backend> Conn<B> {
             update_pump(l, max_unsettled);
         }
         send_echoes(&mut self.out, s.local_channel, ROLE_SENDER, results.into_iter());
+    }
+
+    /// Ends a session for a session error: `end` with the error, and everything it held goes.
+    fn end_session(&mut self, ch: u16, error: AmqpError) {
+        let Some(local) = self.sessions.get(&ch).map(|s| s.local_channel) else { return };
+        tracing::debug!(channel = ch, condition = %error.condition, "ending session");
+        self.drop_session(ch);
+        self.out.send(local, &Performative::End(Some(error)));
+    }
+
+    /// Ends a link for a link error: refused if twice has not answered its attach yet,
+    /// detached otherwise.
+    fn link_error(&mut self, ch: u16, handle: u32, error: AmqpError) {
+        let attached =
+            self.sessions.get(&ch).and_then(|s| s.links.get(&handle)).is_some_and(|l| l.attached);
+        if attached {
+            self.detach_with(ch, handle, error);
+        } else {
+            self.refuse(ch, handle, error);
+        }
     }
 
     /// Detaches a link twice's side ends (e.g. a session lock lost).

@@ -13,6 +13,8 @@ pub struct ServerOptions {
     pub(crate) keys: Keys,
     pub(crate) max_frame_size: u32,
     pub(crate) max_connections: usize,
+    pub(crate) max_pending_connections: usize,
+    pub(crate) handshake_timeout: Duration,
     pub(crate) max_links_per_session: usize,
     pub(crate) max_unsettled_per_link: u32,
     pub(crate) max_message_size: u64,
@@ -28,6 +30,8 @@ impl Default for ServerOptions {
             keys: Keys::emulator_default(),
             max_frame_size: 1024 * 1024,
             max_connections: 1024,
+            max_pending_connections: 256,
+            handshake_timeout: Duration::from_secs(10),
             max_links_per_session: 256,
             max_unsettled_per_link: 5000,
             max_message_size: 256 * 1024,
@@ -39,7 +43,8 @@ impl Default for ServerOptions {
 
 impl ServerOptions {
     /// The defaults: AMQP on 127.0.0.1:5673, HTTP on 127.0.0.1:5300, the emulator's key, 1 MiB
-    /// frames, 1024 connections, 256 links per session, 5000 unsettled deliveries per link,
+    /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 links
+    /// per session, 5000 unsettled deliveries per link,
     /// 256 KiB messages, 120 s idle timeout.
     pub fn new() -> Self {
         Self::default()
@@ -77,6 +82,23 @@ impl ServerOptions {
     #[must_use]
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
+        self
+    }
+
+    /// The most connections that may be in their handshake (protocol headers, SASL and `open`)
+    /// at once, apart from [`max_connections`](Self::max_connections); more are dropped
+    /// unanswered.
+    #[must_use]
+    pub fn max_pending_connections(mut self, n: usize) -> Self {
+        self.max_pending_connections = n.max(1);
+        self
+    }
+
+    /// How long a connection may take from its first byte to its `open`; a slower one is
+    /// dropped.
+    #[must_use]
+    pub fn handshake_timeout(mut self, d: Duration) -> Self {
+        self.handshake_timeout = d;
         self
     }
 
@@ -133,6 +155,16 @@ impl ServerOptions {
     /// The most connections served at once.
     pub fn get_max_connections(&self) -> usize {
         self.max_connections
+    }
+
+    /// The most connections in their handshake at once.
+    pub fn get_max_pending_connections(&self) -> usize {
+        self.max_pending_connections
+    }
+
+    /// How long a handshake may take.
+    pub fn get_handshake_timeout(&self) -> Duration {
+        self.handshake_timeout
     }
 
     /// The most links per session.

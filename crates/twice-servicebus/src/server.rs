@@ -15,10 +15,6 @@ use twice::SharedClock;
 use crate::backend::Backend;
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
-use crate::performative::AmqpError;
-
-/// How many connections over the limit are answered with a close at once.
-const MAX_REFUSING: usize = 16;
 
 /// What every connection shares.
 #[derive(Debug)]
@@ -128,8 +124,8 @@ impl<B: Backend> Server<B> {
     /// are dropped with the runtime.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
-        let permits = Arc::new(Semaphore::new(self.shared.options.max_connections));
-        let refusals = Arc::new(Semaphore::new(MAX_REFUSING));
+        let slots = Arc::new(Semaphore::new(self.shared.options.max_connections));
+        let pending = Arc::new(Semaphore::new(self.shared.options.max_pending_connections));
         let mut tasks = JoinSet::new();
         if let Some(http) = self.http {
             let shared = self.shared.clone();
@@ -142,6 +138,7 @@ impl<B: Backend> Server<B> {
             });
         }
         tokio::pin!(shutdown);
+        let mut accept_failures = 0u32;
         let result = loop {
             tokio::select! {
                 () = &mut shutdown => break Ok(()),
@@ -149,43 +146,37 @@ impl<B: Backend> Server<B> {
                     let (stream, _) = match accepted {
                         Ok(a) => a,
                         // Out of file descriptors and the like: wait and try again rather than
-                        // stopping the server.
+                        // stopping the server, backing off up to a second, with one warning
+                        // for a run of failures rather than one per attempt.
                         Err(e) if is_transient(&e) => {
-                            tracing::warn!(error = %e, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            if accept_failures == 0 {
+                                tracing::warn!(error = %e, "accept failed; retrying with backoff");
+                            } else {
+                                tracing::debug!(error = %e, failures = accept_failures, "accept failed");
+                            }
+                            let backoff = Duration::from_millis(5 << accept_failures.min(8));
+                            accept_failures = accept_failures.saturating_add(1);
+                            tokio::time::sleep(backoff.min(Duration::from_secs(1))).await;
                             continue;
                         }
                         Err(e) => break Err(ServerError::Accept(e)),
                     };
-                    let Ok(permit) = permits.clone().try_acquire_owned() else {
-                        tracing::warn!("connection refused: the connection limit is reached");
-                        // The client is told why (a quota error) rather than reset, by a few
-                        // refusals at a time: past that, a flood is dropped.
-                        if let Ok(refusing) = refusals.clone().try_acquire_owned() {
-                            let shared = self.shared.clone();
-                            let error = AmqpError::new(
-                                "amqp:resource-limit-exceeded",
-                                format!(
-                                    "the server serves at most {} connections",
-                                    shared.options.max_connections
-                                ),
-                            );
-                            tasks.spawn(async move {
-                                crate::connection::refuse(stream, shared, error).await;
-                                drop(refusing);
-                            });
-                        }
+                    if accept_failures > 0 {
+                        tracing::warn!(failures = accept_failures, "accepting connections again");
+                        accept_failures = 0;
+                    }
+                    // A connection in its handshake holds a pending slot, not a connection
+                    // slot: half-open sockets cannot lock out real clients, and past the
+                    // pending limit a flood is dropped unanswered.
+                    let Ok(handshake) = pending.clone().try_acquire_owned() else {
+                        tracing::debug!("connection dropped: too many connections in their handshake");
                         continue;
                     };
                     let _ = stream.set_nodelay(true);
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
-                    tasks.spawn(async move {
-                        shared.metrics.connection_opened();
-                        crate::connection::serve(stream, shared.clone(), stop).await;
-                        shared.metrics.connection_closed();
-                        drop(permit);
-                    });
+                    let admission = crate::connection::Admission { handshake, slots: slots.clone() };
+                    tasks.spawn(crate::connection::serve(stream, shared, stop, admission));
                     // Reap finished tasks so the set does not grow.
                     while tasks.try_join_next().is_some() {}
                 }

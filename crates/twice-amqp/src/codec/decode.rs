@@ -5,6 +5,16 @@ use uuid::Uuid;
 
 use super::{Array, MAX_DEPTH, Value};
 
+/// How many values a decoder may build per input byte, beyond [`BUDGET_BASE`].
+///
+/// Zero-width array elements (`null`, `true`, `uint0`...) take no bytes, and each element of a
+/// described array carries a copy of the descriptor, so without a budget a few bytes could
+/// build millions of values. Four per byte covers every encoding that is not such a bomb: the
+/// densest, a described array of one-byte elements, builds four values per element byte.
+pub const BUDGET_PER_BYTE: usize = 4;
+/// Values any decoder may build whatever its input's size.
+pub const BUDGET_BASE: usize = 256;
+
 /// Why bytes are not a valid AMQP value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -36,6 +46,9 @@ pub enum DecodeError {
     /// Values nested deeper than [`MAX_DEPTH`].
     #[error("values nested too deeply")]
     TooDeep,
+    /// The input describes more values than its size justifies (see [`BUDGET_PER_BYTE`]).
+    #[error("the input describes more values than its size allows")]
+    OverBudget,
 }
 
 /// Decodes one value from the start of `input`; returns it and the number of bytes it took.
@@ -51,12 +64,15 @@ pub struct Decoder<'a> {
     input: &'a [u8],
     pos: usize,
     depth: usize,
+    /// Values this decoder may still build.
+    budget: usize,
 }
 
 impl<'a> Decoder<'a> {
     /// A decoder at the start of `input`.
     pub fn new(input: &'a [u8]) -> Self {
-        Self { input, pos: 0, depth: 0 }
+        let budget = input.len().saturating_mul(BUDGET_PER_BYTE).saturating_add(BUDGET_BASE);
+        Self { input, pos: 0, depth: 0, budget }
     }
 
     /// How many bytes have been consumed.
@@ -76,6 +92,7 @@ impl<'a> Decoder<'a> {
 
     /// Decodes the next value.
     pub fn value(&mut self) -> Result<Value, DecodeError> {
+        self.charge(1)?;
         let code = self.u8()?;
         if code == 0x00 {
             return self.described();
@@ -84,11 +101,19 @@ impl<'a> Decoder<'a> {
     }
 
     fn described(&mut self) -> Result<Value, DecodeError> {
+        // The two boxes.
+        self.charge(1)?;
         self.enter()?;
         let descriptor = self.value()?;
         let value = self.value()?;
         self.depth -= 1;
         Ok(Value::Described(Box::new(descriptor), Box::new(value)))
+    }
+
+    /// Spends `n` values of the budget, before they are built.
+    fn charge(&mut self, n: usize) -> Result<(), DecodeError> {
+        self.budget = self.budget.checked_sub(n).ok_or(DecodeError::OverBudget)?;
+        Ok(())
     }
 
     fn enter(&mut self) -> Result<(), DecodeError> {
@@ -276,6 +301,13 @@ impl<'a> Decoder<'a> {
         if (zero_width && count > 4096) || (!zero_width && count > room) {
             return Err(DecodeError::CountTooLarge);
         }
+        // Every element is a value, and in a described array also a copy of the descriptor
+        // and the two boxes that hold them: all paid for before anything is built.
+        let per_element = match &descriptor {
+            Some(d) => 2 + d.nodes(),
+            None => 1,
+        };
+        self.charge(count.saturating_mul(per_element))?;
         let mut items = Vec::with_capacity(count);
         for _ in 0..count {
             let v = self.body(code)?;

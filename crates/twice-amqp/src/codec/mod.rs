@@ -11,7 +11,7 @@ mod encode;
 use bytes::Bytes;
 use uuid::Uuid;
 
-pub use decode::{DecodeError, Decoder, decode};
+pub use decode::{BUDGET_BASE, BUDGET_PER_BYTE, DecodeError, Decoder, decode};
 
 /// How deep lists, maps, arrays and described values may nest before decoding refuses.
 pub const MAX_DEPTH: usize = 48;
@@ -105,6 +105,19 @@ pub mod code {
 }
 
 impl Value {
+    /// How many values this one is made of (itself and everything it contains, at any depth):
+    /// what decoding it costs against the budget of [`BUDGET_PER_BYTE`].
+    pub fn nodes(&self) -> usize {
+        match self {
+            Value::Described(d, v) => 2 + d.nodes() + v.nodes(),
+            Value::List(items) => 1 + items.iter().map(Value::nodes).sum::<usize>(),
+            Value::Array(a) => 1 + a.items.iter().map(Value::nodes).sum::<usize>(),
+            Value::Map(pairs) => {
+                1 + pairs.iter().map(|(k, v)| k.nodes() + v.nodes()).sum::<usize>()
+            }
+            _ => 1,
+        }
+    }
     /// A symbol.
     pub fn symbol(s: impl Into<String>) -> Self {
         Value::Symbol(s.into())

@@ -12,12 +12,31 @@ use twice_servicebus::performative::{Open, Performative, SaslInit};
 struct Serve {
     child: Child,
     lines: Vec<String>,
+    /// What it prints after the banner, once it has ended.
+    rest: Option<std::thread::JoinHandle<String>>,
 }
 
 impl Serve {
     fn start(args: &[&str]) -> Serve {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_twice"));
-        command.args(["serve", "--amqp", "127.0.0.1:0"]);
+        Self::start_command(Command::new(env!("CARGO_BIN_EXE_twice")), args)
+    }
+
+    /// Starts it under a hard limit of `fds` open files, as a shell's `ulimit -n` sets.
+    fn start_with_descriptor_limit(fds: u32, args: &[&str]) -> Serve {
+        let mut command = Command::new("sh");
+        command.args([
+            "-c",
+            &format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
+            env!("CARGO_BIN_EXE_twice"),
+        ]);
+        Self::start_command(command, args)
+    }
+
+    fn start_command(mut command: Command, args: &[&str]) -> Serve {
+        command.arg("serve");
+        if !args.contains(&"--amqp") {
+            command.args(["--amqp", "127.0.0.1:0"]);
+        }
         if !args.contains(&"--no-http") {
             command.args(["--http", "127.0.0.1:0"]);
         }
@@ -44,11 +63,12 @@ impl Serve {
             }
         }
         // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || {
+        let rest = std::thread::spawn(move || {
             let mut rest = String::new();
             let _ = out.read_to_string(&mut rest);
+            rest
         });
-        Serve { child, lines }
+        Serve { child, lines, rest: Some(rest) }
     }
 
     fn http_addr(&self) -> String {
@@ -176,16 +196,18 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
         .expect("the AMQP address in the banner")
         .trim_end_matches(',')
         .to_owned();
-    let first = TcpStream::connect(&amqp).unwrap();
-    // The first connection is accepted before the second arrives.
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let mut second = TcpStream::connect(&amqp).unwrap();
     let mut hello = frame::SASL_HEADER.to_vec();
     let init = SaslInit { mechanism: "ANONYMOUS".into(), initial_response: None, hostname: None };
     frame::write_frame(&mut hello, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
     hello.extend_from_slice(&frame::AMQP_HEADER);
     let open = Open { container_id: "second".into(), ..Open::default() };
     frame::write_frame(&mut hello, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    // A connection counts once it has sent `open`: the first is served before the second
+    // arrives.
+    let mut first = TcpStream::connect(&amqp).unwrap();
+    first.write_all(&hello).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mut second = TcpStream::connect(&amqp).unwrap();
     second.write_all(&hello).unwrap();
     // Read what comes within a few seconds (heartbeats would keep a plain read going).
     let mut answer = Vec::new();
@@ -207,4 +229,63 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
     );
     drop(first);
     assert!(serve.terminate().success());
+}
+
+/// What `twice serve` wrote to stderr once it has ended.
+fn stderr_of(serve: &mut Serve) -> String {
+    let mut err = String::new();
+    let _ = serve.child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+    err
+}
+
+#[test]
+fn serve_prints_no_key_but_the_emulators_default() {
+    let mut serve = Serve::start(&["--in-memory", "--no-http", "--sas-key", "mine=s3cr3t-k3y"]);
+    let banner = serve.lines.join("\n");
+    assert!(banner.contains("SharedAccessKeyName=mine"), "{banner}");
+    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
+    let _ = serve.child.wait();
+    let err = stderr_of(&mut serve);
+    assert!(!banner.contains("s3cr3t-k3y") && !err.contains("s3cr3t-k3y"), "{banner}\n{err}");
+    // The emulator's well-known key is no secret: its connection string works as printed.
+    let default = Serve::start(&["--in-memory", "--no-http"]);
+    assert!(default.lines.join("\n").contains("SharedAccessKey=SAS_KEY_VALUE"));
+}
+
+#[test]
+fn serve_warns_when_the_default_key_is_reachable_beyond_loopback() {
+    let mut serve = Serve::start(&["--in-memory", "--no-http", "--amqp", "0.0.0.0:0"]);
+    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
+    let _ = serve.child.wait();
+    let err = stderr_of(&mut serve);
+    assert!(err.contains("warning") && err.contains("well-known key"), "{err}");
+    // On loopback there is nothing to warn about.
+    let mut local = Serve::start(&["--in-memory", "--no-http"]);
+    let _ = Command::new("kill").args(["-TERM", &local.child.id().to_string()]).status();
+    let _ = local.child.wait();
+    assert!(!stderr_of(&mut local).contains("well-known key"));
+}
+
+#[test]
+fn serve_in_memory_does_not_claim_anything_is_on_disk() {
+    let mut serve = Serve::start(&["--in-memory", "--no-http"]);
+    let banner = serve.lines.join("\n");
+    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
+    assert!(serve.child.wait().unwrap().success());
+    let rest = serve.rest.take().map(|t| t.join().unwrap()).unwrap_or_default();
+    assert!(rest.contains("stopped"), "{rest}");
+    let all = format!("{banner}\n{rest}\n{}", stderr_of(&mut serve));
+    assert!(!all.contains("on disk"), "{all}");
+}
+
+#[test]
+fn serve_keeps_its_connections_within_the_descriptor_limit() {
+    let serve = Serve::start_with_descriptor_limit(200, &["--in-memory", "--no-http"]);
+    let line =
+        serve.lines.iter().find(|l| l.starts_with("connections: at most")).expect("limits line");
+    let numbers: Vec<u64> =
+        line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    let (connections, pending) = (numbers[0], numbers[1]);
+    assert!(connections + pending < 200, "{line}");
+    assert!(connections >= 1 && pending >= 1, "{line}");
 }

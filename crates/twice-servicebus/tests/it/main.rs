@@ -7,6 +7,7 @@
 
 mod fuzz;
 mod harness;
+mod hostile;
 mod js_sdk;
 mod logs;
 mod python_sdk;

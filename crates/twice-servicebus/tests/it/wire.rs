@@ -20,16 +20,16 @@ use twice_servicebus::performative::{
 
 use crate::harness::TestServer;
 
-const TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A bare AMQP client: frames in, frames out.
-struct Raw {
-    reader: FrameReader<OwnedReadHalf>,
-    writer: tokio::net::tcp::OwnedWriteHalf,
+pub(crate) struct Raw {
+    pub(crate) reader: FrameReader<OwnedReadHalf>,
+    pub(crate) writer: tokio::net::tcp::OwnedWriteHalf,
 }
 
 impl Raw {
-    async fn connect(addr: SocketAddr) -> Self {
+    pub(crate) async fn connect(addr: SocketAddr) -> Self {
         let s = TcpStream::connect(addr).await.unwrap();
         let (r, w) = s.into_split();
         Self { reader: FrameReader::new(r, 16 * 1024 * 1024), writer: w }
@@ -37,7 +37,7 @@ impl Raw {
 
     /// SASL PLAIN with the server's key (which authorises every entity), then `open` and
     /// `begin` on channel 0.
-    async fn open(addr: SocketAddr, max_frame_size: u32) -> Self {
+    pub(crate) async fn open(addr: SocketAddr, max_frame_size: u32) -> Self {
         let begin = Begin {
             next_outgoing_id: 0,
             incoming_window: 10_000,
@@ -49,7 +49,7 @@ impl Raw {
 
     /// SASL PLAIN and `open`, then `begin` when given: everything pipelined in one write, as
     /// the SDKs do; returns once the server has answered each.
-    async fn hello(addr: SocketAddr, max_frame_size: u32, begin: Option<Begin>) -> Self {
+    pub(crate) async fn hello(addr: SocketAddr, max_frame_size: u32, begin: Option<Begin>) -> Self {
         let mut c = Self::connect(addr).await;
         let mut out = frame::SASL_HEADER.to_vec();
         let init = SaslInit {
@@ -80,13 +80,13 @@ impl Raw {
         c
     }
 
-    async fn send(&mut self, p: Performative, payload: &[u8]) {
+    pub(crate) async fn send(&mut self, p: Performative, payload: &[u8]) {
         let mut out = Vec::new();
         frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &p, payload);
         self.writer.write_all(&out).await.unwrap();
     }
 
-    async fn frame(&mut self) -> Frame {
+    pub(crate) async fn frame(&mut self) -> Frame {
         loop {
             let f = tokio::time::timeout(TIMEOUT, self.reader.read_frame())
                 .await
@@ -98,7 +98,7 @@ impl Raw {
         }
     }
 
-    async fn next(&mut self) -> (Performative, Bytes) {
+    pub(crate) async fn next(&mut self) -> (Performative, Bytes) {
         let f = self.frame().await;
         let (p, payload) = Performative::decode(&f.body).unwrap();
         let payload = Bytes::copy_from_slice(payload);
@@ -106,7 +106,7 @@ impl Raw {
     }
 
     /// Reads until the connection closes; returns the close frame's error condition, if any.
-    async fn closed_with(&mut self) -> Option<String> {
+    pub(crate) async fn closed_with(&mut self) -> Option<String> {
         let mut condition = None;
         loop {
             match tokio::time::timeout(TIMEOUT, self.reader.read_frame())
@@ -124,7 +124,7 @@ impl Raw {
         }
     }
 
-    async fn attach(
+    pub(crate) async fn attach(
         &mut self,
         name: &str,
         handle: u32,
@@ -159,7 +159,13 @@ impl Raw {
         }
     }
 
-    async fn flow(&mut self, handle: u32, delivery_count: u32, credit: u32, drain: bool) {
+    pub(crate) async fn flow(
+        &mut self,
+        handle: u32,
+        delivery_count: u32,
+        credit: u32,
+        drain: bool,
+    ) {
         let f = Flow {
             next_incoming_id: Some(0),
             incoming_window: 10_000,
@@ -175,7 +181,13 @@ impl Raw {
     }
 
     /// Sends a message on a sender link, split into frames of at most `chunk` payload bytes.
-    async fn transfer(&mut self, handle: u32, delivery_id: u32, payload: &[u8], chunk: usize) {
+    pub(crate) async fn transfer(
+        &mut self,
+        handle: u32,
+        delivery_id: u32,
+        payload: &[u8],
+        chunk: usize,
+    ) {
         let chunks: Vec<&[u8]> = payload.chunks(chunk).collect();
         for (i, c) in chunks.iter().enumerate() {
             let t = Transfer {
@@ -207,7 +219,7 @@ async fn wrong_protocol_header_gets_ours_and_a_close_while_others_keep_working()
 
 impl Raw {
     /// Reads the server's protocol header, then expects the connection to end.
-    async fn reader_header(&mut self, out: &mut [u8; 8]) {
+    pub(crate) async fn reader_header(&mut self, out: &mut [u8; 8]) {
         *out = tokio::time::timeout(TIMEOUT, self.reader.read_protocol_header())
             .await
             .unwrap()
@@ -371,12 +383,12 @@ async fn heartbeats_keep_an_idle_connection_open() {
 
 impl Raw {
     /// SASL PLAIN and `open`, without a session: returns once the server's `open` is read.
-    async fn opened(addr: SocketAddr) -> Self {
+    pub(crate) async fn opened(addr: SocketAddr) -> Self {
         Self::hello(addr, 65536, None).await
     }
 
     /// A session on channel 0 whose incoming window is `window` transfer frames.
-    async fn begin(&mut self, window: u32) {
+    pub(crate) async fn begin(&mut self, window: u32) {
         let begin = Begin {
             next_outgoing_id: 0,
             incoming_window: window,
@@ -388,7 +400,7 @@ impl Raw {
     }
 
     /// Sends `n` messages on sender link `handle` and reads the server's acceptances.
-    async fn send_messages(&mut self, handle: u32, n: u32) {
+    pub(crate) async fn send_messages(&mut self, handle: u32, n: u32) {
         for i in 0..n {
             let m = twice::Message::new(format!("m{i}")).with_message_id(format!("m{i}"));
             self.transfer(handle, i, &encode_message(&m), 65536).await;
@@ -405,7 +417,7 @@ impl Raw {
     }
 
     /// Reads `n` complete single-frame transfers; returns their delivery ids.
-    async fn transfers(&mut self, n: usize) -> Vec<u32> {
+    pub(crate) async fn transfers(&mut self, n: usize) -> Vec<u32> {
         let mut ids = Vec::new();
         while ids.len() < n {
             match self.next().await.0 {
@@ -420,7 +432,7 @@ impl Raw {
     }
 
     /// A session-level flow: the client's window is `window` frames from `next_incoming_id`.
-    async fn session_flow(&mut self, next_incoming_id: u32, window: u32, echo: bool) {
+    pub(crate) async fn session_flow(&mut self, next_incoming_id: u32, window: u32, echo: bool) {
         let f = Flow {
             next_incoming_id: Some(next_incoming_id),
             incoming_window: window,

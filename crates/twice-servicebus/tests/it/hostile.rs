@@ -1,0 +1,311 @@
+//! Raw AMQP clients that try to get around authorization, exhaust the server or feed it decode
+//! bombs: each test is one attack, and checks that it gains nothing and that the server keeps
+//! serving others.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use twice_servicebus::ServerOptions;
+use twice_servicebus::codec::Value;
+use twice_servicebus::frame::{self, FrameReader};
+use twice_servicebus::mapping::encode_message;
+use twice_servicebus::performative::{
+    Attach, Begin, Open, Performative, SaslInit, Transfer, described_list,
+};
+
+use crate::harness::TestServer;
+use crate::wire::Raw;
+
+impl Raw {
+    /// SASL ANONYMOUS (no key), `open` and `begin` on channel 0: a client that holds no token.
+    pub(crate) async fn anonymous(addr: SocketAddr) -> Self {
+        let s = TcpStream::connect(addr).await.unwrap();
+        let (r, w) = s.into_split();
+        let mut c = Self { reader: FrameReader::new(r, 16 * 1024 * 1024), writer: w };
+        let mut out = frame::SASL_HEADER.to_vec();
+        let init =
+            SaslInit { mechanism: "ANONYMOUS".into(), initial_response: None, hostname: None };
+        frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+        out.extend_from_slice(&frame::AMQP_HEADER);
+        let open = Open {
+            container_id: "anonymous".into(),
+            max_frame_size: 65536,
+            channel_max: u16::MAX,
+            ..Open::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+        let begin = Begin {
+            next_outgoing_id: 0,
+            incoming_window: 10_000,
+            outgoing_window: 10_000,
+            ..Begin::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Begin(begin), &[]);
+        c.writer.write_all(&out).await.unwrap();
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+        assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+        assert_eq!(c.next().await.0, Performative::SaslOutcome(0));
+        assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+        assert!(matches!(c.next().await.0, Performative::Open(_)));
+        assert!(matches!(c.next().await.0, Performative::Begin(_)));
+        c
+    }
+
+    /// Sends an attach and returns the server's answer: the attach, and the detach's error
+    /// condition when the link was refused.
+    pub(crate) async fn try_attach(
+        &mut self,
+        name: &str,
+        handle: u32,
+        client_receives: bool,
+        address: &str,
+    ) -> Option<String> {
+        let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+        let (source, target) = if client_receives {
+            (terminus(0x28, address), terminus(0x29, "me"))
+        } else {
+            (terminus(0x28, "me"), terminus(0x29, address))
+        };
+        let a = Attach {
+            name: name.into(),
+            handle,
+            role: client_receives,
+            snd_settle_mode: Some(0),
+            rcv_settle_mode: Some(0),
+            source: Some(source),
+            target: Some(target),
+            initial_delivery_count: (!client_receives).then_some(0),
+            ..Attach::default()
+        };
+        self.send(Performative::Attach(a), &[]).await;
+        match self.next().await.0 {
+            Performative::Attach(reply) => assert_eq!(reply.name, name),
+            other => panic!("expected attach, got {other:?}"),
+        }
+        match self.next().await.0 {
+            Performative::Detach(d) => Some(d.error.expect("a refusal says why").condition),
+            Performative::Flow(_) if !client_receives => None,
+            other => panic!("expected a detach or credit, got {other:?}"),
+        }
+    }
+
+    /// Reads until the session on channel 0 ends; returns the end's error condition.
+    pub(crate) async fn session_ended_with(&mut self) -> Option<String> {
+        loop {
+            match self.next().await.0 {
+                Performative::End(e) => return e.map(|e| e.condition),
+                Performative::Close(e) => {
+                    panic!("expected the session to end, the connection closed: {e:?}")
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// An `amqp-value` management request with an `operation` application property.
+fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    described_list(
+        0x73,
+        vec![Value::string("req-1"), Value::Null, Value::Null, Value::Null, Value::string("me")],
+    )
+    .encode(&mut out);
+    Value::described(
+        0x74,
+        Value::Map(vec![(Value::string("operation"), Value::string(operation))]),
+    )
+    .encode(&mut out);
+    Value::described(0x77, body).encode(&mut out);
+    out
+}
+
+/// `GET path` on the server's HTTP port; returns the body.
+pub(crate) async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+#[tokio::test]
+async fn a_client_without_a_token_cannot_send_through_a_refused_link() {
+    let server = TestServer::start().await;
+    let mut c = Raw::anonymous(server.addr).await;
+    let refused = c.try_attach("s", 0, false, "q1").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+    // The client sends on the refused link as if it had been attached.
+    let m = encode_message(&twice::Message::new("sneaked").with_message_id("x"));
+    c.transfer(0, 0, &m, 65536).await;
+    assert_eq!(c.session_ended_with().await.as_deref(), Some("amqp:session:unattached-handle"));
+    assert_eq!(server.broker.counts("q1").await.unwrap().active, 0, "nothing reached q1");
+}
+
+#[tokio::test]
+async fn a_client_without_a_token_cannot_run_management_operations() {
+    let server = TestServer::start().await;
+    server.broker.send("q2", twice::Message::new("kept").with_message_id("k")).await.unwrap();
+    let mut c = Raw::anonymous(server.addr).await;
+    let refused = c.try_attach("m", 0, false, "q2/$management").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+    // Receive-by-sequence-number in receive-and-delete mode would take the message away.
+    let body = Value::Map(vec![
+        (
+            Value::string("sequence-numbers"),
+            Value::Array(twice_servicebus::codec::Array {
+                code: 0x81,
+                items: vec![Value::Long(1)],
+            }),
+        ),
+        (Value::string("receiver-settle-mode"), Value::Uint(0)),
+    ]);
+    let request = mgmt_request("com.microsoft:receive-by-sequence-number", body);
+    c.transfer(0, 0, &request, 65536).await;
+    assert_eq!(c.session_ended_with().await.as_deref(), Some("amqp:session:unattached-handle"));
+    assert_eq!(server.broker.counts("q2").await.unwrap().active, 1, "the message is still there");
+}
+
+#[tokio::test]
+async fn made_up_entity_names_leave_no_trace_in_the_metrics() {
+    let server = TestServer::start().await;
+    for i in 0..3 {
+        let mut c = Raw::anonymous(server.addr).await;
+        let address = format!("madeup{i}/$management");
+        assert!(c.try_attach("m", 0, false, &address).await.is_some(), "refused");
+        let body = Value::Map(vec![
+            (
+                Value::string("lock-tokens"),
+                Value::Array(twice_servicebus::codec::Array {
+                    code: 0x98,
+                    items: vec![Value::Uuid(uuid::Uuid::new_v4())],
+                }),
+            ),
+            (Value::string("disposition-status"), Value::string("completed")),
+        ]);
+        let request = mgmt_request("com.microsoft:update-disposition", body);
+        c.transfer(0, 0, &request, 65536).await;
+        assert_eq!(c.session_ended_with().await.as_deref(), Some("amqp:session:unattached-handle"));
+    }
+    let metrics = http_get(server.http, "/metrics").await;
+    assert!(metrics.contains("HTTP/1.1 200"), "{metrics}");
+    assert!(!metrics.contains("madeup"), "{metrics}");
+}
+
+#[tokio::test]
+async fn a_transfer_on_a_handle_never_attached_ends_the_session() {
+    let server = TestServer::start().await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    let t = Transfer {
+        handle: 7,
+        delivery_id: Some(0),
+        delivery_tag: Some(Bytes::from_static(b"t")),
+        message_format: Some(0),
+        ..Transfer::default()
+    };
+    c.send(Performative::Transfer(t), &encode_message(&twice::Message::new("x"))).await;
+    assert_eq!(c.session_ended_with().await.as_deref(), Some("amqp:session:unattached-handle"));
+    // The connection is still good: a new session works.
+    c.begin(100).await;
+}
+
+#[tokio::test]
+async fn frames_before_open_are_limited_to_512_bytes() {
+    let server = TestServer::start().await;
+    let mut c = Raw::connect(server.addr).await;
+    let mut out = frame::SASL_HEADER.to_vec();
+    // The right key, in a sasl-init padded past the 512 bytes allowed before `open`.
+    let init = SaslInit {
+        mechanism: "PLAIN".into(),
+        initial_response: Some(Bytes::from_static(b"\0RootManageSharedAccessKey\0SAS_KEY_VALUE")),
+        hostname: Some("h".repeat(600)),
+    };
+    frame::write_frame(&mut out, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
+    assert!(out.len() > 8 + 512);
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+    assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+    let next = tokio::time::timeout(crate::wire::TIMEOUT, c.reader.read_frame()).await.unwrap();
+    assert!(next.is_err(), "the connection ends without an outcome: {next:?}");
+}
+
+#[tokio::test]
+async fn a_decode_bomb_before_authentication_leaves_the_server_serving() {
+    let server = TestServer::start().await;
+    // A sasl-init whose initial response is an array of 4096 values, each described by an
+    // array of 4096 values, each described by an array of 4096 nulls.
+    let zero_width = {
+        let mut b = vec![0xf0];
+        b.extend_from_slice(&5u32.to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b.push(0x40);
+        b
+    };
+    let described = |descriptor: &[u8]| {
+        let mut b = vec![0xf0];
+        b.extend_from_slice(&u32::try_from(6 + descriptor.len()).unwrap().to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b.push(0x00);
+        b.extend_from_slice(descriptor);
+        b.push(0x40);
+        b
+    };
+    let bomb = described(&described(&zero_width));
+    let mut fields = vec![0xa3, 5];
+    fields.extend_from_slice(b"PLAIN");
+    fields.extend_from_slice(&bomb);
+    let mut body = vec![0x00, 0x53, 0x41, 0xc0, u8::try_from(fields.len() + 1).unwrap(), 2];
+    body.extend_from_slice(&fields);
+    let mut out = frame::SASL_HEADER.to_vec();
+    out.extend_from_slice(&u32::try_from(8 + body.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(&[2, frame::TYPE_SASL, 0, 0]);
+    out.extend_from_slice(&body);
+    let mut c = Raw::connect(server.addr).await;
+    c.writer.write_all(&out).await.unwrap();
+    assert_eq!(c.reader.read_protocol_header().await.unwrap(), frame::SASL_HEADER);
+    assert!(matches!(c.next().await.0, Performative::SaslMechanisms(_)));
+    let next = tokio::time::timeout(crate::wire::TIMEOUT, c.reader.read_frame()).await.unwrap();
+    assert!(next.is_err(), "the bomb ends its connection: {next:?}");
+    // Others are served as before.
+    let mut good = Raw::open(server.addr, 65536).await;
+    good.attach("s", 0, false, "q1", 0).await;
+}
+
+#[tokio::test]
+async fn half_open_connections_do_not_lock_out_real_clients() {
+    let server = TestServer::start_with(ServerOptions::new().max_connections(2), None).await;
+    // Sockets that complete the protocol header and never send `open`.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(server.addr).await.unwrap();
+        s.write_all(&frame::AMQP_HEADER).await.unwrap();
+        let mut header = [0u8; 8];
+        s.read_exact(&mut header).await.unwrap();
+        idle.push(s);
+    }
+    // A real client still gets in.
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("s", 0, false, "q1", 0).await;
+    drop(idle);
+}
+
+#[tokio::test]
+async fn a_client_that_never_sends_open_is_disconnected() {
+    let options = ServerOptions::new().handshake_timeout(Duration::from_millis(200));
+    let server = TestServer::start_with(options, None).await;
+    let mut s = TcpStream::connect(server.addr).await.unwrap();
+    s.write_all(&frame::AMQP_HEADER).await.unwrap();
+    let mut header = [0u8; 8];
+    s.read_exact(&mut header).await.unwrap();
+    assert_eq!(header, frame::AMQP_HEADER);
+    // The server ends the connection; nothing else comes.
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(crate::wire::TIMEOUT, s.read_to_end(&mut rest))
+        .await
+        .expect("disconnected in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "nothing but the end: {rest:?}");
+}
