@@ -4,8 +4,36 @@
 //!   when the harness is dropped, so tests run in parallel without sharing tables.
 //! - [`require_service`]: the rule for tests whose server is down: fail when `CI` is set,
 //!   skip with a printed reason otherwise.
+//! - [`proxy`]: a TCP proxy whose connections a test can cut.
+//! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
 
 pub mod db;
+pub mod proxy;
+pub mod rabbitmq;
+
+/// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
+/// runtime; failures are printed, since a leftover test queue or stream is harmless.
+pub(crate) fn run_cleanup<F, Fut, E>(what: &'static str, f: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let joined = std::thread::spawn(move || {
+        match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => {
+                if let Err(e) = rt.block_on(f()) {
+                    eprintln!("{what} clean-up failed: {e}");
+                }
+            }
+            Err(e) => eprintln!("{what} clean-up failed: {e}"),
+        }
+    })
+    .join();
+    if joined.is_err() {
+        eprintln!("{what} clean-up panicked");
+    }
+}
 
 /// What a test does when the server it needs is unreachable: with `CI` set it panics (the test
 /// fails); otherwise it prints why it skips and returns `None`.
