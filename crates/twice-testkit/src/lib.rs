@@ -6,8 +6,10 @@
 //!   skip with a printed reason otherwise.
 //! - [`proxy`]: a TCP proxy whose connections a test can cut.
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
+//! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
 
 pub mod db;
+pub mod nats;
 pub mod proxy;
 pub mod rabbitmq;
 
