@@ -4,10 +4,12 @@
 //!   when the harness is dropped, so tests run in parallel without sharing tables.
 //! - [`require_service`]: the rule for tests whose server is down: fail when `CI` is set,
 //!   skip with a printed reason otherwise.
+//! - [`conformance`]: the suite every transport passes with each inbox store.
 //! - [`proxy`]: a TCP proxy whose connections a test can cut.
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
 //! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
 
+pub mod conformance;
 pub mod db;
 pub mod nats;
 pub mod proxy;
