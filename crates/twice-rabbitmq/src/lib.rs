@@ -240,6 +240,8 @@ struct Inner {
     info: EntityInfo,
     dead_letter_queue: String,
     generations: AtomicU64,
+    /// Deliveries handed out and neither settled nor expired.
+    held: Arc<AtomicU64>,
     // Tokio mutexes: held across the awaits of connecting and of waiting for a delivery.
     link: tokio::sync::Mutex<Option<Arc<Link>>>,
     consuming: tokio::sync::Mutex<Option<Consuming>>,
@@ -332,6 +334,7 @@ impl RabbitMqTransport {
                 info,
                 dead_letter_queue,
                 generations: AtomicU64::new(0),
+                held: Arc::default(),
                 link: tokio::sync::Mutex::new(None),
                 consuming: tokio::sync::Mutex::new(None),
             }),
@@ -527,6 +530,12 @@ impl RabbitMqTransport {
         Ok(u64::from(declared.message_count()))
     }
 
+    /// How many deliveries this transport has handed out that are neither settled nor past
+    /// their lock: with [`RabbitMqTransport::ready_count`], the messages not yet done.
+    pub fn unsettled(&self) -> u64 {
+        self.inner.held.load(Ordering::SeqCst)
+    }
+
     /// Closes the connection; deliveries not settled go back to the queue.
     pub async fn close(&self) {
         let _ = self.inner.consuming.lock().await.take();
@@ -554,6 +563,7 @@ impl RabbitMqTransport {
         let lock = Arc::new(Lock::new(
             now + self.inner.options.lock_duration,
             now + self.inner.options.consumer_timeout,
+            Arc::clone(&self.inner.held),
         ));
         message.lock_token = Some(twice::LockToken::random());
         message.locked_until = Some(lock.locked_until());

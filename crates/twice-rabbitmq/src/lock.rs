@@ -1,6 +1,6 @@
 //! The lock this transport keeps for RabbitMQ, which has none with a duration.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lapin::options::BasicNackOptions;
@@ -13,16 +13,20 @@ pub(crate) struct Lock {
     locked_until: AtomicI64,
     /// No renewal goes past this: the broker's `consumer_timeout` after the delivery.
     limit: Timestamp,
+    /// The transport's count of locks held, which this lock is part of until it ends.
+    held: Arc<AtomicU64>,
     // A std Mutex: set once and taken once, never held across an await.
     expiry: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 impl Lock {
-    pub(crate) fn new(until: Timestamp, limit: Timestamp) -> Self {
+    pub(crate) fn new(until: Timestamp, limit: Timestamp, held: Arc<AtomicU64>) -> Self {
+        held.fetch_add(1, Ordering::SeqCst);
         Self {
             settled: AtomicBool::new(false),
             locked_until: AtomicI64::new(until.min(limit).as_millis()),
             limit,
+            held,
             expiry: Mutex::new(None),
         }
     }
@@ -39,6 +43,7 @@ impl Lock {
         }
         let taken = self.settled.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst);
         if taken.is_ok() {
+            self.held.fetch_sub(1, Ordering::SeqCst);
             if let Some(task) =
                 self.expiry.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
             {
@@ -74,6 +79,7 @@ impl Lock {
                 let expired =
                     this.settled.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst);
                 if expired.is_ok() {
+                    this.held.fetch_sub(1, Ordering::SeqCst);
                     let requeue = BasicNackOptions { requeue: true, ..BasicNackOptions::default() };
                     // A failure means the channel is gone, and the broker requeued it anyway.
                     let _ = acker.nack(requeue).await;

@@ -119,11 +119,14 @@ async fn an_expired_lock_requeues_the_message_with_a_higher_count() {
     };
     t.send(Message::new("x").with_message_id("m")).await.unwrap();
     let d = receive_one(&t).await;
+    assert_eq!(t.unsettled(), 1);
     clock.advance(Duration::from_secs(11));
     let again = receive_one(&t).await;
     assert_eq!(again.message().delivery_count, 2);
+    assert_eq!(t.unsettled(), 1, "the expired delivery is no longer held");
     assert!(t.complete(&d).await.unwrap_err().is_lock_lost(), "the old delivery lost its lock");
     t.complete(&again).await.unwrap();
+    assert_eq!(t.unsettled(), 0);
 }
 
 #[tokio::test]
