@@ -77,7 +77,7 @@ impl PgDatabase {
 impl Drop for PgDatabase {
     fn drop(&mut self) {
         let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        run_admin(move || async move {
+        crate::run_cleanup("test database", move || async move {
             let mut conn = PgConnectOptions::from_str(POSTGRES_URL)?.connect().await?;
             sqlx::query(&sql).execute(&mut conn).await?;
             conn.close().await
@@ -139,7 +139,7 @@ impl MariaDatabase {
 impl Drop for MariaDatabase {
     fn drop(&mut self) {
         let sql = format!("DROP DATABASE IF EXISTS {}", self.name);
-        run_admin(move || async move {
+        crate::run_cleanup("test database", move || async move {
             let mut conn = MySqlConnectOptions::from_str(MARIADB_URL)?.connect().await?;
             sqlx::query(&sql).execute(&mut conn).await?;
             conn.close().await
@@ -188,29 +188,5 @@ impl SqliteDatabase {
             .acquire_timeout(Duration::from_secs(60))
             .connect_with(self.options())
             .await
-    }
-}
-
-/// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
-/// runtime; failures are printed, since a leftover test database is harmless.
-fn run_admin<F, Fut>(f: F)
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = Result<(), sqlx::Error>>,
-{
-    let joined = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
-        match rt {
-            Ok(rt) => {
-                if let Err(e) = rt.block_on(f()) {
-                    eprintln!("test database clean-up failed: {e}");
-                }
-            }
-            Err(e) => eprintln!("test database clean-up failed: {e}"),
-        }
-    })
-    .join();
-    if joined.is_err() {
-        eprintln!("test database clean-up panicked");
     }
 }

@@ -6,9 +6,41 @@
 //!   skip with a printed reason otherwise.
 //! - [`process`]: child processes for crash tests: an example binary that is never stale, and
 //!   a child killed with SIGKILL.
+//! - [`conformance`]: the suite every transport passes with each inbox store.
+//! - [`proxy`]: a TCP proxy whose connections a test can cut.
+//! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
+//! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
 
+pub mod conformance;
 pub mod db;
+pub mod nats;
 pub mod process;
+pub mod proxy;
+pub mod rabbitmq;
+
+/// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
+/// runtime; failures are printed, since a leftover test queue or stream is harmless.
+pub(crate) fn run_cleanup<F, Fut, E>(what: &'static str, f: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let joined = std::thread::spawn(move || {
+        match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => {
+                if let Err(e) = rt.block_on(f()) {
+                    eprintln!("{what} clean-up failed: {e}");
+                }
+            }
+            Err(e) => eprintln!("{what} clean-up failed: {e}"),
+        }
+    })
+    .join();
+    if joined.is_err() {
+        eprintln!("{what} clean-up panicked");
+    }
+}
 
 /// What a test does when the server it needs is unreachable: with `CI` set it panics (the test
 /// fails); otherwise it prints why it skips and returns `None`.

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use twice::{
-    DeadLetterReason, EntityInfo, MessageId, Properties, ReceivedMessage, Timestamp, Transport,
-    TransportError,
+    DeadLetterReason, Delivery as _, EntityInfo, MessageId, Properties, ReceivedMessage, Timestamp,
+    Transport, TransportError,
 };
-use twice_broker::Receiver;
 
+use super::broker::{DemoDelivery, DemoTransport};
 use super::plan::Plan;
 
 /// The faults planned for one message id.
@@ -53,17 +53,17 @@ impl FaultTable {
     }
 }
 
-/// A [`Receiver`] whose completions and renewals fail as planned.
+/// A [`DemoTransport`] whose completions and renewals fail as planned.
 #[derive(Debug)]
 pub(crate) struct FaultyReceiver {
-    inner: Receiver,
+    inner: Arc<DemoTransport>,
     faults: Arc<FaultTable>,
     lost_completions: AtomicU64,
     failed_renewals: AtomicU64,
 }
 
 impl FaultyReceiver {
-    pub(crate) fn new(inner: Receiver, faults: Arc<FaultTable>) -> Self {
+    pub(crate) fn new(inner: Arc<DemoTransport>, faults: Arc<FaultTable>) -> Self {
         Self {
             inner,
             faults,
@@ -83,7 +83,7 @@ impl FaultyReceiver {
 }
 
 impl Transport for FaultyReceiver {
-    type Delivery = ReceivedMessage;
+    type Delivery = DemoDelivery;
 
     fn entity(&self) -> &EntityInfo {
         self.inner.entity()
@@ -93,12 +93,12 @@ impl Transport for FaultyReceiver {
         &self,
         max: usize,
         max_wait: Duration,
-    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+    ) -> Result<Vec<DemoDelivery>, TransportError> {
         self.inner.receive(max, max_wait).await
     }
 
-    async fn complete(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
-        if self.first_delivery_with(d, |f| f.crash_after_commit) {
+    async fn complete(&self, d: &DemoDelivery) -> Result<(), TransportError> {
+        if self.first_delivery_with(d.message(), |f| f.crash_after_commit) {
             // The process "dies" here: the work is committed, the broker never hears of it.
             self.lost_completions.fetch_add(1, Ordering::Relaxed);
             return Ok(());
@@ -108,7 +108,7 @@ impl Transport for FaultyReceiver {
 
     async fn abandon(
         &self,
-        d: &ReceivedMessage,
+        d: &DemoDelivery,
         properties: Properties,
     ) -> Result<(), TransportError> {
         self.inner.abandon(d, properties).await
@@ -116,22 +116,22 @@ impl Transport for FaultyReceiver {
 
     async fn dead_letter(
         &self,
-        d: &ReceivedMessage,
+        d: &DemoDelivery,
         reason: DeadLetterReason,
     ) -> Result<(), TransportError> {
         self.inner.dead_letter(d, reason).await
     }
 
-    async fn defer(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+    async fn defer(&self, d: &DemoDelivery) -> Result<(), TransportError> {
         self.inner.defer(d).await
     }
 
-    async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+    async fn release(&self, d: &DemoDelivery) -> Result<(), TransportError> {
         self.inner.release(d).await
     }
 
-    async fn renew_lock(&self, d: &ReceivedMessage) -> Result<Timestamp, TransportError> {
-        if self.first_delivery_with(d, |f| f.slow) {
+    async fn renew_lock(&self, d: &DemoDelivery) -> Result<Timestamp, TransportError> {
+        if self.first_delivery_with(d.message(), |f| f.slow) {
             // The process is paused: its renewals never reach the broker.
             self.failed_renewals.fetch_add(1, Ordering::Relaxed);
             return Err(TransportError::Other {

@@ -11,9 +11,11 @@ use sqlx::{Pool, Transaction};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use twice::{
-    Context, HandlerError, Outcome, Properties, ReceivedMessage, ResultExt, SharedClock, Transport,
+    Context, Delivery as _, HandlerError, Outcome, Properties, ReceivedMessage, ResultExt,
+    SharedClock, Transport,
 };
 
+use super::broker::DemoDelivery;
 use super::db::DemoDb;
 use super::faults::{FaultTable, FaultyReceiver};
 use super::services::Client;
@@ -120,15 +122,15 @@ impl<DB: DemoDb> Naive<DB> {
         while tasks.join_next().await.is_some() {}
     }
 
-    async fn handle(&self, message: ReceivedMessage) {
+    async fn handle(&self, delivery: DemoDelivery) {
         self.counters.deliveries.fetch_add(1, Ordering::Relaxed);
-        if self.work(&message).await.is_err() {
+        if self.work(delivery.message()).await.is_err() {
             self.counters.abandoned.fetch_add(1, Ordering::Relaxed);
-            let _ = self.receiver.abandon(&message, Properties::new()).await;
+            let _ = self.receiver.abandon(&delivery, Properties::new()).await;
             return;
         }
         // A completion refused because the lock was lost is ignored, as quick starts do.
-        let _ = self.receiver.complete(&message).await;
+        let _ = self.receiver.complete(&delivery).await;
     }
 
     async fn work(&self, message: &ReceivedMessage) -> anyhow::Result<()> {

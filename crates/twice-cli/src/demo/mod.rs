@@ -1,11 +1,13 @@
 //! `twice demo`: the seed's shipping example under injected faults, a naive handler and the
-//! twice processor side by side on the embedded broker.
+//! twice processor side by side on the embedded broker, or with `--broker` on RabbitMQ or NATS
+//! JetStream.
 //!
 //! Both columns get the same schedule of faults (from one `--seed`), each on its own queue of
 //! one durable broker, with its own payment and mail services. The twice column must end with
 //! exactly one shipment, one charge and one email per valid order and every poison message in
 //! the dead-letter queue; the exit status says whether it did.
 
+mod broker;
 mod db;
 mod faults;
 mod handlers;
@@ -26,13 +28,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use sqlx::{MySql, Pool, Postgres, Sqlite};
 use tokio::sync::watch;
 use twice::{
-    CounterSnapshot, Inbox, Message, MessageId, Processor, ProcessorOptions, SequenceNumber,
-    SharedClock, Stopwatch, json_fn,
+    CounterSnapshot, Inbox, Message, MessageId, Processor, ProcessorOptions, SharedClock,
+    Stopwatch, Transport as _, json_fn,
 };
-use twice_broker::config::QueueProperties;
-use twice_broker::{Broker, BrokerOptions};
 use twice_sqlx::{InboxOptions, SqlxInbox};
 
+use self::broker::{BrokerKind, DemoBroker, DemoTransport};
 use self::db::{DemoDb, Tables};
 use self::faults::{FaultTable, FaultyReceiver};
 use self::handlers::{Naive, NaiveCounters, OrderPlaced, Shop};
@@ -58,6 +59,11 @@ pub(crate) struct DemoArgs {
     /// file in the run's temporary directory.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
+    /// The broker: `embedded` (in the run's temporary directory), `amqp://user:pass@host:port/vhost`
+    /// (RabbitMQ, quorum queues) or `nats://host:port` (NATS JetStream). On a server the queues
+    /// are named after the run and deleted at the end.
+    #[arg(long, value_name = "URL", default_value = "embedded", value_parser = BrokerKind::parse)]
+    broker: BrokerKind,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -191,7 +197,7 @@ where
     result
 }
 
-#[allow(clippy::too_many_lines)] // reason: one linear story: set up, send, consume, count
+/// Opens the broker and its two queues, runs, and removes the queues from a shared server.
 async fn run_tables<DB>(
     args: &DemoArgs,
     plan: &Plan,
@@ -207,16 +213,48 @@ where
 {
     let clock = SharedClock::system();
     let lock = Duration::from_secs(args.lock_seconds);
-    let broker = Broker::open(
-        BrokerOptions::durable(workdir.path().join("broker")).with_clock(clock.clone()),
+    let broker_run = format!("{:08x}", rand::random::<u32>());
+    let broker =
+        DemoBroker::open(&args.broker, &workdir.path().join("broker"), clock.clone(), &broker_run)
+            .await?;
+    let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
+    let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
+    let result = run_queues::<DB>(
+        args,
+        plan,
+        pools,
+        tables,
+        store_name,
+        stopwatch,
+        (&naive_queue, &twice_queue),
     )
-    .await
-    .context("opening the embedded broker")?;
-    let queue = QueueProperties::default()
-        .with_lock_duration(lock)
-        .with_duplicate_detection(Duration::from_secs(600));
-    broker.create_queue(NAIVE_QUEUE, queue.clone()).await?;
-    broker.create_queue(TWICE_QUEUE, queue).await?;
+    .await;
+    if !args.keep {
+        // Leave nothing behind on a shared server, even when the run failed.
+        for q in [&naive_queue, &twice_queue] {
+            let _ = q.delete().await;
+        }
+    }
+    broker.shutdown().await;
+    result
+}
+
+#[allow(clippy::too_many_lines)] // reason: one linear story: set up, send, consume, count
+async fn run_queues<DB>(
+    args: &DemoArgs,
+    plan: &Plan,
+    pools: &Pools<DB>,
+    tables: &Tables,
+    store_name: &str,
+    stopwatch: Stopwatch,
+    (naive_queue, twice_queue): (&Arc<DemoTransport>, &Arc<DemoTransport>),
+) -> anyhow::Result<Report>
+where
+    DB: DemoDb,
+    SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+{
+    let clock = SharedClock::system();
+    let lock = Duration::from_secs(args.lock_seconds);
 
     let faults = Arc::new(FaultTable::new(plan));
     let services = [
@@ -239,15 +277,18 @@ where
 
     // The senders: every publication of every order to both queues.
     let (sent_tx, sent_rx) = watch::channel(false);
-    let sender = tokio::spawn(send_all(broker.clone(), plan.clone(), sent_tx));
+    let broker_duplicates = Arc::new(BrokerDuplicates::default());
+    let sender = tokio::spawn(send_all(
+        [Arc::clone(naive_queue), Arc::clone(twice_queue)],
+        plan.clone(),
+        Arc::clone(&broker_duplicates),
+        sent_tx,
+    ));
 
     // The naive consumer.
     let naive_counters = Arc::new(NaiveCounters::default());
     let naive = Arc::new(Naive::<DB> {
-        receiver: Arc::new(FaultyReceiver::new(
-            broker.receiver(NAIVE_QUEUE).await?,
-            Arc::clone(&faults),
-        )),
+        receiver: Arc::new(FaultyReceiver::new(Arc::clone(naive_queue), Arc::clone(&faults))),
         pool: pools.naive.clone(),
         table: tables.naive_shipments.clone(),
         shop: shop(naive_payments, naive_mail),
@@ -258,7 +299,7 @@ where
     // The twice processor, rebuilt after the restart.
     let twice_shop = shop(twice_payments, twice_mail);
     let twice_receiver =
-        Arc::new(FaultyReceiver::new(broker.receiver(TWICE_QUEUE).await?, Arc::clone(&faults)));
+        Arc::new(FaultyReceiver::new(Arc::clone(twice_queue), Arc::clone(&faults)));
     let inbox = Arc::new(
         SqlxInbox::<DB>::new(
             pools.twice.clone(),
@@ -350,12 +391,9 @@ where
             twice_task = tokio::spawn(second.run(stopped(stop_rx.clone())));
             naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
         }
-        let naive_left = broker.counts(NAIVE_QUEUE).await?;
-        let twice_left = broker.counts(TWICE_QUEUE).await?;
-        let settled = |c: twice_broker::MessageCounts| {
-            total.saturating_sub(c.active + c.scheduled + c.deferred)
-        };
-        let position = settled(naive_left) + settled(twice_left);
+        let naive_left = naive_queue.unsettled().await?;
+        let twice_left = twice_queue.unsettled().await?;
+        let position = total.saturating_sub(naive_left) + total.saturating_sub(twice_left);
         progress.set_position(position);
         // A watchdog: a run that stops making progress says where it stands instead of
         // waiting silently.
@@ -368,18 +406,20 @@ where
             last_progress.1 = clock.now();
             progress.suspend(|| {
                 eprintln!(
-                    "warning: no progress for {} s: naive queue {naive_left:?}, twice queue {twice_left:?}, \
+                    "warning: no progress for {} s: naive queue {naive_left} unsettled, twice queue {twice_left} unsettled, \
                      {handled} deliveries handled, restarted: {restarted}",
                     STALL_REPORT.as_secs()
                 );
             });
         }
         let sent = *sent_rx.borrow();
-        if sent
-            && naive_left.active + twice_left.active == 0
-            && (restarted || plan.restart_after == 0)
-        {
-            break;
+        if sent && naive_left + twice_left == 0 && (restarted || plan.restart_after == 0) {
+            // Read again after a pause: a message on its way from a server to a receiver is
+            // in neither count for a moment.
+            clock.sleep(Duration::from_millis(300)).await;
+            if naive_queue.unsettled().await? + twice_queue.unsettled().await? == 0 {
+                break;
+            }
         }
         if sender.is_finished() && !sent {
             // The sender failed: surface its error.
@@ -404,27 +444,23 @@ where
     }
     let naive_ship = DB::count_by_order(&pools.naive, &tables.naive_shipments).await?;
     let twice_ship = DB::count_by_order(&pools.twice, &tables.shipments).await?;
-    let naive_dlq = dead_letters(&broker, NAIVE_QUEUE).await?;
-    let twice_dlq = dead_letters(&broker, TWICE_QUEUE).await?;
-    let naive_stats = broker.statistics(NAIVE_QUEUE).await?;
-    let twice_stats = broker.statistics(TWICE_QUEUE).await?;
+    let naive_dlq = naive_queue.dead_letters().await?;
+    let twice_dlq = twice_queue.dead_letters().await?;
 
     let mut naive_col = column(plan, &naive_ship, naive_payments, naive_mail, &naive_dlq);
     naive_col.deliveries = naive_counters.deliveries.load(Ordering::Relaxed);
     naive_col.abandoned = naive_counters.abandoned.load(Ordering::Relaxed);
-    naive_col.duplicates.broker = naive_stats.duplicates;
+    naive_col.duplicates.broker = broker_duplicates.naive.load(Ordering::Relaxed);
 
     let mut twice_col = column(plan, &twice_ship, twice_payments, twice_mail, &twice_dlq);
     twice_col.deliveries = counters.received;
     twice_col.abandoned = counters.abandoned;
     twice_col.duplicates = Duplicates {
-        broker: twice_stats.duplicates,
+        broker: broker_duplicates.twice.load(Ordering::Relaxed),
         inbox: counters.duplicates_already_processed + counters.duplicates_concurrent_copy,
         business_key: counters.duplicates_business_key,
         idempotency_key: twice_payments.replays() + twice_mail.replays(),
     };
-    broker.shutdown().await;
-
     twice_col.errors = errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     let valid = plan.valid_orders();
     let poison = plan.poison();
@@ -435,6 +471,7 @@ where
         poison,
         seed: args.seed,
         store: store_name.to_owned(),
+        broker: args.broker.name().to_owned(),
         elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
         faults: Injected { completions_lost: twice_receiver.lost_completions(), ..injected(plan) },
         naive: naive_col,
@@ -449,13 +486,26 @@ struct Pools<DB: sqlx::Database> {
     naive: Pool<DB>,
 }
 
+/// Re-sent message ids each queue's broker dropped.
+#[derive(Debug, Default)]
+struct BrokerDuplicates {
+    naive: std::sync::atomic::AtomicU64,
+    twice: std::sync::atomic::AtomicU64,
+}
+
 /// Sends every publication of every order to both queues, from a few concurrent senders.
-async fn send_all(broker: Broker, plan: Plan, done: watch::Sender<bool>) -> anyhow::Result<()> {
+async fn send_all(
+    queues: [Arc<DemoTransport>; 2],
+    plan: Plan,
+    duplicates: Arc<BrokerDuplicates>,
+    done: watch::Sender<bool>,
+) -> anyhow::Result<()> {
     const SENDERS: usize = 8;
     let plan = Arc::new(plan);
     let mut tasks = tokio::task::JoinSet::new();
     for lane in 0..SENDERS {
-        let (broker, plan) = (broker.clone(), Arc::clone(&plan));
+        let (queues, plan, duplicates) =
+            (queues.clone(), Arc::clone(&plan), Arc::clone(&duplicates));
         tasks.spawn(async move {
             for order in plan.orders.iter().skip(lane).step_by(SENDERS) {
                 let body = order.body();
@@ -469,14 +519,19 @@ async fn send_all(broker: Broker, plan: Plan, done: watch::Sender<bool>) -> anyh
                     publications.push(order.republished_message_id());
                 }
                 for id in publications {
-                    for queue in [NAIVE_QUEUE, TWICE_QUEUE] {
+                    for (queue, dropped) in
+                        queues.iter().zip([&duplicates.naive, &duplicates.twice])
+                    {
                         let message = Message::new(body.clone())
                             .with_message_id(id.as_str())
                             .with_content_type("application/json");
-                        broker
-                            .send(queue, message)
+                        let duplicate = queue
+                            .send(message)
                             .await
-                            .with_context(|| format!("sending {id} to {queue}"))?;
+                            .with_context(|| format!("sending {id} to {}", queue.entity().path))?;
+                        if duplicate {
+                            dropped.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
             }
@@ -488,22 +543,6 @@ async fn send_all(broker: Broker, plan: Plan, done: watch::Sender<bool>) -> anyh
     }
     let _ = done.send(true);
     Ok(())
-}
-
-/// The dead-letter queue of `queue`: reason by message id.
-async fn dead_letters(broker: &Broker, queue: &str) -> anyhow::Result<HashMap<MessageId, String>> {
-    let path = format!("{queue}/$DeadLetterQueue");
-    let mut out = HashMap::new();
-    let mut from = SequenceNumber::new(0);
-    loop {
-        let page = broker.peek(&path, from, 500).await?;
-        let Some(last) = page.last() else { break };
-        from = last.sequence_number.next();
-        for m in page {
-            out.insert(m.message_id().clone(), m.dead_letter_reason.clone().unwrap_or_default());
-        }
-    }
-    Ok(out)
 }
 
 /// One column from what the database, the services and the dead-letter queue say.

@@ -73,6 +73,8 @@ pub(crate) struct Report {
     pub(crate) poison: u64,
     pub(crate) seed: u64,
     pub(crate) store: String,
+    /// The broker: `embedded`, `rabbitmq` or `nats`.
+    pub(crate) broker: String,
     pub(crate) elapsed_seconds: f64,
     pub(crate) faults: Injected,
     pub(crate) naive: Column,
@@ -98,12 +100,13 @@ impl Report {
         let f = &self.faults;
         let _ = writeln!(
             out,
-            "twice demo: {} orders ({} valid, {} poison), seed {}, store {}, {:.1} s",
+            "twice demo: {} orders ({} valid, {} poison), seed {}, store {}, broker {}, {:.1} s",
             self.orders,
             self.valid_orders,
             self.poison,
             self.seed,
             self.store,
+            self.broker,
             self.elapsed_seconds
         );
         let _ = writeln!(
