@@ -409,11 +409,12 @@ const SUBSCRIPTION_KEYS: &[&str] = &[
 /// same here. Entities created through the API start from Service Bus's own defaults instead
 /// (10 deliveries, no time to live, a 10-minute window), as they do with the emulator.
 pub fn emulator_defaults() -> QueueProperties {
-    let mut p = QueueProperties::default();
-    p.max_delivery_count = EMULATOR_MAX_DELIVERY_COUNT;
-    p.default_message_time_to_live = Some(EMULATOR_TIME_TO_LIVE);
-    p.duplicate_detection_history_time_window = EMULATOR_DUPLICATE_DETECTION_WINDOW;
-    p
+    QueueProperties {
+        max_delivery_count: EMULATOR_MAX_DELIVERY_COUNT,
+        default_message_time_to_live: Some(EMULATOR_TIME_TO_LIVE),
+        duplicate_detection_history_time_window: EMULATOR_DUPLICATE_DETECTION_WINDOW,
+        ..QueueProperties::default()
+    }
 }
 
 /// `MaxDeliveryCount` of a `Config.json` entity that does not set it.
