@@ -453,6 +453,27 @@ impl Engine {
         }
     }
 
+    /// Ends a delivery that never reached a handler (a release): the message is available again
+    /// with its delivery count unchanged.
+    pub(super) fn unlock_uncounted(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        seq: i64,
+    ) -> Result<(), Error> {
+        let Some(meta) = self.meta(six, seq) else { return Ok(()) };
+        let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
+        let key = self.key(six)?;
+        self.emit(Record::Updated {
+            store: key,
+            sequence: seq,
+            delivery_count: dc,
+            state,
+            properties: None,
+        })?;
+        self.expire_if_due(now, six, seq)
+    }
+
     /// Ends a delivery that did not settle the message: the count rises, and past
     /// `MaxDeliveryCount` the message is dead-lettered.
     pub(super) fn unlock_counted(
@@ -591,7 +612,15 @@ impl Engine {
 
     /// Frees a session lock: its locked messages are unlocked with their count raised, its
     /// parked receivers are served with nothing.
-    pub(super) fn free_session(&mut self, now: Timestamp, lock: SessionLock) -> Result<(), Error> {
+    /// Frees a held session. Its messages still locked become available again: with their
+    /// delivery count raised when the session lock `expired`, unchanged when the receiver let
+    /// the session go (as Service Bus does: only a lock that runs out counts a delivery).
+    pub(super) fn free_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        expired: bool,
+    ) -> Result<(), Error> {
         let Some((six, sid)) = self.session_locks.remove(&lock) else { return Ok(()) };
         let Some(s) = self.session_mut(six, sid) else { return Ok(()) };
         let until = s.locked_until;
@@ -625,7 +654,11 @@ impl Engine {
         }
         seqs.sort_unstable();
         for seq in seqs {
-            self.unlock_counted(now, six, seq, None)?;
+            if expired {
+                self.unlock_counted(now, six, seq, None)?;
+            } else {
+                self.unlock_uncounted(now, six, seq)?;
+            }
         }
         let Engine { entities, aux, .. } = self;
         if let Some(e) = entities.get_mut(six.slot() as usize).and_then(Option::as_mut) {
@@ -660,7 +693,7 @@ impl Engine {
             if let Some(&(six, _)) = self.session_locks.get(&lock) {
                 self.count(six.slot(), |c| c.lock_lost += 1);
             }
-            self.free_session(now, lock)?;
+            self.free_session(now, lock, true)?;
         }
         while let Some(&(t, six, seq)) = self.aux.ttl_timers.first() {
             if t > now {

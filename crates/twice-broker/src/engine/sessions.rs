@@ -126,7 +126,8 @@ impl Engine {
     }
 
     /// Releases a held session: it is free for other receivers, and its messages still locked
-    /// become available with their delivery count raised.
+    /// become available with their delivery count unchanged (only an expired session lock
+    /// counts a delivery, as in Service Bus).
     pub(crate) fn release_session(
         &mut self,
         now: Timestamp,
@@ -136,7 +137,7 @@ impl Engine {
         if !self.session_locks.contains_key(&lock) {
             return Err(Error::SessionLockLost);
         }
-        self.free_session(now, lock)?;
+        self.free_session(now, lock, false)?;
         self.pump(now);
         Ok(())
     }

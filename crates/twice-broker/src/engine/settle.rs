@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use twice::{LockToken, Properties, SequenceNumber, Timestamp};
 
-use super::internals::{non_empty, unlocked_state};
+use super::internals::non_empty;
 use super::record::{PlacedState, Record};
 use super::route::{Item, Router};
 use super::state::{Entity, NO_SESSION, St, StoreIx};
@@ -113,17 +113,7 @@ impl Engine {
         self.check_tokens(tokens)?;
         for t in tokens {
             let Some(lock) = self.remove_lock(t) else { continue };
-            let Some(meta) = self.meta(lock.six, lock.seq) else { continue };
-            let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
-            let key = self.key(lock.six)?;
-            self.emit(Record::Updated {
-                store: key,
-                sequence: lock.seq,
-                delivery_count: dc,
-                state,
-                properties: None,
-            })?;
-            self.expire_if_due(now, lock.six, lock.seq)?;
+            self.unlock_uncounted(now, lock.six, lock.seq)?;
         }
         self.pump(now);
         Ok(())

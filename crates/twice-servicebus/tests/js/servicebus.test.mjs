@@ -159,6 +159,22 @@ test("accept next session times out when no session has messages", async () => {
   await quick.close();
 });
 
+test("closing a session with an unsettled message does not count a delivery", async () => {
+  const sender = client.createSender("sessq7");
+  await sender.sendMessages({ body: "kept", sessionId: "c1" });
+  await sender.close();
+  const first = await client.acceptSession("sessq7", "c1", { maxAutoLockRenewalDurationInMs: 0 });
+  const [m] = await first.receiveMessages(1, { maxWaitTimeInMs: 5000 });
+  assert.equal(m.deliveryCount, 0);
+  await first.close();
+  const again = await client.acceptSession("sessq7", "c1", { maxAutoLockRenewalDurationInMs: 0 });
+  const [m2] = await again.receiveMessages(1, { maxWaitTimeInMs: 5000 });
+  assert.equal(m2.body, "kept");
+  assert.equal(m2.deliveryCount, 0);
+  await again.completeMessage(m2);
+  await again.close();
+});
+
 test("topic rules route messages to subscriptions", async () => {
   const rules = client.createRuleManager("topic2", "filtered");
   await rules.createRule("only-red", { correlationId: "red" });

@@ -243,7 +243,9 @@ impl Model {
         }
     }
 
-    fn lose_session(&mut self, session: &str, now: Timestamp) {
+    /// A session lock that expired (`counted`) or a session its receiver let go: its locked
+    /// messages are available again, with a delivery counted only for an expiry.
+    fn lose_session(&mut self, session: &str, now: Timestamp, counted: bool) {
         self.holders.remove(session);
         let locked: Vec<usize> = (0..self.msgs.len())
             .filter(|&i| {
@@ -255,7 +257,14 @@ impl Model {
             })
             .collect();
         for i in locked {
-            self.unlock_counted(i, now);
+            if counted {
+                self.unlock_counted(i, now);
+            } else {
+                let m = &mut self.msgs[i];
+                let deferred = matches!(m.state, MState::DeferredLocked { .. });
+                m.state = if deferred { MState::Deferred } else { MState::Active };
+                self.expire_if_due(i, now);
+            }
         }
     }
 
@@ -279,7 +288,7 @@ impl Model {
         let lost: Vec<String> =
             self.holders.iter().filter(|(_, h)| h.until <= now).map(|(s, _)| s.clone()).collect();
         for s in lost {
-            self.lose_session(&s, now);
+            self.lose_session(&s, now, true);
         }
         for i in 0..self.msgs.len() {
             self.expire_if_due(i, now);
@@ -891,7 +900,7 @@ impl Sim {
         let result = result.unwrap_or_else(|err| self.fail(&format!("session op {op}: {err}")));
         match op {
             0 => {
-                self.model.lose_session(&s, now);
+                self.model.lose_session(&s, now, false);
                 self.receivers[r].session = None;
             }
             1 => {

@@ -1202,7 +1202,7 @@ fn session_lock_expiry_frees_the_session_and_its_messages() {
         srelease a => ok
         srecv a => err SessionLockLost
         accept q a => a until=+90s
-        srecv a 2 => a1#1 dc=3 s=a, a2#2 dc=2 s=a
+        srecv a 2 => a1#1 dc=2 s=a, a2#2 dc=1 s=a
         ",
     );
 }
