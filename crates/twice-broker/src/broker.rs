@@ -642,15 +642,14 @@ impl Broker {
 
     /// Completes several locked messages, all or nothing.
     pub async fn complete_many(&self, tokens: &[LockToken]) -> Result<(), Error> {
-        let tokens = tokens.to_vec();
-        self.call(|reply| Command::Complete { tokens, reply }).await
+        self.settle(None, Settle::Complete(tokens.to_vec())).await.map(drop)
     }
 
     /// Abandons a locked message: it is available again with its delivery count raised (and
     /// dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
     /// its application properties.
     pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.call(|reply| Command::Abandon { token, properties, reply }).await
+        self.settle(None, Settle::Abandon(token, properties)).await.map(drop)
     }
 
     /// Moves a locked message to its dead-letter queue with a reason and a description (empty
@@ -661,28 +660,113 @@ impl Broker {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        let non_empty = |s: String| (!s.is_empty()).then_some(s);
-        let (reason, description) = (non_empty(reason.reason), non_empty(reason.description));
-        self.call(|reply| Command::DeadLetter { token, reason, description, properties, reply })
-            .await
+        self.settle(None, Settle::DeadLetter(token, reason, properties)).await.map(drop)
     }
 
     /// Defers a locked message: it stays, receivable only by its sequence number.
     pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.call(|reply| Command::Defer { token, properties, reply }).await
+        self.settle(None, Settle::Defer(token, properties)).await.map(drop)
     }
 
     /// Unlocks a message without counting a delivery (it never reached a handler).
     pub async fn release(&self, token: LockToken) -> Result<(), Error> {
-        let tokens = vec![token];
-        self.call(|reply| Command::Release { tokens, reply }).await
+        self.settle(None, Settle::Release(token)).await.map(drop)
     }
 
     /// Renews a lock for another `LockDuration`; returns the new locked-until time.
     pub async fn renew_lock(&self, token: LockToken) -> Result<Timestamp, Error> {
-        let tokens = vec![token];
-        let mut out = self.call(|reply| Command::RenewLock { tokens, reply }).await?;
+        let mut out = self.settle(None, Settle::RenewLock(token)).await?;
         out.pop().ok_or(Error::MessageLockLost)
+    }
+
+    /// [`Broker::complete_many`] by a receiver of entity `path`: a token of a message of any
+    /// other entity (another queue or subscription, or the entity's dead-letter queue) fails
+    /// the call with [`Error::MessageLockLost`], as an unknown token does, and changes nothing.
+    /// A front end serving many clients settles this way, so that a token is worth nothing
+    /// outside the entity it was given for.
+    pub async fn complete_in(&self, path: &str, tokens: &[LockToken]) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Complete(tokens.to_vec())).await.map(drop)
+    }
+
+    /// [`Broker::abandon`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn abandon_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Abandon(token, properties)).await.map(drop)
+    }
+
+    /// [`Broker::dead_letter`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn dead_letter_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        reason: DeadLetterReason,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::DeadLetter(token, reason, properties)).await.map(drop)
+    }
+
+    /// [`Broker::defer`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn defer_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Defer(token, properties)).await.map(drop)
+    }
+
+    /// [`Broker::release`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn release_in(&self, path: &str, token: LockToken) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Release(token)).await.map(drop)
+    }
+
+    /// [`Broker::renew_lock`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn renew_lock_in(&self, path: &str, token: LockToken) -> Result<Timestamp, Error> {
+        let mut out = self.settle(Some(path), Settle::RenewLock(token)).await?;
+        out.pop().ok_or(Error::MessageLockLost)
+    }
+
+    /// Sends a settlement, scoped to the entity `path` when one is given; returns the new
+    /// locked-until times of a renewal (empty for the others).
+    async fn settle(&self, path: Option<&str>, how: Settle) -> Result<Vec<Timestamp>, Error> {
+        let entity = path.map(PathArg::new);
+        match how {
+            Settle::Complete(tokens) => {
+                self.call(|reply| Command::Complete { entity, tokens, reply }).await?;
+            }
+            Settle::Abandon(token, properties) => {
+                self.call(|reply| Command::Abandon { entity, token, properties, reply }).await?;
+            }
+            Settle::DeadLetter(token, why, properties) => {
+                let non_empty = |s: String| (!s.is_empty()).then_some(s);
+                let (reason, description) = (non_empty(why.reason), non_empty(why.description));
+                self.call(|reply| Command::DeadLetter {
+                    entity,
+                    token,
+                    reason,
+                    description,
+                    properties,
+                    reply,
+                })
+                .await?;
+            }
+            Settle::Defer(token, properties) => {
+                self.call(|reply| Command::Defer { entity, token, properties, reply }).await?;
+            }
+            Settle::Release(token) => {
+                let tokens = vec![token];
+                self.call(|reply| Command::Release { entity, tokens, reply }).await?;
+            }
+            Settle::RenewLock(token) => {
+                let tokens = vec![token];
+                return self.call(|reply| Command::RenewLock { entity, tokens, reply }).await;
+            }
+        }
+        Ok(Vec::new())
     }
 
     /// Moves dead-lettered messages back to their queue or subscription, all or nothing; each
@@ -775,6 +859,17 @@ impl Broker {
 /// Builds received messages from what the broker delivered, on the caller's side: the broker
 /// shares the messages, and the copies each caller gets are made here, in parallel with the
 /// broker's work.
+/// A settlement on its way to [`Broker::settle`].
+#[derive(Debug)]
+enum Settle {
+    Complete(Vec<LockToken>),
+    Abandon(LockToken, Properties),
+    DeadLetter(LockToken, DeadLetterReason, Properties),
+    Defer(LockToken, Properties),
+    Release(LockToken),
+    RenewLock(LockToken),
+}
+
 pub(crate) fn received(
     delivered: Result<Vec<Delivered>, Error>,
 ) -> Result<Vec<ReceivedMessage>, Error> {

@@ -93,12 +93,12 @@ impl Session {
 
     /// Completes a message of this session.
     pub async fn complete(&self, token: LockToken) -> Result<(), Error> {
-        self.broker.complete(token).await
+        self.broker.complete_in(&self.path, &[token]).await
     }
 
     /// Abandons a message of this session.
     pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.abandon(token, properties).await
+        self.broker.abandon_in(&self.path, token, properties).await
     }
 
     /// Dead-letters a message of this session.
@@ -108,12 +108,12 @@ impl Session {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.broker.dead_letter(token, reason, properties).await
+        self.broker.dead_letter_in(&self.path, token, reason, properties).await
     }
 
     /// Defers a message of this session.
     pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.defer(token, properties).await
+        self.broker.defer_in(&self.path, token, properties).await
     }
 
     /// Renews the session lock (and the locks of its messages); returns the new locked-until.
