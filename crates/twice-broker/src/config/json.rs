@@ -462,6 +462,7 @@ const QUEUE_KEYS: &[&str] = &[
     "ForwardTo",
     "LockDuration",
     "MaxDeliveryCount",
+    "MaxSizeInMegabytes",
     "RequiresDuplicateDetection",
     "RequiresSession",
 ];
@@ -470,6 +471,7 @@ const QUEUE_KEYS: &[&str] = &[
 const TOPIC_KEYS: &[&str] = &[
     "DefaultMessageTimeToLive",
     "DuplicateDetectionHistoryTimeWindow",
+    "MaxSizeInMegabytes",
     "RequiresDuplicateDetection",
 ];
 
@@ -515,6 +517,9 @@ fn read_properties<P>(
     if let Some(n) = p.u32("MaxDeliveryCount")? {
         props.max_delivery_count = n;
     }
+    if let Some(n) = p.u32("MaxSizeInMegabytes")? {
+        props.max_size_in_megabytes = u64::from(n);
+    }
     if let Some(b) = p.bool("RequiresDuplicateDetection")? {
         props.requires_duplicate_detection = b;
     }
@@ -540,6 +545,7 @@ fn parse_topic(v: &Json, path: &str) -> Result<TopicConfig, Error> {
         default_message_time_to_live: q.default_message_time_to_live,
         requires_duplicate_detection: q.requires_duplicate_detection,
         duplicate_detection_history_time_window: q.duplicate_detection_history_time_window,
+        max_size_in_megabytes: q.max_size_in_megabytes,
     };
     let properties = read_properties(&o, TOPIC_KEYS, from, TopicProperties::validate)?;
     let mut subscriptions = Vec::new();

@@ -293,7 +293,8 @@ fn each_wrong_property_names_its_path() {
         &format!(
             "{q}.Lockduration: unknown property \"Lockduration\" (expected one of: DeadLetteringOnMessageExpiration, \
                  DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, ForwardDeadLetteredMessagesTo, ForwardTo, \
-                 LockDuration, MaxDeliveryCount, RequiresDuplicateDetection, RequiresSession)"
+                 LockDuration, MaxDeliveryCount, MaxSizeInMegabytes, RequiresDuplicateDetection, \
+                 RequiresSession)"
         ),
     );
 }
@@ -304,7 +305,8 @@ fn topic_subscription_and_rule_errors_name_their_path() {
     check_err(
         t,
         "UserConfig.Namespaces[0].Topics[0].Properties.LockDuration: unknown property \"LockDuration\" (expected one \
-             of: DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, RequiresDuplicateDetection)",
+             of: DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, MaxSizeInMegabytes, \
+             RequiresDuplicateDetection)",
     );
     let s = "UserConfig.Namespaces[0].Topics[0].Subscriptions[0]";
     check_err(
