@@ -32,9 +32,7 @@ use crate::options::BrokerOptions;
 use crate::runtime::{
     Command, Delivered, PathArg, Reply, Runtime, RuntimeOptions, SubscriptionChange, Wait,
 };
-use crate::session::Session;
 use crate::storage::LogOptions;
-use crate::transport::Receiver;
 
 /// The default largest message (and send batch), in bytes: 256 KiB, as Service Bus standard.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = engine::DEFAULT_MAX_MESSAGE_SIZE;
@@ -784,49 +782,6 @@ impl Broker {
 
     // ----- sessions ---------------------------------------------------------------------------
 
-    /// Locks a named session of a session-enabled queue or subscription. Fails with
-    /// [`Error::SessionCannotBeLocked`] when another receiver holds it.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a session locked for an accept whose future was dropped is released.
-    pub async fn accept_session(
-        &self,
-        path: &str,
-        session_id: &SessionId,
-    ) -> Result<Session, Error> {
-        let (p, session) = (path.to_owned(), Some(session_id.clone()));
-        let accepted = self
-            .call(|reply| Command::AcceptSession {
-                path: p,
-                session,
-                max_wait: Duration::ZERO,
-                reply,
-            })
-            .await?;
-        let accepted =
-            accepted.ok_or_else(|| Error::SessionCannotBeLocked(session_id.to_string()))?;
-        Ok(Session::new(self.clone(), path, accepted))
-    }
-
-    /// Locks the next session that has an available message, waiting up to `max_wait` for one;
-    /// `None` when none became available.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a session locked for an accept whose future was dropped is released.
-    pub async fn accept_next_session(
-        &self,
-        path: &str,
-        max_wait: Duration,
-    ) -> Result<Option<Session>, Error> {
-        let p = path.to_owned();
-        let accepted = self
-            .call(|reply| Command::AcceptSession { path: p, session: None, max_wait, reply })
-            .await?;
-        Ok(accepted.map(|a| Session::new(self.clone(), path, a)))
-    }
-
     /// The sessions that have messages in a session-enabled entity, in order of their oldest
     /// message. Reads the broker's index of messages, not their bodies.
     pub async fn list_sessions(&self, path: &str) -> Result<Vec<SessionId>, Error> {
@@ -844,15 +799,6 @@ impl Broker {
     ) -> Result<Vec<ReceivedMessage>, Error> {
         let (path, session) = (path.to_owned(), Some(session_id.clone()));
         received(self.call(|reply| Command::Peek { path, from, max, session, reply }).await)
-    }
-
-    // ----- transport --------------------------------------------------------------------------
-
-    /// A receiver on one entity implementing [`twice::Transport`] (and
-    /// [`twice::SessionTransport`] on a session-enabled entity), for the idempotent processor.
-    pub async fn receiver(&self, path: &str) -> Result<Receiver, Error> {
-        let info = self.entity_info(path).await?;
-        Ok(Receiver::new(self.clone(), info))
     }
 }
 

@@ -10,6 +10,7 @@ use twice::{
 };
 
 use crate::broker::Broker;
+use crate::error::Error;
 use crate::session::Session;
 
 /// A receiver on one entity of a [`Broker`], with peek-lock settlement. Cheap to clone.
@@ -20,6 +21,15 @@ use crate::session::Session;
 pub struct Receiver {
     broker: Broker,
     info: EntityInfo,
+}
+
+impl Broker {
+    /// A receiver on one entity implementing [`twice::Transport`] (and
+    /// [`twice::SessionTransport`] on a session-enabled entity), for the idempotent processor.
+    pub async fn receiver(&self, path: &str) -> Result<Receiver, Error> {
+        let info = self.entity_info(path).await?;
+        Ok(Receiver::new(self.clone(), info))
+    }
 }
 
 impl Receiver {

@@ -8,11 +8,11 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value as Json};
 use twice::{Properties, Value};
 
+use super::duration::parse_duration;
 use super::model::{
     CorrelationFilter, EntityDefinition, Filter, QueueProperties, Rule, SubscriptionProperties,
     TopicProperties, validate_entity_name, validate_subscription_name,
 };
-use super::parse_duration;
 use crate::error::Error;
 
 /// A parsed emulator `Config.json`.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use twice::{Message, Properties, Value};
 
-use super::format_duration;
+use super::duration::format_duration;
 use crate::error::Error;
 
 /// The shortest lock a queue or subscription may have.

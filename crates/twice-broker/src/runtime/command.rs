@@ -62,7 +62,7 @@ macro_rules! commands {
         }
 
         /// Runs one command on the runtime and queues its reply for the end of the turn.
-        pub(super) fn dispatch($rt: &mut Runtime, $now: Timestamp, cmd: Command) {
+        fn dispatch($rt: &mut Runtime, $now: Timestamp, cmd: Command) {
             match cmd {
                 $(
                     Command::$name { $($field,)* reply: $reply } => {
@@ -370,6 +370,18 @@ pub(crate) enum SubscriptionChange {
     Properties(SubscriptionProperties),
     CreateRule(Rule),
     DeleteRule(String),
+}
+
+impl Runtime {
+    /// Applies one command to the engine and queues its reply for the end of the turn.
+    pub(super) fn handle(&mut self, now: Timestamp, cmd: Command) {
+        if let Some(io) = &self.failed {
+            let e = Error::Io(std::io::Error::new(io.kind(), io.to_string()));
+            cmd.fail(e);
+            return;
+        }
+        dispatch(self, now, cmd);
+    }
 }
 
 /// Checks that `tokens` lock messages of the entity a settlement names, if it names one
