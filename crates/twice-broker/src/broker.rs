@@ -32,9 +32,7 @@ use crate::options::BrokerOptions;
 use crate::runtime::{
     Command, Delivered, PathArg, Reply, Runtime, RuntimeOptions, SubscriptionChange, Wait,
 };
-use crate::session::Session;
 use crate::storage::{FailureCell, LogOptions};
-use crate::transport::Receiver;
 
 /// The default largest message (and send batch), in bytes: 256 KiB, as Service Bus standard.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = engine::DEFAULT_MAX_MESSAGE_SIZE;
@@ -684,15 +682,14 @@ impl Broker {
 
     /// Completes several locked messages, all or nothing.
     pub async fn complete_many(&self, tokens: &[LockToken]) -> Result<(), Error> {
-        let tokens = tokens.to_vec();
-        self.call(|reply| Command::Complete { tokens, reply }).await
+        self.settle(None, Settle::Complete(tokens.to_vec())).await.map(drop)
     }
 
     /// Abandons a locked message: it is available again with its delivery count raised (and
     /// dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
     /// its application properties.
     pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.call(|reply| Command::Abandon { token, properties, reply }).await
+        self.settle(None, Settle::Abandon(token, properties)).await.map(drop)
     }
 
     /// Moves a locked message to its dead-letter queue with a reason and a description (empty
@@ -703,28 +700,113 @@ impl Broker {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        let non_empty = |s: String| (!s.is_empty()).then_some(s);
-        let (reason, description) = (non_empty(reason.reason), non_empty(reason.description));
-        self.call(|reply| Command::DeadLetter { token, reason, description, properties, reply })
-            .await
+        self.settle(None, Settle::DeadLetter(token, reason, properties)).await.map(drop)
     }
 
     /// Defers a locked message: it stays, receivable only by its sequence number.
     pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.call(|reply| Command::Defer { token, properties, reply }).await
+        self.settle(None, Settle::Defer(token, properties)).await.map(drop)
     }
 
     /// Unlocks a message without counting a delivery (it never reached a handler).
     pub async fn release(&self, token: LockToken) -> Result<(), Error> {
-        let tokens = vec![token];
-        self.call(|reply| Command::Release { tokens, reply }).await
+        self.settle(None, Settle::Release(token)).await.map(drop)
     }
 
     /// Renews a lock for another `LockDuration`; returns the new locked-until time.
     pub async fn renew_lock(&self, token: LockToken) -> Result<Timestamp, Error> {
-        let tokens = vec![token];
-        let mut out = self.call(|reply| Command::RenewLock { tokens, reply }).await?;
+        let mut out = self.settle(None, Settle::RenewLock(token)).await?;
         out.pop().ok_or(Error::MessageLockLost)
+    }
+
+    /// [`Broker::complete_many`] by a receiver of entity `path`: a token of a message of any
+    /// other entity (another queue or subscription, or the entity's dead-letter queue) fails
+    /// the call with [`Error::MessageLockLost`], as an unknown token does, and changes nothing.
+    /// A front end serving many clients settles this way, so that a token is worth nothing
+    /// outside the entity it was given for.
+    pub async fn complete_in(&self, path: &str, tokens: &[LockToken]) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Complete(tokens.to_vec())).await.map(drop)
+    }
+
+    /// [`Broker::abandon`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn abandon_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Abandon(token, properties)).await.map(drop)
+    }
+
+    /// [`Broker::dead_letter`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn dead_letter_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        reason: DeadLetterReason,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::DeadLetter(token, reason, properties)).await.map(drop)
+    }
+
+    /// [`Broker::defer`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn defer_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Defer(token, properties)).await.map(drop)
+    }
+
+    /// [`Broker::release`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn release_in(&self, path: &str, token: LockToken) -> Result<(), Error> {
+        self.settle(Some(path), Settle::Release(token)).await.map(drop)
+    }
+
+    /// [`Broker::renew_lock`] by a receiver of entity `path` (see [`Broker::complete_in`]).
+    pub async fn renew_lock_in(&self, path: &str, token: LockToken) -> Result<Timestamp, Error> {
+        let mut out = self.settle(Some(path), Settle::RenewLock(token)).await?;
+        out.pop().ok_or(Error::MessageLockLost)
+    }
+
+    /// Sends a settlement, scoped to the entity `path` when one is given; returns the new
+    /// locked-until times of a renewal (empty for the others).
+    async fn settle(&self, path: Option<&str>, how: Settle) -> Result<Vec<Timestamp>, Error> {
+        let entity = path.map(PathArg::new);
+        match how {
+            Settle::Complete(tokens) => {
+                self.call(|reply| Command::Complete { entity, tokens, reply }).await?;
+            }
+            Settle::Abandon(token, properties) => {
+                self.call(|reply| Command::Abandon { entity, token, properties, reply }).await?;
+            }
+            Settle::DeadLetter(token, why, properties) => {
+                let non_empty = |s: String| (!s.is_empty()).then_some(s);
+                let (reason, description) = (non_empty(why.reason), non_empty(why.description));
+                self.call(|reply| Command::DeadLetter {
+                    entity,
+                    token,
+                    reason,
+                    description,
+                    properties,
+                    reply,
+                })
+                .await?;
+            }
+            Settle::Defer(token, properties) => {
+                self.call(|reply| Command::Defer { entity, token, properties, reply }).await?;
+            }
+            Settle::Release(token) => {
+                let tokens = vec![token];
+                self.call(|reply| Command::Release { entity, tokens, reply }).await?;
+            }
+            Settle::RenewLock(token) => {
+                let tokens = vec![token];
+                return self.call(|reply| Command::RenewLock { entity, tokens, reply }).await;
+            }
+        }
+        Ok(Vec::new())
     }
 
     /// Moves dead-lettered messages back to their queue or subscription, all or nothing; each
@@ -741,49 +823,6 @@ impl Broker {
     }
 
     // ----- sessions ---------------------------------------------------------------------------
-
-    /// Locks a named session of a session-enabled queue or subscription. Fails with
-    /// [`Error::SessionCannotBeLocked`] when another receiver holds it.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a session locked for an accept whose future was dropped is released.
-    pub async fn accept_session(
-        &self,
-        path: &str,
-        session_id: &SessionId,
-    ) -> Result<Session, Error> {
-        let (p, session) = (path.to_owned(), Some(session_id.clone()));
-        let accepted = self
-            .call(|reply| Command::AcceptSession {
-                path: p,
-                session,
-                max_wait: Duration::ZERO,
-                reply,
-            })
-            .await?;
-        let accepted =
-            accepted.ok_or_else(|| Error::SessionCannotBeLocked(session_id.to_string()))?;
-        Ok(Session::new(self.clone(), path, accepted))
-    }
-
-    /// Locks the next session that has an available message, waiting up to `max_wait` for one;
-    /// `None` when none became available.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a session locked for an accept whose future was dropped is released.
-    pub async fn accept_next_session(
-        &self,
-        path: &str,
-        max_wait: Duration,
-    ) -> Result<Option<Session>, Error> {
-        let p = path.to_owned();
-        let accepted = self
-            .call(|reply| Command::AcceptSession { path: p, session: None, max_wait, reply })
-            .await?;
-        Ok(accepted.map(|a| Session::new(self.clone(), path, a)))
-    }
 
     /// The sessions that have messages in a session-enabled entity, in order of their oldest
     /// message. Reads the broker's index of messages, not their bodies.
@@ -803,20 +842,22 @@ impl Broker {
         let (path, session) = (path.to_owned(), Some(session_id.clone()));
         received(self.call(|reply| Command::Peek { path, from, max, session, reply }).await)
     }
-
-    // ----- transport --------------------------------------------------------------------------
-
-    /// A receiver on one entity implementing [`twice::Transport`] (and
-    /// [`twice::SessionTransport`] on a session-enabled entity), for the idempotent processor.
-    pub async fn receiver(&self, path: &str) -> Result<Receiver, Error> {
-        let info = self.entity_info(path).await?;
-        Ok(Receiver::new(self.clone(), info))
-    }
 }
 
 /// Builds received messages from what the broker delivered, on the caller's side: the broker
 /// shares the messages, and the copies each caller gets are made here, in parallel with the
 /// broker's work.
+/// A settlement on its way to [`Broker::settle`].
+#[derive(Debug)]
+enum Settle {
+    Complete(Vec<LockToken>),
+    Abandon(LockToken, Properties),
+    DeadLetter(LockToken, DeadLetterReason, Properties),
+    Defer(LockToken, Properties),
+    Release(LockToken),
+    RenewLock(LockToken),
+}
+
 pub(crate) fn received(
     delivered: Result<Vec<Delivered>, Error>,
 ) -> Result<Vec<ReceivedMessage>, Error> {

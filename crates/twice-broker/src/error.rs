@@ -72,6 +72,24 @@ pub enum Error {
         /// The limit.
         limit: usize,
     },
+    /// The entity holds its `MaxSizeInMegabytes`: the send would take it past that, so
+    /// nothing of it was accepted. It is accepted again once receivers take messages out. The
+    /// AMQP front end answers it with `com.microsoft:quota-exceeded`.
+    #[error(
+        "messaging entity {entity:?} is full: {size} bytes held and {adding} more sent, \
+         past its MaxSizeInMegabytes of {max_size_in_megabytes}"
+    )]
+    QuotaExceeded {
+        /// The queue or topic.
+        entity: String,
+        /// The bytes it holds (each message counted with its headers; a topic counts every
+        /// subscription's copies, and dead-letter queues count for their entity).
+        size: u64,
+        /// The bytes of the rejected send.
+        adding: u64,
+        /// Its `MaxSizeInMegabytes`.
+        max_size_in_megabytes: u64,
+    },
     /// An argument is out of range (a count of zero, a batch with too many messages...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -134,6 +152,12 @@ impl Error {
         matches!(self, Self::MessageLockLost | Self::SessionLockLost)
     }
 
+    /// Whether the error means the entity is full (see [`Error::QuotaExceeded`]): the same
+    /// send may succeed later, once receivers have taken messages out.
+    pub fn is_quota_exceeded(&self) -> bool {
+        matches!(self, Self::QuotaExceeded { .. })
+    }
+
     /// Whether the error means an entity or message does not exist.
     pub fn is_not_found(&self) -> bool {
         matches!(self, Self::EntityNotFound(_) | Self::MessageNotFound(_))
@@ -152,6 +176,11 @@ impl From<Error> for TransportError {
                 message: "broker storage error".to_owned(),
                 transient: false,
                 source: Some(Box::new(source)),
+            },
+            e @ Error::QuotaExceeded { .. } => TransportError::Other {
+                message: e.to_string(),
+                transient: true,
+                source: Some(Box::new(e)),
             },
             other => TransportError::Invalid(other.to_string()),
         }

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use twice::SharedClock;
 
-use crate::broker::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::config::Config;
+use crate::engine::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::storage::{DEFAULT_CACHE_BYTES, DEFAULT_SEGMENT_SIZE};
 
 /// How a broker is opened: where it keeps its data, which clock it reads, which entities it

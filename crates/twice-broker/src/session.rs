@@ -14,6 +14,51 @@ use crate::engine::{AcceptedSession, SessionLock};
 use crate::error::Error;
 use crate::runtime::{Command, PathArg, Wait};
 
+impl Broker {
+    /// Locks a named session of a session-enabled queue or subscription. Fails with
+    /// [`Error::SessionCannotBeLocked`] when another receiver holds it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a session locked for an accept whose future was dropped is released.
+    pub async fn accept_session(
+        &self,
+        path: &str,
+        session_id: &SessionId,
+    ) -> Result<Session, Error> {
+        let (p, session) = (path.to_owned(), Some(session_id.clone()));
+        let accepted = self
+            .call(|reply| Command::AcceptSession {
+                path: p,
+                session,
+                max_wait: Duration::ZERO,
+                reply,
+            })
+            .await?;
+        let accepted =
+            accepted.ok_or_else(|| Error::SessionCannotBeLocked(session_id.to_string()))?;
+        Ok(Session::new(self.clone(), path, accepted))
+    }
+
+    /// Locks the next session that has an available message, waiting up to `max_wait` for one;
+    /// `None` when none became available.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a session locked for an accept whose future was dropped is released.
+    pub async fn accept_next_session(
+        &self,
+        path: &str,
+        max_wait: Duration,
+    ) -> Result<Option<Session>, Error> {
+        let p = path.to_owned();
+        let accepted = self
+            .call(|reply| Command::AcceptSession { path: p, session: None, max_wait, reply })
+            .await?;
+        Ok(accepted.map(|a| Session::new(self.clone(), path, a)))
+    }
+}
+
 /// A session locked by this receiver: its messages, in order, go only to it.
 ///
 /// Dropping it without [`Session::close`] lets the session lock expire after `LockDuration`;
@@ -93,12 +138,12 @@ impl Session {
 
     /// Completes a message of this session.
     pub async fn complete(&self, token: LockToken) -> Result<(), Error> {
-        self.broker.complete(token).await
+        self.broker.complete_in(&self.path, &[token]).await
     }
 
     /// Abandons a message of this session.
     pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.abandon(token, properties).await
+        self.broker.abandon_in(&self.path, token, properties).await
     }
 
     /// Dead-letters a message of this session.
@@ -108,12 +153,12 @@ impl Session {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.broker.dead_letter(token, reason, properties).await
+        self.broker.dead_letter_in(&self.path, token, reason, properties).await
     }
 
     /// Defers a message of this session.
     pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.broker.defer(token, properties).await
+        self.broker.defer_in(&self.path, token, properties).await
     }
 
     /// Renews the session lock (and the locks of its messages); returns the new locked-until.

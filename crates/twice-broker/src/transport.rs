@@ -10,6 +10,7 @@ use twice::{
 };
 
 use crate::broker::Broker;
+use crate::error::Error;
 use crate::session::Session;
 
 /// A receiver on one entity of a [`Broker`], with peek-lock settlement. Cheap to clone.
@@ -20,6 +21,15 @@ use crate::session::Session;
 pub struct Receiver {
     broker: Broker,
     info: EntityInfo,
+}
+
+impl Broker {
+    /// A receiver on one entity implementing [`twice::Transport`] (and
+    /// [`twice::SessionTransport`] on a session-enabled entity), for the idempotent processor.
+    pub async fn receiver(&self, path: &str) -> Result<Receiver, Error> {
+        let info = self.entity_info(path).await?;
+        Ok(Receiver::new(self.clone(), info))
+    }
 }
 
 impl Receiver {
@@ -58,7 +68,7 @@ impl Transport for Receiver {
     }
 
     async fn complete(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
-        Ok(self.broker.complete(token(delivery)?).await?)
+        Ok(self.broker.complete_in(&self.info.path, &[token(delivery)?]).await?)
     }
 
     async fn abandon(
@@ -66,7 +76,7 @@ impl Transport for Receiver {
         delivery: &ReceivedMessage,
         properties: Properties,
     ) -> Result<(), TransportError> {
-        Ok(self.broker.abandon(token(delivery)?, properties).await?)
+        Ok(self.broker.abandon_in(&self.info.path, token(delivery)?, properties).await?)
     }
 
     async fn dead_letter(
@@ -74,19 +84,22 @@ impl Transport for Receiver {
         delivery: &ReceivedMessage,
         reason: DeadLetterReason,
     ) -> Result<(), TransportError> {
-        Ok(self.broker.dead_letter(token(delivery)?, reason, Properties::new()).await?)
+        Ok(self
+            .broker
+            .dead_letter_in(&self.info.path, token(delivery)?, reason, Properties::new())
+            .await?)
     }
 
     async fn defer(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
-        Ok(self.broker.defer(token(delivery)?, Properties::new()).await?)
+        Ok(self.broker.defer_in(&self.info.path, token(delivery)?, Properties::new()).await?)
     }
 
     async fn release(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
-        Ok(self.broker.release(token(delivery)?).await?)
+        Ok(self.broker.release_in(&self.info.path, token(delivery)?).await?)
     }
 
     async fn renew_lock(&self, delivery: &ReceivedMessage) -> Result<Timestamp, TransportError> {
-        Ok(self.broker.renew_lock(token(delivery)?).await?)
+        Ok(self.broker.renew_lock_in(&self.info.path, token(delivery)?).await?)
     }
 
     /// Schedules a copy of the message (same id, body and properties, plus `properties`) on a

@@ -72,7 +72,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         if !frac.is_empty() {
             let digits = u32::try_from(frac.len()).map_err(|_| bad())?;
             let f: u128 = frac.parse().map_err(|_| bad())?;
-            nanos += f * unit_nanos / 10u128.pow(digits);
+            // Checked: a number that fits with its whole units alone may not with its
+            // fraction, and must not wrap around to a small duration.
+            nanos = nanos.checked_add(f * unit_nanos / 10u128.pow(digits)).ok_or_else(bad)?;
         }
         total = total.checked_add(nanos).ok_or_else(bad)?;
     }

@@ -4,14 +4,15 @@
 use std::path::Path;
 use std::time::Duration;
 
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value as Json};
 use twice::{Properties, Value};
 
+use super::duration::parse_duration;
 use super::model::{
     CorrelationFilter, EntityDefinition, Filter, QueueProperties, Rule, SubscriptionProperties,
     TopicProperties, validate_entity_name, validate_subscription_name,
 };
-use super::parse_duration;
 use crate::error::Error;
 use crate::sql::{SqlAction, SqlFilter};
 
@@ -62,7 +63,7 @@ impl Config {
     /// emulator's own sample has them.
     pub fn from_json(text: &str) -> Result<Self, Error> {
         let stripped = strip_comments(text);
-        let root: Json = serde_json::from_str(&stripped)
+        let Strict(root) = serde_json::from_str(&stripped)
             .map_err(|e| Error::Config { path: "$".to_owned(), message: e.to_string() })?;
         parse_root(&root)
     }
@@ -153,6 +154,75 @@ fn check_target(
             message: format!("{to:?} is not a queue or topic declared in this file"),
         }),
         _ => Ok(()),
+    }
+}
+
+/// A JSON value read with duplicate object keys rejected: serde_json keeps the last of them
+/// silently, so a second `LockDuration` would hide the first one a reader of the file sees.
+struct Strict(Json);
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+/// Builds a [`Strict`] value.
+struct StrictVisitor;
+
+impl<'de> Visitor<'de> for StrictVisitor {
+    type Value = Json;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Json, E> {
+        Ok(Json::Bool(b))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Json, E> {
+        Ok(Json::from(n))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Json, E> {
+        Ok(Json::from(n))
+    }
+
+    fn visit_f64<E>(self, x: f64) -> Result<Json, E> {
+        Ok(serde_json::Number::from_f64(x).map_or(Json::Null, Json::Number))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Json, E> {
+        Ok(Json::String(s.to_owned()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Json, E> {
+        Ok(Json::String(s))
+    }
+
+    fn visit_unit<E>(self) -> Result<Json, E> {
+        Ok(Json::Null)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json, A::Error> {
+        let mut out = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Json::Array(out))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(de::Error::custom(format!("duplicate key {key:?}")));
+            }
+            let Strict(v) = map.next_value()?;
+            out.insert(key, v);
+        }
+        Ok(Json::Object(out))
     }
 }
 
@@ -381,6 +451,7 @@ const QUEUE_KEYS: &[&str] = &[
     "ForwardTo",
     "LockDuration",
     "MaxDeliveryCount",
+    "MaxSizeInMegabytes",
     "RequiresDuplicateDetection",
     "RequiresSession",
 ];
@@ -389,6 +460,7 @@ const QUEUE_KEYS: &[&str] = &[
 const TOPIC_KEYS: &[&str] = &[
     "DefaultMessageTimeToLive",
     "DuplicateDetectionHistoryTimeWindow",
+    "MaxSizeInMegabytes",
     "RequiresDuplicateDetection",
 ];
 
@@ -456,6 +528,9 @@ fn read_properties<P>(
     if let Some(n) = p.u32("MaxDeliveryCount")? {
         props.max_delivery_count = n;
     }
+    if let Some(n) = p.u32("MaxSizeInMegabytes")? {
+        props.max_size_in_megabytes = u64::from(n);
+    }
     if let Some(b) = p.bool("RequiresDuplicateDetection")? {
         props.requires_duplicate_detection = b;
     }
@@ -481,6 +556,7 @@ fn parse_topic(v: &Json, path: &str) -> Result<TopicConfig, Error> {
         default_message_time_to_live: q.default_message_time_to_live,
         requires_duplicate_detection: q.requires_duplicate_detection,
         duplicate_detection_history_time_window: q.duplicate_detection_history_time_window,
+        max_size_in_megabytes: q.max_size_in_megabytes,
     };
     let properties = read_properties(&o, TOPIC_KEYS, from, TopicProperties::validate)?;
     let mut subscriptions = Vec::new();

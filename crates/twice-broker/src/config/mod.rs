@@ -13,6 +13,7 @@
 //! | `DuplicateDetectionHistoryTimeWindow` | `PT10M` | `PT20S` | 5 s to 7 days |
 //! | `RequiresSession` | `false` | fixed at creation |
 //! | `ForwardTo`, `ForwardDeadLetteredMessagesTo` | none | a queue or topic name |
+//! | `MaxSizeInMegabytes` (queues and topics) | 1024 | 1 to 81920 |
 //!
 //! [`Config::from_json`] reads the emulator's file format (`UserConfig` → `Namespaces[]` →
 //! `Queues[]` / `Topics[]` → `Subscriptions[]` → `Rules[]`, each with `Name` and `Properties`),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use twice::{Message, Properties, Value};
 
-use super::format_duration;
+use super::duration::format_duration;
 use crate::error::Error;
 use crate::sql::{SqlAction, SqlFilter};
 
@@ -21,6 +21,10 @@ pub const MIN_DUPLICATE_DETECTION_WINDOW: Duration = Duration::from_secs(5);
 pub const MAX_DUPLICATE_DETECTION_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The shortest default time to live of an entity.
 pub const MIN_DEFAULT_TIME_TO_LIVE: Duration = Duration::from_secs(1);
+/// The default `MaxSizeInMegabytes` of a queue or topic: 1 GiB, as Service Bus.
+pub const DEFAULT_MAX_SIZE_IN_MEGABYTES: u64 = 1024;
+/// The largest `MaxSizeInMegabytes`: 80 GiB, the largest Service Bus offers.
+pub const MAX_MAX_SIZE_IN_MEGABYTES: u64 = 80 * 1024;
 /// The longest queue or topic name (a subscription's or rule's name has its own limit).
 pub const MAX_ENTITY_NAME_LEN: usize = 260;
 /// The longest subscription or rule name.
@@ -95,6 +99,14 @@ macro_rules! builder {
             self
         }
     };
+    (max_size_in_megabytes) => {
+        /// Sets `MaxSizeInMegabytes`.
+        #[must_use]
+        pub fn with_max_size_in_megabytes(mut self, megabytes: u64) -> Self {
+            self.max_size_in_megabytes = megabytes;
+            self
+        }
+    };
     (forward_dead_lettered_messages_to) => {
         /// Sets `ForwardDeadLetteredMessagesTo`.
         #[must_use]
@@ -107,6 +119,7 @@ macro_rules! builder {
 
 builders!(QueueProperties {
     lock_duration,
+    max_size_in_megabytes,
     max_delivery_count,
     default_message_time_to_live,
     dead_lettering_on_message_expiration,
@@ -116,7 +129,11 @@ builders!(QueueProperties {
     forward_dead_lettered_messages_to,
 });
 
-builders!(TopicProperties { default_message_time_to_live, duplicate_detection });
+builders!(TopicProperties {
+    default_message_time_to_live,
+    duplicate_detection,
+    max_size_in_megabytes,
+});
 
 builders!(SubscriptionProperties {
     lock_duration,
@@ -153,6 +170,12 @@ pub struct QueueProperties {
     /// A queue or topic dead-lettered messages go to instead of the dead-letter queue
     /// (`ForwardDeadLetteredMessagesTo`).
     pub forward_dead_lettered_messages_to: Option<String>,
+    /// The most the entity holds, in MiB (`MaxSizeInMegabytes`): a send that would take it
+    /// past this fails with [`Error::QuotaExceeded`]. Not kept in the log: after a restart an
+    /// entity created through the API has the default again (entities of a `Config.json` get
+    /// theirs from the file).
+    #[serde(skip, default = "default_max_size_in_megabytes")]
+    pub max_size_in_megabytes: u64,
 }
 
 impl Default for QueueProperties {
@@ -167,6 +190,7 @@ impl Default for QueueProperties {
             requires_session: false,
             forward_to: None,
             forward_dead_lettered_messages_to: None,
+            max_size_in_megabytes: DEFAULT_MAX_SIZE_IN_MEGABYTES,
         }
     }
 }
@@ -178,6 +202,7 @@ impl QueueProperties {
         validate_max_delivery_count(self.max_delivery_count)?;
         validate_ttl(self.default_message_time_to_live)?;
         validate_dedup_window(self.duplicate_detection_history_time_window)?;
+        validate_max_size(self.max_size_in_megabytes)?;
         validate_forward("ForwardTo", self.forward_to.as_deref())?;
         validate_forward(
             "ForwardDeadLetteredMessagesTo",
@@ -197,6 +222,12 @@ pub struct TopicProperties {
     pub requires_duplicate_detection: bool,
     /// The duplicate-detection window (`DuplicateDetectionHistoryTimeWindow`).
     pub duplicate_detection_history_time_window: Duration,
+    /// The most the entity holds, in MiB (`MaxSizeInMegabytes`): a send that would take it
+    /// past this fails with [`Error::QuotaExceeded`]. Not kept in the log: after a restart an
+    /// entity created through the API has the default again (entities of a `Config.json` get
+    /// theirs from the file).
+    #[serde(skip, default = "default_max_size_in_megabytes")]
+    pub max_size_in_megabytes: u64,
 }
 
 impl Default for TopicProperties {
@@ -205,6 +236,7 @@ impl Default for TopicProperties {
             default_message_time_to_live: None,
             requires_duplicate_detection: false,
             duplicate_detection_history_time_window: Duration::from_secs(600),
+            max_size_in_megabytes: DEFAULT_MAX_SIZE_IN_MEGABYTES,
         }
     }
 }
@@ -213,7 +245,8 @@ impl TopicProperties {
     /// Checks every property against its range.
     pub fn validate(&self) -> Result<(), Error> {
         validate_ttl(self.default_message_time_to_live)?;
-        validate_dedup_window(self.duplicate_detection_history_time_window)
+        validate_dedup_window(self.duplicate_detection_history_time_window)?;
+        validate_max_size(self.max_size_in_megabytes)
     }
 }
 
@@ -546,6 +579,21 @@ fn starts_and_ends_alphanumeric(name: &str) -> bool {
     let b = name.as_bytes();
     b.first().is_some_and(u8::is_ascii_alphanumeric)
         && b.last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
+/// Serde's default of a field the log does not keep.
+fn default_max_size_in_megabytes() -> u64 {
+    DEFAULT_MAX_SIZE_IN_MEGABYTES
+}
+
+fn validate_max_size(megabytes: u64) -> Result<(), Error> {
+    if megabytes == 0 || megabytes > MAX_MAX_SIZE_IN_MEGABYTES {
+        return Err(Error::InvalidProperty {
+            property: "MaxSizeInMegabytes",
+            reason: format!("{megabytes} is outside 1..={MAX_MAX_SIZE_IN_MEGABYTES}"),
+        });
+    }
+    Ok(())
 }
 
 fn validate_lock_duration(d: Duration) -> Result<(), Error> {

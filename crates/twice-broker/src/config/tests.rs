@@ -292,7 +292,8 @@ fn each_wrong_property_names_its_path() {
         &format!(
             "{q}.Lockduration: unknown property \"Lockduration\" (expected one of: DeadLetteringOnMessageExpiration, \
                  DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, ForwardDeadLetteredMessagesTo, ForwardTo, \
-                 LockDuration, MaxDeliveryCount, RequiresDuplicateDetection, RequiresSession)"
+                 LockDuration, MaxDeliveryCount, MaxSizeInMegabytes, RequiresDuplicateDetection, \
+                 RequiresSession)"
         ),
     );
 }
@@ -303,7 +304,8 @@ fn topic_subscription_and_rule_errors_name_their_path() {
     check_err(
         t,
         "UserConfig.Namespaces[0].Topics[0].Properties.LockDuration: unknown property \"LockDuration\" (expected one \
-             of: DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, RequiresDuplicateDetection)",
+             of: DefaultMessageTimeToLive, DuplicateDetectionHistoryTimeWindow, MaxSizeInMegabytes, \
+             RequiresDuplicateDetection)",
     );
     let s = "UserConfig.Namespaces[0].Topics[0].Subscriptions[0]";
     check_err(
@@ -486,4 +488,42 @@ fn from_path_reads_a_file() {
     assert!(
         matches!(Config::from_path(&missing), Err(Error::ConfigIo { path, .. }) if path == missing)
     );
+}
+
+#[test]
+fn a_key_given_twice_is_rejected() {
+    let json = r#"{ "UserConfig": { "Namespaces": [{ "Name": "ns", "Queues": [
+        { "Name": "q", "Properties": { "LockDuration": "PT5M", "LockDuration": "PT5S" } }
+    ] }] } }"#;
+    match Config::from_json(json) {
+        Err(Error::Config { message, .. }) => {
+            assert!(message.contains(r#"duplicate key "LockDuration""#), "{message}");
+            assert!(message.contains("line 2"), "{message}");
+        }
+        other => panic!("a duplicate key was accepted: {other:?}"),
+    }
+    // The same name in two objects is no duplicate.
+    let json = r#"{ "UserConfig": { "Namespaces": [{ "Name": "ns", "Queues": [
+        { "Name": "a" }, { "Name": "b" }
+    ] }] } }"#;
+    assert_eq!(Config::from_json(json).unwrap().namespaces[0].queues.len(), 2);
+}
+
+#[test]
+fn a_duration_that_overflows_is_rejected() {
+    // The minutes alone fit in 128 bits of nanoseconds; with the fraction they do not, and
+    // would wrap around to a few seconds.
+    let huge = "PT5671372782015641057722910123.999999999M";
+    assert!(parse_duration(huge).is_err(), "{huge} parsed");
+    let json = format!(
+        r#"{{ "UserConfig": {{ "Namespaces": [{{ "Name": "ns", "Queues": [
+            {{ "Name": "q", "Properties": {{ "LockDuration": "{huge}" }} }}
+        ] }}] }} }}"#
+    );
+    match Config::from_json(&json) {
+        Err(Error::Config { path, .. }) => {
+            assert_eq!(path, "UserConfig.Namespaces[0].Queues[0].Properties.LockDuration");
+        }
+        other => panic!("an overflowing LockDuration was accepted: {other:?}"),
+    }
 }

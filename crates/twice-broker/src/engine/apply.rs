@@ -11,7 +11,7 @@ use super::state::{
     BodyData, Dedup, Entity, Kind, Meta, NO_SESSION, St, Store, StoreIx, attach, detach, place,
     unplace,
 };
-use super::{Counters, Engine, Location, Lock, WaitKind};
+use super::{Counters, Engine, Location, Lock, WaitKind, message_size};
 use crate::config::EntityDefinition;
 use crate::error::Error;
 
@@ -221,7 +221,8 @@ impl Engine {
             Some(l) => BodyData::Stored(l),
             None => BodyData::Memory(Arc::clone(message)),
         };
-        let index = self.aux.bodies.alloc(data);
+        let size = u32::try_from(message_size(message)).unwrap_or(u32::MAX);
+        let index = self.aux.bodies.alloc(data, size);
         let session = message.session_id.as_ref().map_or(NO_SESSION, |s| self.aux.names.intern(s));
         // Hold the slot while placing, so a failure part-way frees it.
         self.aux.bodies.incref(index);

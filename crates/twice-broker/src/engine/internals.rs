@@ -218,7 +218,42 @@ impl Engine {
         if total > limit {
             return Err(Error::MessageSizeExceeded { size: total, limit });
         }
+        self.check_quota(slot, total)
+    }
+
+    /// Fails with [`Error::QuotaExceeded`] when `adding` bytes sent to the queue or topic in
+    /// `slot` would take it past its `MaxSizeInMegabytes`. A topic's send is counted once per
+    /// subscription, the most copies it can make.
+    fn check_quota(&self, slot: u32, adding: usize) -> Result<(), Error> {
+        let Some(e) = self.ent(slot) else { return Ok(()) };
+        let Some(max) = e.max_size_in_megabytes() else { return Ok(()) };
+        let copies = match &e.kind {
+            Kind::Topic { subs, .. } => subs.len().max(1),
+            _ => 1,
+        };
+        let adding = u64::try_from(adding.saturating_mul(copies)).unwrap_or(u64::MAX);
+        let size = self.entity_bytes(slot);
+        if size.saturating_add(adding) > max.saturating_mul(1024 * 1024) {
+            return Err(Error::QuotaExceeded {
+                entity: e.path.clone(),
+                size,
+                adding,
+                max_size_in_megabytes: max,
+            });
+        }
         Ok(())
+    }
+
+    /// The bytes an entity holds against its `MaxSizeInMegabytes`: its own and its dead-letter
+    /// queue's, and for a topic its subscriptions' too (each copy counts).
+    pub(super) fn entity_bytes(&self, slot: u32) -> u64 {
+        let Some(e) = self.ent(slot) else { return 0 };
+        let own = |e: &Entity| e.store(false).bytes + e.store(true).bytes;
+        let mut total = own(e);
+        if let Kind::Topic { subs, .. } = &e.kind {
+            total += subs.iter().filter_map(|&s| self.ent(s)).map(own).sum::<u64>();
+        }
+        total
     }
 
     /// Enqueues validated messages, one `Sent` record each.

@@ -13,6 +13,22 @@ use super::{Engine, EntityRef};
 use crate::error::Error;
 
 impl Engine {
+    /// Fails with [`Error::MessageLockLost`] when one of `tokens` locks a message of another
+    /// entity than `entity` (a dead-letter queue is an entity of its own), as if the token were
+    /// unknown: a token settles nothing outside the entity it was given for. Tokens that lock
+    /// nothing are left to the settlement, which fails on them.
+    pub(crate) fn check_lock_entity(
+        &self,
+        entity: EntityRef,
+        tokens: &[LockToken],
+    ) -> Result<(), Error> {
+        let six = entity.six();
+        if tokens.iter().any(|t| self.locks.get(t).is_some_and(|l| l.six != six)) {
+            return Err(Error::MessageLockLost);
+        }
+        Ok(())
+    }
+
     /// Completes locked messages, all or nothing: any unknown or expired token fails the call
     /// with [`Error::MessageLockLost`] and changes nothing.
     pub(crate) fn complete(&mut self, now: Timestamp, tokens: &[LockToken]) -> Result<(), Error> {

@@ -208,6 +208,8 @@ pub(super) struct Store {
     pub(super) waiters: VecDeque<WaiterId>,
     /// Receivers waiting for a session.
     pub(super) accept_waiters: VecDeque<WaiterId>,
+    /// The bytes of its messages (see [`Bodies::size`]), against `MaxSizeInMegabytes`.
+    pub(super) bytes: u64,
 }
 
 impl Store {
@@ -384,6 +386,8 @@ struct BodySlot {
     /// Placements that need the message in memory (to route it later without reading it
     /// back): scheduled messages and messages that may be forwarded when dead-lettered.
     pins: u32,
+    /// What the message counts for against its entity's `MaxSizeInMegabytes`.
+    size: u32,
 }
 
 /// What a cached message counts for against the cache's bound: its body and a rough
@@ -449,8 +453,8 @@ impl Bodies {
         }
     }
 
-    /// A new slot with no references.
-    pub(super) fn alloc(&mut self, data: BodyData) -> u32 {
+    /// A new slot with no references, for a message of `size` bytes.
+    pub(super) fn alloc(&mut self, data: BodyData, size: u32) -> u32 {
         if let BodyData::Stored(loc) = &data {
             add_live(&mut self.seg_refs, *loc);
         }
@@ -460,14 +464,20 @@ impl Bodies {
                     slot.data = data;
                     slot.refs = 0;
                     slot.pins = 0;
+                    slot.size = size;
                 }
                 i
             }
             None => {
-                self.slots.push(BodySlot { data, refs: 0, generation: 0, pins: 0 });
+                self.slots.push(BodySlot { data, refs: 0, generation: 0, pins: 0, size });
                 u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX - 1)
             }
         }
+    }
+
+    /// The size of the message in slot `i` (see [`Bodies::alloc`]).
+    pub(super) fn size(&self, i: u32) -> u64 {
+        self.slots.get(i as usize).map_or(0, |s| u64::from(s.size))
     }
 
     pub(super) fn generation(&self, i: u32) -> u32 {
@@ -749,6 +759,7 @@ pub(super) fn place(
         aux.names.incref(meta.session);
     }
     aux.bodies.incref(meta.body);
+    store.bytes += aux.bodies.size(meta.body);
     meta.pinned = false;
     attach(store, aux, six, seq, &mut meta, store_pins);
     store.msgs.insert(seq, meta);
@@ -765,6 +776,7 @@ pub(super) fn unplace(
     keep_body: bool,
 ) -> Option<Meta> {
     let mut meta = store.msgs.remove(seq)?;
+    store.bytes = store.bytes.saturating_sub(aux.bodies.size(meta.body));
     detach(store, aux, six, seq, &mut meta);
     if let Some(ss) = &mut store.sessions {
         if let Some(s) = ss.table.get_mut(&meta.session) {
@@ -861,6 +873,16 @@ impl Entity {
             Kind::Queue(p) => p.dead_lettering_on_message_expiration,
             Kind::Subscription { props, .. } => props.dead_lettering_on_message_expiration,
             Kind::Topic { .. } => false,
+        }
+    }
+
+    /// `MaxSizeInMegabytes` of a queue or topic; `None` for a subscription, whose messages
+    /// count for its topic.
+    pub(super) fn max_size_in_megabytes(&self) -> Option<u64> {
+        match &self.kind {
+            Kind::Queue(p) => Some(p.max_size_in_megabytes),
+            Kind::Topic { props, .. } => Some(props.max_size_in_megabytes),
+            Kind::Subscription { .. } => None,
         }
     }
 

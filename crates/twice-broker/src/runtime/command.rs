@@ -18,7 +18,7 @@ use super::turn::Parked;
 use super::{Runtime, StorageStats};
 use crate::config::{EntityDefinition, Rule, SubscriptionProperties};
 use crate::engine::{
-    AcceptedSession, Counters, EntityCounts, ReceiveMode, SendOutcome, SessionLock,
+    AcceptedSession, Counters, Engine, EntityCounts, ReceiveMode, SendOutcome, SessionLock,
 };
 use crate::error::Error;
 
@@ -62,7 +62,7 @@ macro_rules! commands {
         }
 
         /// Runs one command on the runtime and queues its reply for the end of the turn.
-        pub(super) fn dispatch($rt: &mut Runtime, $now: Timestamp, cmd: Command) {
+        fn dispatch($rt: &mut Runtime, $now: Timestamp, cmd: Command) {
             match cmd {
                 $(
                     Command::$name { $($field,)* reply: $reply } => {
@@ -238,28 +238,36 @@ commands! {
         let r = eng.resolve(&path).and_then(|e| eng.peek(now, e, from, max, session.as_ref()));
         r.and_then(|d| rt.materialize(d))
     }
-    Complete { tokens: Vec<LockToken> } -> () => answer(reply) {
-        rt.engine.complete(now, &tokens)
+    Complete { entity: Option<PathArg>, tokens: Vec<LockToken> } -> () => answer(reply) {
+        in_entity(&rt.engine, entity, &tokens).and_then(|()| rt.engine.complete(now, &tokens))
     }
-    Abandon { token: LockToken, properties: Properties } -> () => answer(reply) {
-        rt.engine.abandon(now, token, properties)
+    Abandon {
+        entity: Option<PathArg>,
+        token: LockToken,
+        properties: Properties,
+    } -> () => answer(reply) {
+        in_entity(&rt.engine, entity, &[token])
+            .and_then(|()| rt.engine.abandon(now, token, properties))
     }
     DeadLetter {
+        entity: Option<PathArg>,
         token: LockToken,
         reason: Option<String>,
         description: Option<String>,
         properties: Properties,
     } -> () => answer(reply) {
-        rt.engine.dead_letter(now, token, reason, description, properties)
+        in_entity(&rt.engine, entity, &[token])
+            .and_then(|()| rt.engine.dead_letter(now, token, reason, description, properties))
     }
-    Defer { token: LockToken, properties: Properties } -> () => answer(reply) {
-        rt.engine.defer(now, token, properties)
+    Defer { entity: Option<PathArg>, token: LockToken, properties: Properties } -> () => answer(reply) {
+        in_entity(&rt.engine, entity, &[token])
+            .and_then(|()| rt.engine.defer(now, token, properties))
     }
-    Release { tokens: Vec<LockToken> } -> () => answer(reply) {
-        rt.engine.release(now, &tokens)
+    Release { entity: Option<PathArg>, tokens: Vec<LockToken> } -> () => answer(reply) {
+        in_entity(&rt.engine, entity, &tokens).and_then(|()| rt.engine.release(now, &tokens))
     }
-    RenewLock { tokens: Vec<LockToken> } -> Vec<Timestamp> => answer(reply) {
-        rt.engine.renew_lock(now, &tokens)
+    RenewLock { entity: Option<PathArg>, tokens: Vec<LockToken> } -> Vec<Timestamp> => answer(reply) {
+        in_entity(&rt.engine, entity, &tokens).and_then(|()| rt.engine.renew_lock(now, &tokens))
     }
     Resubmit {
         path: String,
@@ -363,6 +371,25 @@ pub(crate) enum SubscriptionChange {
     Properties(SubscriptionProperties),
     CreateRule(Rule),
     DeleteRule(String),
+}
+
+impl Runtime {
+    /// Applies one command to the engine and queues its reply for the end of the turn.
+    pub(super) fn handle(&mut self, now: Timestamp, cmd: Command) {
+        if let Some(io) = &self.failed {
+            let e = Error::Io(std::io::Error::new(io.kind(), io.to_string()));
+            cmd.fail(e);
+            return;
+        }
+        dispatch(self, now, cmd);
+    }
+}
+
+/// Checks that `tokens` lock messages of the entity a settlement names, if it names one
+/// (see [`Engine::check_lock_entity`]).
+fn in_entity(eng: &Engine, entity: Option<PathArg>, tokens: &[LockToken]) -> Result<(), Error> {
+    let Some(path) = entity else { return Ok(()) };
+    eng.resolve(path.as_str()).and_then(|e| eng.check_lock_entity(e, tokens))
 }
 
 /// Applies a change to a subscription definition.

@@ -52,9 +52,10 @@ use tokio::sync::{mpsc, oneshot};
 use twice::{SharedClock, Timestamp};
 
 pub(crate) use self::command::{Command, PathArg, SubscriptionChange, Wait};
+use self::persistence::engine_location;
 pub(crate) use self::persistence::storage_error;
-use self::persistence::{decode, engine_location};
 use self::reply::Done;
+use self::reply::decode;
 pub(crate) use self::reply::{Delivered, Freed, Reply};
 use self::turn::Parked;
 use crate::config::EntityDefinition;

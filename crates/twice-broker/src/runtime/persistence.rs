@@ -7,7 +7,7 @@ use bytes::{BufMut, BytesMut};
 use twice::Message;
 
 use super::Runtime;
-use super::reply::{Delivered, DeliveredBody};
+use super::reply::{Delivered, DeliveredBody, decode};
 use crate::engine::{self, Body, Delivery, Engine, Record};
 use crate::error::Error;
 use crate::storage::{self, Log, StorageError};
@@ -178,15 +178,6 @@ fn load_message(log: &Log, loc: engine::Location) -> Result<Arc<Message>, Error>
     record.message().cloned().ok_or_else(|| {
         Error::Corrupt(format!(
             "the log record at segment {} offset {} carries no message",
-            loc.segment, loc.offset
-        ))
-    })
-}
-
-pub(super) fn decode(bytes: &[u8], loc: storage::Location) -> Result<Record, Error> {
-    postcard::from_bytes(bytes).map_err(|e| {
-        Error::Corrupt(format!(
-            "the log record at segment {} offset {} cannot be decoded: {e}",
             loc.segment, loc.offset
         ))
     })

@@ -7,8 +7,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use twice::{LockToken, Message, ReceivedMessage};
 
-use super::persistence::decode;
-use crate::engine::{self, AcceptedSession};
+use crate::engine::{self, AcceptedSession, Record};
 use crate::error::Error;
 use crate::storage;
 
@@ -143,4 +142,15 @@ pub(super) fn plain<T: Send + std::fmt::Debug + 'static>(
     result: Result<T, Error>,
 ) -> Done {
     Done::Plain(Box::new(Pending(reply, result)))
+}
+
+/// Decodes a log record (a delivery's record is decoded by its caller, see
+/// [`Delivered::into_received`]).
+pub(super) fn decode(bytes: &[u8], loc: storage::Location) -> Result<Record, Error> {
+    postcard::from_bytes(bytes).map_err(|e| {
+        Error::Corrupt(format!(
+            "the log record at segment {} offset {} cannot be decoded: {e}",
+            loc.segment, loc.offset
+        ))
+    })
 }

@@ -6,9 +6,7 @@ use std::sync::Arc;
 use twice::Timestamp;
 
 use super::Runtime;
-use super::command::{Command, dispatch};
-use super::reply::Reply;
-use super::reply::{Delivered, Done, MAX_FREED, plain};
+use super::reply::{Delivered, Done, MAX_FREED, Reply, plain};
 use crate::engine::{AcceptedSession, Delivery, ReceiveMode, WaiterId};
 use crate::error::Error;
 use crate::storage::{Log, StorageError};
@@ -252,15 +250,5 @@ impl Runtime {
         let w = WaiterId(self.next_waiter);
         self.next_waiter += 1;
         w
-    }
-
-    /// Applies one command to the engine and queues its reply for the end of the turn.
-    pub(super) fn handle(&mut self, now: Timestamp, cmd: Command) {
-        if let Some(io) = &self.failed {
-            let e = Error::Io(std::io::Error::new(io.kind(), io.to_string()));
-            cmd.fail(e);
-            return;
-        }
-        dispatch(self, now, cmd);
     }
 }

@@ -8,6 +8,7 @@ mod crash;
 mod durability;
 mod management;
 mod memory;
+mod quota;
 mod receive;
 mod security;
 mod support;

@@ -1,9 +1,9 @@
 //! What a client that holds one lock token can and cannot do with it: guess the next tokens,
 //! or settle a message of another entity.
 
-use twice::{LockToken, Message};
+use twice::{DeadLetterReason, LockToken, Message, Properties};
 use twice_broker::config::QueueProperties;
-use twice_broker::{Broker, BrokerOptions};
+use twice_broker::{Broker, BrokerOptions, Error};
 
 use crate::support::NOW;
 
@@ -102,5 +102,39 @@ async fn one_lock_token_does_not_predict_the_next_ones() {
         "{} of 19 later tokens were predicted from the first",
         guessed.len()
     );
+    broker.shutdown().await;
+}
+
+fn lost<T>(r: Result<T, Error>) -> bool {
+    matches!(r, Err(Error::MessageLockLost))
+}
+
+#[tokio::test]
+async fn a_lock_token_settles_nothing_outside_its_entity() {
+    let broker = Broker::open(BrokerOptions::in_memory()).await.unwrap();
+    for q in ["a", "b"] {
+        broker.create_queue(q, QueueProperties::default()).await.unwrap();
+        broker.send(q, Message::new(q).with_message_id(q)).await.unwrap();
+    }
+    let token = broker.receive("a", 1, NOW).await.unwrap()[0].lock_token.unwrap();
+    // A receiver of `b`, or of `a`'s dead-letter queue, holding `a`'s token, can do nothing
+    // with it.
+    for other in ["b", "a/$DeadLetterQueue"] {
+        assert!(lost(broker.complete_in(other, &[token]).await), "complete on {other}");
+        assert!(lost(broker.abandon_in(other, token, Properties::new()).await));
+        let why = DeadLetterReason::new("stolen", "");
+        assert!(lost(broker.dead_letter_in(other, token, why, Properties::new()).await));
+        assert!(lost(broker.defer_in(other, token, Properties::new()).await));
+        assert!(lost(broker.release_in(other, token).await));
+        assert!(lost(broker.renew_lock_in(other, token).await));
+    }
+    // The message is still locked, with its first delivery, in `a`.
+    let counts = broker.counts("a").await.unwrap();
+    assert_eq!((counts.active, counts.dead_letter), (1, 0));
+    assert!(broker.receive("a", 1, NOW).await.unwrap().is_empty());
+    // A receiver of `a` settles it.
+    broker.renew_lock_in("a", token).await.unwrap();
+    broker.complete_in("A", &[token]).await.unwrap();
+    assert_eq!(broker.counts("a").await.unwrap().active, 0);
     broker.shutdown().await;
 }
