@@ -200,7 +200,8 @@ where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
     const ROUNDS: u32 = 300;
-    let pool = f.pool_of_one().await;
+    // One connection: what one borrower leaves on it, the next one meets.
+    let pool = f.pool_with(1, Duration::from_secs(60)).await;
     let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new().table("inbox_cancelled")).await;
     let inbox = inbox.expect("inbox");
     // How long a begin takes here, to spread the cancellations over it.
