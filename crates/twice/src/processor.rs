@@ -2,26 +2,33 @@
 //!
 //! # Per message
 //!
+//! 0. A message without a message id (or with an empty one) is dead-lettered at once with
+//!    reason [`MISSING_MESSAGE_ID`]: it would share one inbox key with every other id-less
+//!    message, and all but the first would be completed unprocessed.
 //! 1. Begin a transaction on a connection of its own ([`Inbox::begin`]).
 //! 2. Claim `(consumer, message id)` as the first statement ([`Inbox::claim`]). A copy whose id
 //!    was claimed and committed is a duplicate: roll back and complete. A copy whose id is held
 //!    by another, uncommitted transaction waits for it, as the database does: the other commits,
 //!    this copy is a duplicate; the other rolls back, this copy does the work.
 //! 3. Run the handler with `&mut Tx`, so its work joins the claim's transaction.
-//! 4. On [`Outcome::Complete`]: commit, then complete. The message is never completed before
-//!    the commit has succeeded. A failed commit abandons the message (the commit may have
-//!    happened: the redelivery then meets the claim and completes as a duplicate). A completion
-//!    that fails because the lock was lost is logged: the redelivery meets the claim.
+//! 4. On [`Outcome::Complete`]: check that the database has not aborted the transaction under
+//!    the handler ([`Inbox::check_committable`]), commit, then complete. The message is never
+//!    completed before the commit has succeeded. A commit whose outcome is unknown is retried
+//!    as an infrastructure failure: the retry's claim finds the commit if it happened, and the
+//!    message completes as a duplicate. A completion that fails because the lock was lost is
+//!    logged: the redelivery meets the claim.
 //! 5. Otherwise roll back, then settle:
 //!
 //! | handler result                                  | transaction | settlement                 |
 //! |-------------------------------------------------|-------------|----------------------------|
 //! | `Ok(Complete)`                                  | commit      | complete                   |
-//! | `Ok(Abandon)`, transient or unclassified error  | roll back   | abandon                    |
+//! | `Ok(Complete)`, but the database aborted the transaction | roll back | as a handler error |
+//! | error the store calls transient (deadlock, lock wait timeout, serialization failure, lost connection) | roll back | retried in process (see below) |
+//! | transient or unclassified error, panic          | roll back   | handler retry policy, then abandon |
+//! | `Ok(Abandon)`                                   | roll back   | abandon                    |
 //! | violation of a registered business key          | roll back   | complete (duplicate)       |
 //! | `Ok(DeadLetter)`, permanent error, bad JSON     | roll back   | dead-letter with reason    |
 //! | `Ok(Defer)`                                     | roll back   | defer                      |
-//! | panic                                           | roll back   | abandon (transient)        |
 //! | lock lost while running                         | roll back   | none (the broker has it)   |
 //!
 //! The lock is renewed in the background until
@@ -29,6 +36,38 @@
 //! transaction and the handler are raced against the loss of the lock: when it is lost (a
 //! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
 //! rolled back, instead of committing work whose message another receiver may already hold.
+//!
+//! # Retries
+//!
+//! See [`RetryPolicy`]. Failures that are not the message's fault (no pooled connection in
+//! time, the connection lost, SQLite busy, a lock wait timeout, a deadlock victim, a
+//! serialization failure, a commit of unknown outcome) are retried in process, the whole
+//! attempt again, after an exponential backoff with jitter, while the lock is renewed: no
+//! delivery is counted, so a database blip does not burn a message's MaxDeliveryCount. Handler
+//! errors get the configurable policy: immediate retries, then delayed redelivery
+//! ([`Transport::redeliver_later`]), then abandon.
+//!
+//! # The seeds' rules at the edges
+//!
+//! What twice does where a handler, a database or a sender misbehaves:
+//!
+//! - *The handler ignores a failed statement and returns `Complete`.* On PostgreSQL the
+//!   transaction is aborted and its COMMIT would be a silent rollback; on MariaDB a deadlock
+//!   victim's transaction is already rolled back and its COMMIT a no-op. The check before the
+//!   commit finds it; the attempt is a handler error and the message is not completed.
+//! - *The lock is lost while the processor waits for a connection or begins.* The begin is
+//!   given up; the store's begin is cancel safe, so no transaction stays open on a pooled
+//!   connection.
+//! - *The database is briefly unavailable.* In-process retries with backoff; no delivery is
+//!   spent. After [`RetryPolicy::infrastructure_retries`] failures in a row the message is
+//!   abandoned.
+//! - *Fewer pooled connections than concurrent calls.* Refused at start
+//!   ([`Processor::check`]): the surplus calls would only wait for a connection and time out.
+//! - *A message without an id.* Dead-lettered with [`MISSING_MESSAGE_ID`]; never merged with
+//!   another. Transports that can derive a stable id document it and set it.
+//! - *Two copies at once.* The second claim waits for the first transaction; first commits →
+//!   second completes as a duplicate; first rolls back → second does the work.
+//! - *A crash between commit and complete.* The redelivery meets the claim and completes.
 //!
 //! # Modes
 //!
