@@ -35,18 +35,39 @@
 //! concurrent copy from an old one.
 //!
 //! MariaDB notes. `INSERT IGNORE` turns more than duplicates into warnings (a value too long
-//! would be truncated, not refused), so ids and consumer names are checked against the column
-//! length (255 characters) before the claim. The columns use the binary `utf8mb4_bin`
-//! collation: with the default case-insensitive collation `ABC` and `abc` would be one id. When
+//! would be truncated, not refused), so ids and consumer names are checked against their
+//! length (255 characters) before the claim. The key columns are binary strings
+//! (`VARBINARY(1020)`, migration 2): with the default case-insensitive collation `ABC` and
+//! `abc` would be one id, and with `utf8mb4_bin`, a PAD SPACE collation, `m` and `m `. When
 //! three or more copies wait on one key and the holder rolls back, InnoDB may pick one waiter as
-//! a deadlock victim (error 1213); the processor treats it as transient and abandons that copy,
-//! whose redelivery then finds the claim. `REPEATABLE READ` (the default) and `READ COMMITTED`
+//! a deadlock victim (error 1213); the processor treats it as transient and retries that copy
+//! in process, whose next claim then finds the winner's. `REPEATABLE READ` (the default) and `READ COMMITTED`
 //! behave the same for the claim: the wait is on a record lock, not on a snapshot, and the
 //! winner's time is read with a locking read.
 //!
 //! SQLite notes. Use WAL and a busy timeout (see [`sqlite::connect_options`]); every inbox
 //! transaction is a write transaction, so one runs at a time and a second copy waits at
 //! `BEGIN IMMEDIATE` until the first ends.
+//!
+//! # Edge cases, per store
+//!
+//! - **Aborted transactions.** Before committing a handler's `Complete`, the store checks
+//!   that the transaction can still commit ([`twice::Inbox::check_committable`]): PostgreSQL
+//!   runs `SELECT 1`, which fails with SQLSTATE 25P02 in an aborted transaction (one round
+//!   trip without table access; a savepoint around the handler would cost two, and sqlx does
+//!   not show the COMMIT's `ROLLBACK` tag); MariaDB reads `@@in_transaction` (MySQL: whether
+//!   InnoDB lists a transaction for the connection), which is 0 after a deadlock victim's
+//!   rollback. SQLite needs no check: its COMMIT fails when the transaction is gone. A failed
+//!   check is [`StoreError::TransactionAborted`], a handler error.
+//! - **Cancelled begins.** `begin` runs in a task of its own on every store, so a caller that
+//!   gives up midway never leaves a transaction open on a pooled connection.
+//! - **Transient errors.** [`twice::Inbox::classify`] calls transient: PostgreSQL SQLSTATE
+//!   classes 40 (serialization failure, deadlock), 08 (connection), 53 (resources), 57P
+//!   (shutdown) and 55P03 (lock not available); MariaDB 1205 (lock wait timeout), 1213
+//!   (deadlock) and 1317 (interrupted); SQLite 5, 6 and 517 (busy, locked); and on every store
+//!   I/O errors, pool timeouts and lost connections. The processor retries those in process.
+//! - **Pool size.** The processor refuses to start when the pool has fewer connections than
+//!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
 //!
 //! # Key order
 //!

@@ -35,16 +35,26 @@ mod errno {
     pub(super) const CHECK_CONSTRAINT: u16 = 4025;
 }
 
-const MIGRATIONS: &[(i64, &[&str])] = &[(
-    1,
-    &["CREATE TABLE IF NOT EXISTS {t} (
+const MIGRATIONS: &[(i64, &[&str])] = &[
+    (
+        1,
+        &["CREATE TABLE IF NOT EXISTS {t} (
             consumer VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
             message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
             processed_at_ms BIGINT NOT NULL,
             PRIMARY KEY (consumer, message_id),
             KEY {t}_processed_at (processed_at_ms)
         ) ENGINE = InnoDB"],
-)];
+    ),
+    // `utf8mb4_bin` is a PAD SPACE collation: `m` and `m ` were one key. Binary strings
+    // compare byte for byte, trailing spaces included, on MariaDB and MySQL alike; 1020 bytes
+    // hold 255 characters of UTF-8. On an existing table this rebuilds it.
+    (
+        2,
+        &["ALTER TABLE {t} MODIFY consumer VARBINARY(1020) NOT NULL, \
+           MODIFY message_id VARBINARY(1020) NOT NULL"],
+    ),
+];
 
 impl SqlxInbox<MySql> {
     /// Runs the embedded migrations not yet applied, under `GET_LOCK` so that instances starting
@@ -153,6 +163,10 @@ impl Inbox for SqlxInbox<MySql> {
 
     fn retention(&self) -> Option<Duration> {
         self.options.retention
+    }
+
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {

@@ -131,6 +131,10 @@ impl Inbox for SqlxInbox<Postgres> {
         self.options.retention
     }
 
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         crate::begin_detached(&self.pool, None).await
     }

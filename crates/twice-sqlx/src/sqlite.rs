@@ -182,6 +182,10 @@ impl Inbox for SqlxInbox<Sqlite> {
         self.options.retention
     }
 
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         begin_immediate(&self.pool).await
     }

@@ -25,13 +25,16 @@ pub struct Counters {
     handler_errors: AtomicU64,
     handler_panics: AtomicU64,
     settle_failures: AtomicU64,
+    infrastructure_retries: AtomicU64,
+    immediate_retries: AtomicU64,
+    delayed_redeliveries: AtomicU64,
     claims: AtomicU64,
     claim_latency_total_us: AtomicU64,
     claim_latency_max_us: AtomicU64,
 }
 
 /// Which counter to raise.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Counter {
     Received,
     Committed,
@@ -48,6 +51,9 @@ pub(crate) enum Counter {
     HandlerErrors,
     HandlerPanics,
     SettleFailures,
+    InfrastructureRetries,
+    ImmediateRetries,
+    DelayedRedeliveries,
 }
 
 impl Counters {
@@ -68,6 +74,9 @@ impl Counters {
             Counter::HandlerErrors => &self.handler_errors,
             Counter::HandlerPanics => &self.handler_panics,
             Counter::SettleFailures => &self.settle_failures,
+            Counter::InfrastructureRetries => &self.infrastructure_retries,
+            Counter::ImmediateRetries => &self.immediate_retries,
+            Counter::DelayedRedeliveries => &self.delayed_redeliveries,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -98,6 +107,9 @@ impl Counters {
             handler_errors: get(&self.handler_errors),
             handler_panics: get(&self.handler_panics),
             settle_failures: get(&self.settle_failures),
+            infrastructure_retries: get(&self.infrastructure_retries),
+            immediate_retries: get(&self.immediate_retries),
+            delayed_redeliveries: get(&self.delayed_redeliveries),
             claims: get(&self.claims),
             claim_latency_total: Duration::from_micros(get(&self.claim_latency_total_us)),
             claim_latency_max: Duration::from_micros(get(&self.claim_latency_max_us)),
@@ -146,6 +158,14 @@ pub struct CounterSnapshot {
     pub handler_panics: u64,
     /// Settlements the broker refused (e.g. completion after the lock was lost).
     pub settle_failures: u64,
+    /// Attempts retried in process after a failure that was not the message's fault (no
+    /// connection, a lost connection, a busy database, a deadlock victim, an unknown commit
+    /// outcome); no delivery was counted for them.
+    pub infrastructure_retries: u64,
+    /// Attempts retried at once, in process, after a handler error.
+    pub immediate_retries: u64,
+    /// Messages handed back to the broker to come again later after a handler error.
+    pub delayed_redeliveries: u64,
     /// Claims made.
     pub claims: u64,
     /// Time spent in claims, summed (divide by `claims` for the mean).

@@ -47,6 +47,13 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
     /// How long claimed ids are kept; `None` keeps them forever.
     fn retention(&self) -> Option<Duration>;
 
+    /// How many connections the store can hold at once (its pool's size), if it is bounded:
+    /// every message in flight holds one, so the processor refuses to start with more
+    /// concurrent calls than that. The default is unbounded.
+    fn max_connections(&self) -> Option<u32> {
+        None
+    }
+
     /// Begins a transaction on a connection of its own.
     ///
     /// # Cancel safety

@@ -108,6 +108,7 @@ pub mod inbox;
 pub mod message;
 pub mod outcome;
 pub mod processor;
+pub mod retry;
 pub mod session;
 pub mod transport;
 
@@ -126,7 +127,10 @@ pub use ids::{LockToken, MessageId, SequenceNumber, SessionId};
 pub use inbox::{Claim, Inbox};
 pub use message::{Message, MessageState, Properties, ReceivedMessage, Value};
 pub use outcome::Outcome;
-pub use processor::{HANDLER_FAILED, Mode, Processor, ProcessorOptions, redelivery_horizon};
+pub use processor::{
+    HANDLER_FAILED, MISSING_MESSAGE_ID, Mode, Processor, ProcessorOptions, redelivery_horizon,
+};
+pub use retry::{REDELIVERY_COUNT_PROPERTY, RetryPolicy, redelivery_count};
 pub use session::{SessionProcessor, SessionProcessorOptions};
 pub use transport::{
     DeadLetterReason, Delivery, EntityInfo, SessionReceiver, SessionTransport, Transport,

@@ -2,26 +2,33 @@
 //!
 //! # Per message
 //!
+//! 0. A message without a message id (or with an empty one) is dead-lettered at once with
+//!    reason [`MISSING_MESSAGE_ID`]: it would share one inbox key with every other id-less
+//!    message, and all but the first would be completed unprocessed.
 //! 1. Begin a transaction on a connection of its own ([`Inbox::begin`]).
 //! 2. Claim `(consumer, message id)` as the first statement ([`Inbox::claim`]). A copy whose id
 //!    was claimed and committed is a duplicate: roll back and complete. A copy whose id is held
 //!    by another, uncommitted transaction waits for it, as the database does: the other commits,
 //!    this copy is a duplicate; the other rolls back, this copy does the work.
 //! 3. Run the handler with `&mut Tx`, so its work joins the claim's transaction.
-//! 4. On [`Outcome::Complete`]: commit, then complete. The message is never completed before
-//!    the commit has succeeded. A failed commit abandons the message (the commit may have
-//!    happened: the redelivery then meets the claim and completes as a duplicate). A completion
-//!    that fails because the lock was lost is logged: the redelivery meets the claim.
+//! 4. On [`Outcome::Complete`]: check that the database has not aborted the transaction under
+//!    the handler ([`Inbox::check_committable`]), commit, then complete. The message is never
+//!    completed before the commit has succeeded. A commit whose outcome is unknown is retried
+//!    as an infrastructure failure: the retry's claim finds the commit if it happened, and the
+//!    message completes as a duplicate. A completion that fails because the lock was lost is
+//!    logged: the redelivery meets the claim.
 //! 5. Otherwise roll back, then settle:
 //!
 //! | handler result                                  | transaction | settlement                 |
 //! |-------------------------------------------------|-------------|----------------------------|
 //! | `Ok(Complete)`                                  | commit      | complete                   |
-//! | `Ok(Abandon)`, transient or unclassified error  | roll back   | abandon                    |
+//! | `Ok(Complete)`, but the database aborted the transaction | roll back | as a handler error |
+//! | error the store calls transient (deadlock, lock wait timeout, serialization failure, lost connection) | roll back | retried in process (see below) |
+//! | transient or unclassified error, panic          | roll back   | handler retry policy, then abandon |
+//! | `Ok(Abandon)`                                   | roll back   | abandon                    |
 //! | violation of a registered business key          | roll back   | complete (duplicate)       |
 //! | `Ok(DeadLetter)`, permanent error, bad JSON     | roll back   | dead-letter with reason    |
 //! | `Ok(Defer)`                                     | roll back   | defer                      |
-//! | panic                                           | roll back   | abandon (transient)        |
 //! | lock lost while running                         | roll back   | none (the broker has it)   |
 //!
 //! The lock is renewed in the background until
@@ -29,6 +36,38 @@
 //! transaction and the handler are raced against the loss of the lock: when it is lost (a
 //! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
 //! rolled back, instead of committing work whose message another receiver may already hold.
+//!
+//! # Retries
+//!
+//! See [`RetryPolicy`]. Failures that are not the message's fault (no pooled connection in
+//! time, the connection lost, SQLite busy, a lock wait timeout, a deadlock victim, a
+//! serialization failure, a commit of unknown outcome) are retried in process, the whole
+//! attempt again, after an exponential backoff with jitter, while the lock is renewed: no
+//! delivery is counted, so a database blip does not burn a message's MaxDeliveryCount. Handler
+//! errors get the configurable policy: immediate retries, then delayed redelivery
+//! ([`Transport::redeliver_later`]), then abandon.
+//!
+//! # The seeds' rules at the edges
+//!
+//! What twice does where a handler, a database or a sender misbehaves:
+//!
+//! - *The handler ignores a failed statement and returns `Complete`.* On PostgreSQL the
+//!   transaction is aborted and its COMMIT would be a silent rollback; on MariaDB a deadlock
+//!   victim's transaction is already rolled back and its COMMIT a no-op. The check before the
+//!   commit finds it; the attempt is a handler error and the message is not completed.
+//! - *The lock is lost while the processor waits for a connection or begins.* The begin is
+//!   given up; the store's begin is cancel safe, so no transaction stays open on a pooled
+//!   connection.
+//! - *The database is briefly unavailable.* In-process retries with backoff; no delivery is
+//!   spent. After [`RetryPolicy::infrastructure_retries`] failures in a row the message is
+//!   abandoned.
+//! - *Fewer pooled connections than concurrent calls.* Refused at start
+//!   ([`Processor::check`]): the surplus calls would only wait for a connection and time out.
+//! - *A message without an id.* Dead-lettered with [`MISSING_MESSAGE_ID`]; never merged with
+//!   another. Transports that can derive a stable id document it and set it.
+//! - *Two copies at once.* The second claim waits for the first transaction; first commits →
+//!   second completes as a duplicate; first rolls back → second does the work.
+//! - *A crash between commit and complete.* The redelivery meets the claim and completes.
 //!
 //! # Modes
 //!
@@ -68,6 +107,7 @@ use crate::handler::{Context, Handler};
 use crate::inbox::{Claim, Inbox};
 use crate::message::{Properties, ReceivedMessage};
 use crate::outcome::Outcome;
+use crate::retry::RetryPolicy;
 use crate::transport::{DeadLetterReason, Delivery, EntityInfo, Transport, TransportError};
 
 /// How the processor protects a handler's work.
@@ -91,6 +131,10 @@ pub enum Mode {
 /// The dead-letter reason used for a permanent error that names no reason of its own.
 pub const HANDLER_FAILED: &str = "HandlerFailed";
 
+/// The dead-letter reason of a message that arrived without a message id (or with an empty
+/// one): it is never processed, because it cannot be told apart from other id-less messages.
+pub const MISSING_MESSAGE_ID: &str = "MissingMessageId";
+
 /// Options of a [`Processor`], with Service Bus names and defaults.
 #[derive(Clone, Debug)]
 pub struct ProcessorOptions {
@@ -100,6 +144,7 @@ pub struct ProcessorOptions {
     max_auto_lock_renewal_duration: Duration,
     max_wait: Duration,
     mode: Mode,
+    retry: RetryPolicy,
     clock: SharedClock,
 }
 
@@ -112,6 +157,7 @@ impl Default for ProcessorOptions {
             max_auto_lock_renewal_duration: Duration::from_secs(300),
             max_wait: Duration::from_secs(60),
             mode: Mode::Claim,
+            retry: RetryPolicy::default(),
             clock: SharedClock::system(),
         }
     }
@@ -200,6 +246,18 @@ impl ProcessorOptions {
         self.mode
     }
 
+    /// How failed attempts are retried (default [`RetryPolicy::new`]).
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How failed attempts are retried.
+    pub fn get_retry(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
     /// The clock for lock expiry and renewal and for claim times (default: the system clock).
     #[must_use]
     pub fn clock(mut self, clock: SharedClock) -> Self {
@@ -260,6 +318,24 @@ pub(crate) fn check_retention(
     }
 }
 
+/// Refuses a store with fewer connections than messages processed at once.
+pub(crate) fn check_connections<I: Inbox>(
+    inbox: &I,
+    concurrent: usize,
+    option: &str,
+) -> Result<(), ProcessorError> {
+    match inbox.max_connections() {
+        Some(n) if usize::try_from(n).unwrap_or(usize::MAX) < concurrent => {
+            Err(ProcessorError::InvalidOptions(format!(
+                "the inbox pool has {n} connections, fewer than {option} {concurrent}: every \
+                 message in flight holds a connection for its transaction; give the pool at \
+                 least {concurrent}"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 type ErrorCallback = Arc<dyn Fn(&ProcessError) + Send + Sync>;
 type CommitHook = Arc<dyn Fn(&ReceivedMessage) + Send + Sync>;
 
@@ -269,6 +345,7 @@ pub(crate) struct Core<I, H> {
     pub(crate) handler: Arc<H>,
     pub(crate) consumer: String,
     pub(crate) mode: Mode,
+    pub(crate) retry: RetryPolicy,
     pub(crate) clock: SharedClock,
     pub(crate) counters: Arc<Counters>,
     pub(crate) on_error: Option<ErrorCallback>,
@@ -291,6 +368,12 @@ pub(crate) enum Settlement {
     Abandon,
     DeadLetter(DeadLetterReason),
     Defer,
+    /// Bring the message back after `delay`, with `properties` merged in
+    /// ([`Transport::redeliver_later`]).
+    RedeliverLater {
+        delay: Duration,
+        properties: Properties,
+    },
 }
 
 /// Settles deliveries: through the transport, or through a session.
@@ -320,6 +403,9 @@ impl<T: Transport> Settler for TransportSettler<T> {
             Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
             Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
             Settlement::Defer => self.0.defer(delivery).await,
+            Settlement::RedeliverLater { delay, properties } => {
+                self.0.redeliver_later(delivery, delay, properties).await
+            }
         }
     }
 }
@@ -330,10 +416,23 @@ enum Verdict {
     /// Complete; the counter says why (work done, or which kind of duplicate).
     Complete(Option<Counter>),
     Abandon,
+    /// The handler failed and its immediate retries are used up: redeliver later if the
+    /// policy says so, else abandon.
+    Retry,
     DeadLetter(DeadLetterReason),
     Defer,
     /// The lock was lost: nothing to settle.
     LockLost,
+}
+
+/// What one attempt came to.
+#[derive(Debug)]
+enum Attempt {
+    Done(Verdict),
+    /// Not the message's fault: try again after a backoff.
+    InfrastructureFailed,
+    /// The handler failed in a way a retry may cure.
+    HandlerFailed,
 }
 
 /// The state of the lock that protects the message being processed.
@@ -388,6 +487,17 @@ where
     ) {
         self.counters.inc(Counter::Received);
         let msg = delivery.message();
+        if msg.message.message_id.as_ref().is_none_or(|id| id.as_str().is_empty()) {
+            // Without an id every such message would share one inbox key, and all but the
+            // first would be completed unprocessed as its duplicates.
+            let reason = DeadLetterReason::new(
+                MISSING_MESSAGE_ID,
+                "the message has no message id, so twice cannot tell its copies from other \
+                 messages; senders must set a stable message id (or the transport derive one)",
+            );
+            self.settle(settler, delivery, Verdict::DeadLetter(reason)).await;
+            return;
+        }
         let verdict = {
             let mut lock_lost = std::pin::pin!(lock_lost);
             match self.mode {
@@ -400,7 +510,8 @@ where
         self.settle(settler, delivery, verdict).await;
     }
 
-    /// Claim (or not, in [`Mode::NaturallyIdempotent`]) and run the handler in one transaction.
+    /// Claim (or not, in [`Mode::NaturallyIdempotent`]) and run the handler in one transaction;
+    /// retry the attempt as the [`RetryPolicy`] says.
     async fn transactional(
         &self,
         msg: &ReceivedMessage,
@@ -408,19 +519,59 @@ where
         lock: &LockState,
         mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
     ) -> Verdict {
+        let mut infrastructure_failures = 0;
+        let mut handler_failures = 0;
+        loop {
+            match self.attempt(msg, received_at, lock, lock_lost.as_mut()).await {
+                Attempt::Done(verdict) => return verdict,
+                Attempt::InfrastructureFailed => {
+                    infrastructure_failures += 1;
+                    if infrastructure_failures > self.retry.get_infrastructure_retries() {
+                        return Verdict::Abandon;
+                    }
+                    self.counters.inc(Counter::InfrastructureRetries);
+                    // The lock is renewed while the processor waits: the keeper is polled here.
+                    let wait = self.retry.backoff_for(infrastructure_failures);
+                    tokio::select! {
+                        biased;
+                        () = &mut lock_lost => return Verdict::LockLost,
+                        () = self.clock.sleep(wait) => {}
+                    }
+                }
+                Attempt::HandlerFailed => {
+                    infrastructure_failures = 0;
+                    handler_failures += 1;
+                    if handler_failures > self.retry.get_immediate_retries() {
+                        return Verdict::Retry;
+                    }
+                    self.counters.inc(Counter::ImmediateRetries);
+                }
+            }
+        }
+    }
+
+    /// One attempt: begin, claim, handler, commit.
+    async fn attempt(
+        &self,
+        msg: &ReceivedMessage,
+        received_at: Timestamp,
+        lock: &LockState,
+        mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Attempt {
         let id = msg.message_id();
         // Beginning may wait (for a pooled connection, or for SQLite's write lock), so it is
         // raced against the lock too.
         let begun = tokio::select! {
             biased;
-            () = &mut lock_lost => return Verdict::LockLost,
+            () = &mut lock_lost => return Attempt::Done(Verdict::LockLost),
             r = self.inbox.begin() => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
             Err(e) => {
+                // No connection, or none in time: never the message's fault.
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return Verdict::Abandon;
+                return Attempt::InfrastructureFailed;
             }
         };
         let claim = self.mode == Mode::Claim;
@@ -434,33 +585,38 @@ where
             None => {
                 // The handler's future is gone; its work is rolled back with the transaction.
                 self.rollback(tx, id).await;
-                return Verdict::LockLost;
+                return Attempt::Done(Verdict::LockLost);
             }
         };
         match step {
             Step::ClaimFailed(e) => {
+                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
                 self.rollback(tx, id).await;
-                Verdict::Abandon
+                if transient {
+                    Attempt::InfrastructureFailed
+                } else {
+                    Attempt::Done(Verdict::Abandon)
+                }
             }
             Step::Duplicate(claimed_at) => {
                 self.rollback(tx, id).await;
                 // The winner claimed after this copy arrived: both were in flight together.
                 let concurrent = claimed_at.is_some_and(|at| at >= received_at);
-                Verdict::Complete(Some(if concurrent {
+                Attempt::Done(Verdict::Complete(Some(if concurrent {
                     Counter::DuplicateConcurrentCopy
                 } else {
                     Counter::DuplicateAlreadyProcessed
-                }))
+                })))
             }
             Step::Handled(Ok(Outcome::Complete)) => {
                 if !lock.held(self.clock.now()) {
                     self.rollback(tx, id).await;
-                    return Verdict::LockLost;
+                    return Attempt::Done(Verdict::LockLost);
                 }
-                if let Err(verdict) = self.check_committable(&mut tx, id).await {
+                if let Err(failed) = self.check_committable(&mut tx, id).await {
                     self.rollback(tx, id).await;
-                    return verdict;
+                    return failed;
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
@@ -468,19 +624,37 @@ where
                         if let Some(hook) = &self.on_committed {
                             hook(msg);
                         }
-                        Verdict::Complete(None)
+                        Attempt::Done(Verdict::Complete(None))
                     }
                     Err(e) => {
-                        // The commit may have happened anyway; then the redelivery meets the
-                        // claim and completes as a duplicate. Abandon, never dead-letter.
+                        let class = self.inbox.classify(&e);
                         self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
-                        Verdict::Abandon
+                        match class {
+                            // A constraint checked at COMMIT (deferred) is the handler's work
+                            // failing, as if a statement had failed.
+                            ErrorClass::BusinessKeyDuplicate { constraint } => {
+                                tracing::debug!(message_id = %id, %constraint, "duplicate by business key at commit");
+                                Attempt::Done(Verdict::Complete(Some(
+                                    Counter::DuplicateBusinessKey,
+                                )))
+                            }
+                            ErrorClass::Permanent => {
+                                self.counters.inc(Counter::HandlerErrors);
+                                Attempt::Done(Verdict::DeadLetter(DeadLetterReason::new(
+                                    HANDLER_FAILED,
+                                    "the commit of the handler's work was refused",
+                                )))
+                            }
+                            // The commit may have happened anyway: the next attempt's claim
+                            // finds out, and completes as a duplicate if it did.
+                            _ => Attempt::InfrastructureFailed,
+                        }
                     }
                 }
             }
             Step::Handled(result) => {
                 self.rollback(tx, id).await;
-                self.verdict_of(msg, result)
+                self.attempt_of(msg, result)
             }
             Step::Panicked(what) => {
                 self.rollback(tx, id).await;
@@ -490,7 +664,7 @@ where
                     Some(id),
                     format!("the handler panicked: {what}"),
                 ));
-                Verdict::Abandon
+                Attempt::HandlerFailed
             }
         }
     }
@@ -588,9 +762,9 @@ where
                 Verdict::LockLost
             }
             Some(Step::Handled(Ok(Outcome::Complete))) if lock.held(self.clock.now()) => {
-                if let Err(verdict) = self.check_committable(&mut tx, id).await {
+                if self.check_committable(&mut tx, id).await.is_err() {
                     self.rollback(tx, id).await;
-                    return verdict;
+                    return Verdict::Abandon;
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
@@ -668,19 +842,46 @@ where
     }
 
     /// The handler said `Complete`; a transaction the database has already aborted or ended
-    /// would commit nothing, so that is the handler's failure, not a completion.
+    /// would commit nothing, so that is the handler's failure, not a completion (unless the
+    /// check itself failed for the infrastructure, e.g. a lost connection).
     async fn check_committable(
         &self,
         tx: &mut I::Tx,
         id: &crate::ids::MessageId,
-    ) -> Result<(), Verdict> {
+    ) -> Result<(), Attempt> {
         match self.inbox.check_committable(tx).await {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.counters.inc(Counter::HandlerErrors);
+                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
+                if !transient {
+                    self.counters.inc(Counter::HandlerErrors);
+                }
                 self.report(ProcessError::new(ErrorSource::Handler, Some(id), e));
-                Err(Verdict::Abandon)
+                Err(if transient { Attempt::InfrastructureFailed } else { Attempt::HandlerFailed })
             }
+        }
+    }
+
+    /// What a handler result other than `Ok(Complete)` makes of the attempt, after the
+    /// rollback: an error the store calls transient (a deadlock, a lock wait timeout, a lost
+    /// connection) is the infrastructure's; the other retryable errors are the handler's.
+    fn attempt_of(&self, msg: &ReceivedMessage, result: Result<Outcome, HandlerError>) -> Attempt {
+        if let Err(error) = &result {
+            if *error.kind() == HandlerErrorKind::Unclassified
+                && self.inbox.classify(error.error()) == ErrorClass::Transient
+            {
+                self.report(ProcessError::new(
+                    ErrorSource::Handler,
+                    Some(msg.message_id()),
+                    error.chain(),
+                ));
+                return Attempt::InfrastructureFailed;
+            }
+        }
+        let retryable = result.is_err();
+        match self.verdict_of(msg, result) {
+            Verdict::Abandon if retryable => Attempt::HandlerFailed,
+            verdict => Attempt::Done(verdict),
         }
     }
 
@@ -706,12 +907,26 @@ where
                 (Settlement::Complete, Counter::Completed)
             }
             Verdict::Abandon => (Settlement::Abandon, Counter::Abandoned),
+            Verdict::Retry => match self.retry.next_redelivery(delivery.message()) {
+                Some((delay, properties)) => {
+                    (Settlement::RedeliverLater { delay, properties }, Counter::DelayedRedeliveries)
+                }
+                None => (Settlement::Abandon, Counter::Abandoned),
+            },
             Verdict::DeadLetter(reason) => (Settlement::DeadLetter(reason), Counter::DeadLettered),
             Verdict::Defer => (Settlement::Defer, Counter::Deferred),
         };
         let completing = matches!(how, Settlement::Complete);
-        match settler.settle(delivery, how).await {
-            Ok(()) => self.counters.inc(counter),
+        let settled = match settler.settle(delivery, how).await {
+            Err(TransportError::Unsupported(_)) if counter == Counter::DelayedRedeliveries => {
+                // The transport cannot bring the message back later: the broker's own
+                // redelivery (and MaxDeliveryCount) takes over.
+                settler.settle(delivery, Settlement::Abandon).await.map(|()| Counter::Abandoned)
+            }
+            other => other.map(|()| counter),
+        };
+        match settled {
+            Ok(counter) => self.counters.inc(counter),
             Err(e) => {
                 self.counters.inc(Counter::SettleFailures);
                 if completing && e.is_lock_lost() {
@@ -823,13 +1038,21 @@ where
         self.options.consumer.as_deref().unwrap_or(&self.transport.entity().path)
     }
 
-    /// Checks the options against the entity: the inbox retention must cover the redelivery
-    /// horizon ([`redelivery_horizon`]).
+    /// Checks the options against the entity and the inbox: the inbox retention must cover
+    /// the redelivery horizon ([`redelivery_horizon`]), and the inbox must have a connection
+    /// for every concurrent call (a message in flight holds one for its whole transaction, so
+    /// with fewer the surplus calls only wait for a connection, and time out).
     ///
     /// # Errors
     ///
-    /// [`ProcessorError::RetentionTooShort`], naming the numbers.
+    /// [`ProcessorError::RetentionTooShort`] or [`ProcessorError::InvalidOptions`], naming
+    /// the numbers.
     pub fn check(&self) -> Result<(), ProcessorError> {
+        check_connections(
+            self.inbox.as_ref(),
+            self.options.max_concurrent_calls,
+            "MaxConcurrentCalls",
+        )?;
         if self.options.mode == Mode::NaturallyIdempotent {
             return Ok(());
         }
@@ -860,6 +1083,7 @@ where
             handler: self.handler.clone(),
             consumer: self.consumer().to_owned(),
             mode: options.mode,
+            retry: options.retry.clone(),
             clock: options.clock.clone(),
             counters: self.counters.clone(),
             on_error: self.on_error.clone(),

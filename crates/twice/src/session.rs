@@ -25,8 +25,10 @@ use crate::handler::Handler;
 use crate::inbox::Inbox;
 use crate::message::{Properties, ReceivedMessage};
 use crate::processor::{
-    Core, LockState, Mode, Settlement, Settler, check_retention, keep_lock, renewal_margin,
+    Core, LockState, Mode, Settlement, Settler, check_connections, check_retention, keep_lock,
+    renewal_margin,
 };
+use crate::retry::RetryPolicy;
 use crate::transport::{SessionReceiver, SessionTransport, TransportError};
 
 /// Options of a [`SessionProcessor`], with Service Bus names and defaults.
@@ -38,6 +40,7 @@ pub struct SessionProcessorOptions {
     session_idle_timeout: Duration,
     max_wait: Duration,
     mode: Mode,
+    retry: RetryPolicy,
     clock: SharedClock,
 }
 
@@ -50,6 +53,7 @@ impl Default for SessionProcessorOptions {
             session_idle_timeout: Duration::from_secs(60),
             max_wait: Duration::from_secs(60),
             mode: Mode::Claim,
+            retry: RetryPolicy::default(),
             clock: SharedClock::system(),
         }
     }
@@ -119,6 +123,20 @@ impl SessionProcessorOptions {
         self
     }
 
+    /// How failed attempts are retried (default [`RetryPolicy::new`]). Delayed redelivery does
+    /// not apply to sessions, whose messages keep their order: a handler error whose immediate
+    /// retries are used up abandons the message.
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How failed attempts are retried.
+    pub fn get_retry(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
     /// The clock (default: the system clock).
     #[must_use]
     pub fn clock(mut self, clock: SharedClock) -> Self {
@@ -143,6 +161,10 @@ impl<R: SessionReceiver> Settler for SessionSettler<'_, R> {
             Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
             Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
             Settlement::Defer => self.0.defer(delivery).await,
+            // A session's messages keep their order: one cannot come back later than the next.
+            Settlement::RedeliverLater { .. } => {
+                Err(TransportError::Unsupported("delayed redelivery in a session"))
+            }
         }
     }
 }
@@ -232,8 +254,14 @@ where
     ///
     /// # Errors
     ///
-    /// [`ProcessorError::RetentionTooShort`], naming the numbers.
+    /// [`ProcessorError::RetentionTooShort`], or [`ProcessorError::InvalidOptions`] when the
+    /// inbox has fewer connections than MaxConcurrentSessions, naming the numbers.
     pub fn check(&self) -> Result<(), ProcessorError> {
+        check_connections(
+            self.inbox.as_ref(),
+            self.options.max_concurrent_sessions,
+            "MaxConcurrentSessions",
+        )?;
         if self.options.mode == Mode::NaturallyIdempotent {
             return Ok(());
         }
@@ -263,6 +291,7 @@ where
             handler: self.handler.clone(),
             consumer: self.consumer().to_owned(),
             mode: options.mode,
+            retry: options.retry.clone(),
             clock: options.clock.clone(),
             counters: self.counters.clone(),
             on_error: self.on_error.clone(),

@@ -4,8 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use sqlx::Transaction;
+use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use twice::{Inbox, ProcessorOptions, SharedClock};
+
+use twice::{Clock as _, Inbox, ProcessorOptions, SharedClock, SystemClock};
 use twice_sqlx::{InboxOptions, StoreError};
 
 use crate::on_all_stores;
@@ -51,10 +53,11 @@ where
     assert_eq!(shipments(&f).await, 1, "{}: the work committed", F::NAME);
     assert_eq!(inbox_rows(&f, "inbox_crash").await, 1, "and so did the claim");
 
-    // The broker, reopened from its directory, redelivers the message it never saw completed
-    // (its clock is later than the dead receiver's lock).
+    // The broker, reopened from its directory, redelivers the message it never saw completed.
+    // Its clock starts where the child's system clock is now, past the dead receiver's 30 s
+    // lock, so the test holds in any year.
     let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_crash")).await);
-    let clock = twice::ManualClock::default();
+    let clock = twice::ManualClock::new(SystemClock.now() + Duration::from_secs(31));
     let broker = Broker::open(BrokerOptions::durable(&dir).with_clock(clock.clone()))
         .await
         .expect("reopen the broker");

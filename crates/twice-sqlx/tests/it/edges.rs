@@ -3,16 +3,17 @@
 //! id.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use sqlx::Transaction;
-use twice::{Inbox, ProcessorOptions, SharedClock};
+use twice::{Inbox, ProcessorOptions, RetryPolicy, SharedClock};
 use twice_sqlx::{InboxOptions, SqlxInbox, StoreError};
 
 use crate::on_all_stores;
 use crate::processor::{Ship, order, processor};
 use crate::support::{
-    Fixture, Shutdown, create_shipments, inbox_rows, queue, shipments, until_async,
+    Fixture, Shutdown, create_shipments, inbox_rows, queue, shipments, until, until_async,
 };
 
 type Inboxed<F> = SqlxInbox<<F as Fixture>::DB>;
@@ -163,3 +164,111 @@ async fn mariadb_deadlock_victim_is_never_completed_without_its_work() {
     assert_eq!(handler.calls.load(Ordering::SeqCst), 2, "the victim's attempt was retried");
     assert_eq!((s.committed, s.handler_errors), (1, 1), "{s:?}");
 }
+
+/// The database has no connection to spare (every pooled connection is busy elsewhere, a
+/// two-second blip): the processor waits with backoff and tries again, renewing the lock,
+/// instead of abandoning the message and spending one of its deliveries per failure.
+async fn infrastructure_failures_are_retried_without_counting_a_delivery<F: Fixture>(f: F)
+where
+    F::DB: twice_sqlx::Backend,
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let pool = f.pool_with(2, Duration::from_millis(100)).await;
+    let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new().table("inbox_blip"));
+    let inbox = Arc::new(inbox.await.expect("inbox"));
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let retry = RetryPolicy::new().backoff(Duration::from_millis(100), Duration::from_secs(1));
+    let p = processor::<F>(&queue, inbox, Ship::new(), options(&clock).retry(retry)).await;
+    let counters = p.counters();
+    // The blip: both connections taken before the message arrives.
+    let held = (pool.acquire().await.expect("hold"), pool.acquire().await.expect("hold"));
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-81-placed", 81)).await;
+    until_async("two attempts failed for want of a connection", || async {
+        clock.advance(Duration::from_millis(50)); // the backoff runs on the processor's clock
+        counters.snapshot().infrastructure_retries >= 2
+    })
+    .await;
+    drop(held);
+    until_async("completed", || async {
+        clock.advance(Duration::from_millis(50));
+        queue.completed().await == 1
+    })
+    .await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!((s.received, s.abandoned, s.committed), (1, 0, 1), "{}: {s:?}", F::NAME);
+    assert_eq!(s.lock_lost, 0, "the lock was renewed while it waited: {s:?}");
+    assert_eq!(shipments(&f).await, 1);
+}
+on_all_stores!(infrastructure_failures_are_retried_without_counting_a_delivery);
+
+/// A handler error is retried at once as often as the policy says, then the message is handed
+/// back to come again after each delayed-redelivery step; its delivery count never rises.
+async fn handler_errors_are_retried_at_once_then_redelivered_later<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_redeliver")).await);
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let mut handler = Ship::<F>::new();
+    let failures = Arc::new(AtomicUsize::new(4));
+    handler.fail_times = Some(failures.clone());
+    let calls = handler.calls.clone();
+    let retry = RetryPolicy::new()
+        .immediate_retries(1)
+        .delayed_redelivery([Duration::from_secs(10), Duration::from_secs(60)]);
+    let p = processor::<F>(&queue, inbox, handler, options(&clock).retry(retry)).await;
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-82-placed", 82)).await;
+    // Two attempts (one immediate retry), then the message waits 10 s.
+    until("handed back for later", || counters.snapshot().delayed_redeliveries == 1).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    clock.advance(Duration::from_secs(9));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "{}: not before its delay", F::NAME);
+    clock.advance(Duration::from_secs(1));
+    until("handed back a second time", || counters.snapshot().delayed_redeliveries == 2).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    clock.advance(Duration::from_secs(60));
+    until("committed", || counters.snapshot().committed == 1).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!(calls.load(Ordering::SeqCst), 5, "{s:?}");
+    assert_eq!((s.immediate_retries, s.delayed_redeliveries), (2, 2), "{s:?}");
+    assert_eq!((s.abandoned, s.dead_lettered), (0, 0), "{s:?}");
+    assert_eq!(shipments(&f).await, 1, "{}", F::NAME);
+    assert!(queue.dead_letters().await.is_empty());
+    assert_eq!(queue.active_count().await, 0);
+}
+on_all_stores!(handler_errors_are_retried_at_once_then_redelivered_later);
+
+/// A pool with fewer connections than MaxConcurrentCalls is refused at start, with the numbers.
+async fn a_pool_smaller_than_max_concurrent_calls_is_refused<F: Fixture>(f: F)
+where
+    F::DB: twice_sqlx::Backend,
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let pool = f.pool_with(3, Duration::from_secs(60)).await;
+    let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new().table("inbox_small_pool"));
+    let inbox = Arc::new(inbox.await.expect("inbox"));
+    let (queue, clock) = queue("orders").await;
+    let enough =
+        processor::<F>(&queue, inbox.clone(), Ship::new(), options(&clock).max_concurrent_calls(3));
+    enough.await.check().expect("3 connections for 3 calls");
+    let p =
+        processor::<F>(&queue, inbox, Ship::new(), options(&clock).max_concurrent_calls(4)).await;
+    let err = p.run(std::future::pending()).await.expect_err("must refuse");
+    let text = err.to_string();
+    assert!(text.contains("3 connections, fewer than MaxConcurrentCalls 4"), "{}: {text}", F::NAME);
+}
+on_all_stores!(a_pool_smaller_than_max_concurrent_calls_is_refused);

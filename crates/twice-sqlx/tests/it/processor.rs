@@ -47,6 +47,8 @@ pub struct Ship<F> {
     /// When set (and still true), the handler runs a statement that fails after writing, once,
     /// ignores the error and returns `Complete` (a handler that logs and carries on).
     pub swallow_error_once: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// While above zero, the handler fails transiently after writing and counts it down.
+    pub fail_times: Option<Arc<AtomicUsize>>,
     _store: PhantomData<fn() -> F>,
 }
 
@@ -59,6 +61,7 @@ impl<F> Ship<F> {
             fail: false,
             panic_once: None,
             swallow_error_once: None,
+            fail_times: None,
             _store: PhantomData,
         }
     }
@@ -86,7 +89,10 @@ impl<F: Fixture> JsonHandler<OrderPlaced, Transaction<'static, F::DB>> for Ship<
                 Err(_) => std::future::pending::<()>().await,
             }
         }
-        if self.fail {
+        let fail_now = self.fail_times.as_ref().is_some_and(|n| {
+            n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+        });
+        if self.fail || fail_now {
             return Err(HandlerError::transient(std::io::Error::other("downstream unavailable")));
         }
         if self.panic_once.as_ref().is_some_and(|p| p.swap(false, Ordering::SeqCst)) {

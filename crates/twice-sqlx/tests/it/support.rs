@@ -32,9 +32,13 @@ pub trait Fixture: Send + Sync + Sized + 'static {
         order_id: i64,
         message_id: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-    /// A second pool on the same database with a single connection, so that whatever one
-    /// borrower leaves on it the next one meets.
-    fn pool_of_one(&self) -> impl Future<Output = Pool<Self::DB>> + Send;
+    /// A second pool on the same database with `max` connections, of which a borrower waits
+    /// for one at most `acquire_timeout`.
+    fn pool_with(
+        &self,
+        max: u32,
+        acquire_timeout: Duration,
+    ) -> impl Future<Output = Pool<Self::DB>> + Send;
     /// Whether the pool's one connection is inside a transaction, asked on that connection.
     fn in_transaction(pool: &Pool<Self::DB>) -> impl Future<Output = bool> + Send;
     /// Runs a statement inside the handler's transaction.
@@ -119,8 +123,13 @@ impl Fixture for Pg {
     ) -> Result<(), sqlx::Error> {
         sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
-    async fn pool_of_one(&self) -> Pool<Postgres> {
-        self.db_.pool(1).await.expect("pool of one")
+    async fn pool_with(&self, max: u32, acquire_timeout: Duration) -> Pool<Postgres> {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(acquire_timeout)
+            .connect_with(self.db_.options())
+            .await
+            .expect("pool")
     }
     async fn in_transaction(pool: &Pool<Postgres>) -> bool {
         // Outside a transaction the statement is a transaction of its own, which starts with
@@ -211,8 +220,13 @@ impl Fixture for Maria {
     async fn try_exec(tx: &mut Transaction<'static, MySql>, sql: &str) -> Result<(), sqlx::Error> {
         sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
-    async fn pool_of_one(&self) -> Pool<MySql> {
-        self.db_.pool(1).await.expect("pool of one")
+    async fn pool_with(&self, max: u32, acquire_timeout: Duration) -> Pool<MySql> {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(acquire_timeout)
+            .connect_with(self.db_.options())
+            .await
+            .expect("pool")
     }
     async fn in_transaction(pool: &Pool<MySql>) -> bool {
         let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
@@ -307,13 +321,13 @@ impl Fixture for Lite {
     async fn try_exec(tx: &mut Transaction<'static, Sqlite>, sql: &str) -> Result<(), sqlx::Error> {
         sqlx::query(sql).execute(&mut **tx).await.map(drop)
     }
-    async fn pool_of_one(&self) -> Pool<Sqlite> {
+    async fn pool_with(&self, max: u32, acquire_timeout: Duration) -> Pool<Sqlite> {
         sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(60))
+            .max_connections(max)
+            .acquire_timeout(acquire_timeout)
             .connect_with(twice_sqlx::sqlite::connect_options(self.db.path()))
             .await
-            .expect("pool of one")
+            .expect("pool")
     }
     async fn in_transaction(pool: &Pool<Sqlite>) -> bool {
         // SQLite refuses a BEGIN inside a transaction (it has no other way to ask in SQL).

@@ -1,0 +1,8 @@
+//! The processor's pipeline at its edges, on an in-memory inbox and transport, so that
+//! `cargo test -p twice` checks it without a database or a broker; `twice-sqlx` runs the same
+//! scenarios against the real stores.
+
+#![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
+
+mod memory;
+mod pipeline;

@@ -1,0 +1,354 @@
+//! An in-memory inbox that keeps the store contract (a claim waits for a concurrent
+//! uncommitted claim; dropping a transaction rolls it back) and can be told to fail, and an
+//! in-memory transport that records how each delivery was settled.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use twice::{
+    Claim, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId, Properties,
+    ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
+};
+
+type Key = (String, MessageId);
+
+#[derive(Debug, Default)]
+struct State {
+    committed: BTreeMap<Key, Timestamp>,
+    pending: BTreeSet<Key>,
+    /// The work of committed transactions, in commit order.
+    work: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled when a pending claim ends.
+    ended: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Failures the inbox can be told to produce.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// The next this many begins fail as if no connection came in time.
+    pub begin_failures: AtomicUsize,
+    /// The next this many commits commit and then report a lost connection (the outcome is
+    /// unknown to the caller).
+    pub commits_lost_after: AtomicUsize,
+}
+
+/// The inbox's errors.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// No connection (transient).
+    #[error("no connection to the store")]
+    Unavailable,
+    /// The transaction was aborted by the store.
+    #[error("the transaction was aborted")]
+    Aborted,
+}
+
+#[derive(Debug, Default)]
+pub struct MemoryInbox {
+    shared: Arc<Shared>,
+    pub faults: Faults,
+    pub connections: Option<u32>,
+}
+
+/// A transaction: its claim and its work, kept only if it commits.
+#[derive(Debug)]
+pub struct MemoryTx {
+    shared: Arc<Shared>,
+    claim: Option<Key>,
+    claimed_at: Timestamp,
+    pub work: Vec<String>,
+    /// Set by a handler to play a statement that failed and aborted the transaction (as on
+    /// PostgreSQL): the commit then keeps nothing, and says nothing.
+    pub aborted: bool,
+}
+
+impl Drop for MemoryTx {
+    fn drop(&mut self) {
+        if let Some(key) = self.claim.take() {
+            self.shared.lock().pending.remove(&key);
+            self.shared.ended.notify_waiters();
+        }
+    }
+}
+
+fn take_one(n: &AtomicUsize) -> bool {
+    n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+}
+
+impl MemoryInbox {
+    /// The committed work, in order.
+    pub fn work(&self) -> Vec<String> {
+        self.shared.lock().work.clone()
+    }
+
+    /// How many ids are claimed and committed.
+    pub fn claims(&self) -> usize {
+        self.shared.lock().committed.len()
+    }
+}
+
+impl Inbox for MemoryInbox {
+    type Tx = MemoryTx;
+    type Error = MemoryError;
+
+    fn retention(&self) -> Option<Duration> {
+        None
+    }
+
+    fn max_connections(&self) -> Option<u32> {
+        self.connections
+    }
+
+    async fn begin(&self) -> Result<MemoryTx, MemoryError> {
+        if take_one(&self.faults.begin_failures) {
+            return Err(MemoryError::Unavailable);
+        }
+        Ok(MemoryTx {
+            shared: self.shared.clone(),
+            claim: None,
+            claimed_at: Timestamp::from_millis(0),
+            work: Vec::new(),
+            aborted: false,
+        })
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        tx: &'a mut MemoryTx,
+        consumer: &'a str,
+        id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, MemoryError> {
+        let key = (consumer.to_owned(), id.clone());
+        loop {
+            let ended = self.shared.ended.notified();
+            let mut ended = std::pin::pin!(ended);
+            ended.as_mut().enable();
+            {
+                let mut state = self.shared.lock();
+                if let Some(at) = state.committed.get(&key) {
+                    return Ok(Claim::Duplicate { claimed_at: Some(*at) });
+                }
+                if state.pending.insert(key.clone()) {
+                    tx.claim = Some(key);
+                    tx.claimed_at = now;
+                    return Ok(Claim::Claimed);
+                }
+            }
+            // Another transaction holds the key: wait for it to end, as a database does.
+            ended.await;
+        }
+    }
+
+    async fn check_committable<'a>(&'a self, tx: &'a mut MemoryTx) -> Result<(), MemoryError> {
+        if tx.aborted { Err(MemoryError::Aborted) } else { Ok(()) }
+    }
+
+    async fn commit(&self, mut tx: MemoryTx) -> Result<(), MemoryError> {
+        if tx.aborted {
+            // PostgreSQL's answer to COMMIT of an aborted transaction: a rollback, no error.
+            return Ok(());
+        }
+        {
+            let mut state = self.shared.lock();
+            if let Some(key) = tx.claim.take() {
+                state.pending.remove(&key);
+                state.committed.insert(key, tx.claimed_at);
+            }
+            state.work.append(&mut tx.work);
+        }
+        self.shared.ended.notify_waiters();
+        if take_one(&self.faults.commits_lost_after) {
+            return Err(MemoryError::Unavailable);
+        }
+        Ok(())
+    }
+
+    async fn rollback(&self, tx: MemoryTx) -> Result<(), MemoryError> {
+        drop(tx);
+        Ok(())
+    }
+
+    async fn record<'a>(
+        &'a self,
+        consumer: &'a str,
+        id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, MemoryError> {
+        let mut state = self.shared.lock();
+        let key = (consumer.to_owned(), id.clone());
+        if let Some(at) = state.committed.get(&key) {
+            return Ok(Claim::Duplicate { claimed_at: Some(*at) });
+        }
+        state.committed.insert(key, now);
+        Ok(Claim::Claimed)
+    }
+
+    async fn forget<'a>(&'a self, consumer: &'a str, id: &'a MessageId) -> Result<(), MemoryError> {
+        self.shared.lock().committed.remove(&(consumer.to_owned(), id.clone()));
+        Ok(())
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        match error.downcast_ref::<MemoryError>() {
+            Some(MemoryError::Unavailable) => ErrorClass::Transient,
+            _ => ErrorClass::Unknown,
+        }
+    }
+}
+
+/// How the transport was asked to settle a delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settled {
+    Complete,
+    Abandon,
+    DeadLetter(DeadLetterReason),
+    Defer,
+    RedeliverLater(Duration),
+}
+
+/// A queue in memory without locks (nothing expires), MaxDeliveryCount 10, that can redeliver
+/// later (at once, recording the delay).
+#[derive(Debug)]
+pub struct MemoryTransport {
+    entity: EntityInfo,
+    queue: Mutex<VecDeque<ReceivedMessage>>,
+    arrived: Notify,
+    sequence: AtomicI64,
+    settled: Mutex<Vec<(Option<MessageId>, u32, Settled)>>,
+    pub redeliver_later_supported: AtomicBool,
+}
+
+impl MemoryTransport {
+    pub fn new() -> Self {
+        Self {
+            entity: EntityInfo::new("orders"),
+            queue: Mutex::default(),
+            arrived: Notify::new(),
+            sequence: AtomicI64::new(0),
+            settled: Mutex::default(),
+            redeliver_later_supported: AtomicBool::new(true),
+        }
+    }
+
+    pub fn send(&self, message: Message) {
+        let n = self.sequence.fetch_add(1, Ordering::SeqCst);
+        let received =
+            ReceivedMessage::new(message, SequenceNumber::new(n), Timestamp::from_millis(0));
+        self.push(received);
+    }
+
+    fn push(&self, message: ReceivedMessage) {
+        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(message);
+        self.arrived.notify_one();
+    }
+
+    /// Every settlement so far: (message id, delivery count, how).
+    pub fn settled(&self) -> Vec<(Option<MessageId>, u32, Settled)> {
+        self.settled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn record(&self, d: &ReceivedMessage, how: Settled) {
+        let entry = (d.message.message_id.clone(), d.delivery_count, how);
+        self.settled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
+    }
+}
+
+impl Transport for MemoryTransport {
+    type Delivery = ReceivedMessage;
+
+    fn entity(&self) -> &EntityInfo {
+        &self.entity
+    }
+
+    async fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+        let wait = async {
+            loop {
+                let arrived = self.arrived.notified();
+                {
+                    let mut queue =
+                        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if !queue.is_empty() {
+                        let n = max_messages.min(queue.len());
+                        return queue.drain(..n).collect();
+                    }
+                }
+                arrived.await;
+            }
+        };
+        Ok(tokio::time::timeout(max_wait, wait).await.unwrap_or_default())
+    }
+
+    async fn complete(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.record(d, Settled::Complete);
+        Ok(())
+    }
+
+    async fn abandon(&self, d: &ReceivedMessage, props: Properties) -> Result<(), TransportError> {
+        self.record(d, Settled::Abandon);
+        let mut again = d.clone();
+        again.delivery_count += 1;
+        again.message.application_properties.extend(props);
+        if again.delivery_count <= 10 {
+            self.push(again);
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        d: &ReceivedMessage,
+        reason: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        self.record(d, Settled::DeadLetter(reason));
+        Ok(())
+    }
+
+    async fn defer(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.record(d, Settled::Defer);
+        Ok(())
+    }
+
+    async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.push(d.clone());
+        Ok(())
+    }
+
+    async fn renew_lock(&self, _: &ReceivedMessage) -> Result<Timestamp, TransportError> {
+        Ok(Timestamp::MAX)
+    }
+
+    async fn redeliver_later(
+        &self,
+        d: &ReceivedMessage,
+        delay: Duration,
+        props: Properties,
+    ) -> Result<(), TransportError> {
+        if !self.redeliver_later_supported.load(Ordering::SeqCst) {
+            return Err(TransportError::Unsupported("delayed redelivery"));
+        }
+        self.record(d, Settled::RedeliverLater(delay));
+        let mut again = d.clone();
+        again.message.application_properties.extend(props);
+        self.push(again);
+        Ok(())
+    }
+}
