@@ -17,7 +17,7 @@
 //! Outgoing transfers respect the peer's session incoming window: deliveries wait in the
 //! session's queue until the peer's flow makes room.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +31,7 @@ use crate::address::{self, Node};
 use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveMode, Settlement};
 use crate::codec::Value;
 use crate::frame::{self, Frame, FrameReader, ReadError};
+use crate::ids::IdPool;
 use crate::mapping::{self, Presentation};
 use crate::metrics::{Counter, Metrics};
 use crate::mgmt;
@@ -332,7 +333,10 @@ struct Session<S> {
     remote_incoming_window: u32,
     frames_since_flow: u32,
     links: HashMap<u32, Link<S>>,
-    unsettled: HashMap<u32, Unsettled>,
+    /// Local handles of this session's links.
+    handles: IdPool,
+    /// By delivery id, ordered so a disposition's range costs only the deliveries in it.
+    unsettled: BTreeMap<u32, Unsettled>,
     outgoing: VecDeque<Queued>,
 }
 
@@ -351,8 +355,11 @@ macro_rules! sflow {
 }
 
 impl<S> Session<S> {
-    fn free_handle(&self) -> u32 {
-        (0..).find(|h| !self.links.values().any(|l| l.local_handle == *h)).unwrap_or(0)
+    /// Forgets a link of this session, giving its local handle back.
+    fn remove_link(&mut self, handle: u32) -> Option<Link<S>> {
+        let l = self.links.remove(&handle)?;
+        self.handles.give_back(l.local_handle);
+        Some(l)
     }
 
     /// Queues a delivery on the link with this remote handle; returns its delivery id.
@@ -516,6 +523,8 @@ struct Conn<B: Backend> {
     links: HashMap<u64, (u16, u32)>,
     next_link_id: u64,
     events: mpsc::UnboundedSender<Event<B::Session>>,
+    /// Local channels of the sessions.
+    channels: IdPool,
     /// Paths the connection may use (from tokens); `Some("")` is all of them.
     grants: Vec<String>,
     channel_max: u16,
@@ -586,6 +595,7 @@ pub(crate) async fn serve<B, IO>(
         out: Out { buf: Vec::new(), peer_max_frame: frame::MIN_MAX_FRAME_SIZE },
         sessions: HashMap::new(),
         links: HashMap::new(),
+        channels: IdPool::default(),
         next_link_id: 0,
         events: tx,
         grants: if sasl_ok { vec![String::new()] } else { Vec::new() },
@@ -783,7 +793,7 @@ impl<B: Backend> Conn<B> {
                 container_id: "twice".into(),
                 hostname: None,
                 max_frame_size: opts.max_frame_size,
-                channel_max: u16::MAX,
+                channel_max: max_channel(opts.max_sessions_per_connection),
                 idle_time_out: (idle_ms > 0).then_some(idle_ms),
                 properties: None,
             }),
@@ -836,10 +846,7 @@ impl<B: Backend> Conn<B> {
                 }
                 Err(End::Close(None))
             }
-            Performative::Begin(b) => {
-                self.on_begin(ch, &b);
-                Ok(())
-            }
+            Performative::Begin(b) => self.on_begin(ch, &b),
             Performative::End(_) => {
                 if let Some(local) = self.sessions.get(&ch).map(|s| s.local_channel) {
                     self.drop_session(ch);
@@ -847,10 +854,7 @@ impl<B: Backend> Conn<B> {
                 }
                 Ok(())
             }
-            Performative::Attach(a) => {
-                self.on_attach(ch, a);
-                Ok(())
-            }
+            Performative::Attach(a) => self.on_attach(ch, a),
             Performative::Detach(d) => {
                 self.on_detach(ch, &d);
                 Ok(())
@@ -876,13 +880,20 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn on_begin(&mut self, ch: u16, b: &Begin) {
-        if ch > self.channel_max || self.sessions.contains_key(&ch) {
-            return;
+    fn on_begin(&mut self, ch: u16, b: &Begin) -> Result<(), End> {
+        // Beyond the channel-max twice announced: a framing error (AMQP 1.0 section 2.7.1),
+        // which bounds the sessions of a connection.
+        if ch > max_channel(self.shared.options.max_sessions_per_connection) {
+            return Err(End::Close(Some(AmqpError::new(
+                cond::FRAME_TOO_LARGE,
+                format!("begin on channel {ch}, beyond the channel-max announced"),
+            ))));
         }
-        let local = (0..=u16::MAX)
-            .find(|c| !self.sessions.values().any(|s| s.local_channel == *c))
-            .unwrap_or(0);
+        if ch > self.channel_max || self.sessions.contains_key(&ch) {
+            return Ok(());
+        }
+        // At most as many sessions as channels, so a local channel always fits.
+        let local = u16::try_from(self.channels.take()).unwrap_or(u16::MAX);
         self.sessions.insert(
             ch,
             Session {
@@ -894,7 +905,8 @@ impl<B: Backend> Conn<B> {
                 remote_incoming_window: b.incoming_window,
                 frames_since_flow: 0,
                 links: HashMap::new(),
-                unsettled: HashMap::new(),
+                handles: IdPool::default(),
+                unsettled: BTreeMap::new(),
                 outgoing: VecDeque::new(),
             },
         );
@@ -905,16 +917,16 @@ impl<B: Backend> Conn<B> {
                 next_outgoing_id: 0,
                 incoming_window: SESSION_WINDOW,
                 outgoing_window: SESSION_WINDOW,
-                handle_max: u32::try_from(self.shared.options.max_links_per_session)
-                    .unwrap_or(u32::MAX)
-                    .saturating_sub(1),
+                handle_max: handle_max(self.shared.options.max_links_per_session),
             }),
         );
+        Ok(())
     }
 
     /// Forgets a session and everything its links hold (without sending anything).
     fn drop_session(&mut self, ch: u16) {
         let Some(mut s) = self.sessions.remove(&ch) else { return };
+        self.channels.give_back(u32::from(s.local_channel));
         s.discard_outgoing(None);
         for (_, link) in s.links.drain() {
             self.links.remove(&link.id);
@@ -928,13 +940,21 @@ impl<B: Backend> Conn<B> {
 
     /// Records a link and checks what needs no broker; the broker's answer about the entity
     /// comes back as [`Event::Resolved`].
-    fn on_attach(&mut self, ch: u16, a: Attach) {
+    fn on_attach(&mut self, ch: u16, a: Attach) -> Result<(), End> {
         let max_links = self.shared.options.max_links_per_session;
-        let Some(s) = self.sessions.get_mut(&ch) else { return };
+        // Beyond the handle-max twice announced: a framing error (AMQP 1.0 section 2.7.2),
+        // which bounds the links of a session.
+        if a.handle > handle_max(max_links) {
+            return Err(End::Close(Some(AmqpError::new(
+                cond::FRAME_TOO_LARGE,
+                format!("attach with handle {}, beyond the handle-max announced", a.handle),
+            ))));
+        }
+        let Some(s) = self.sessions.get_mut(&ch) else { return Ok(()) };
         if let Some(old) = s.links.get(&a.handle).map(|l| l.id) {
             // A reused handle: the client forgot the old link; so does twice.
             s.discard_outgoing(Some(old));
-            if let Some(old) = s.links.remove(&a.handle) {
+            if let Some(old) = s.remove_link(a.handle) {
                 self.links.remove(&old.id);
                 release_link(old);
             }
@@ -949,7 +969,7 @@ impl<B: Backend> Conn<B> {
         let target_address = crate::performative::Terminus::parse(a.target.as_ref(), false).address;
         let id = self.next_link_id;
         self.next_link_id += 1;
-        let local_handle = s.free_handle();
+        let local_handle = s.handles.take();
         let mode = if client_receives && a.snd_settle_mode == Some(1) {
             ReceiveMode::ReceiveAndDelete
         } else {
@@ -994,12 +1014,12 @@ impl<B: Backend> Conn<B> {
                 format!("a session may attach at most {max_links} links"),
             );
             self.refuse(ch, handle, error);
-            return;
+            return Ok(());
         }
         let entity = match &node {
             Node::Cbs => {
                 self.accept_attach(ch, handle, None);
-                return;
+                return Ok(());
             }
             Node::Management(e) | Node::Entity(e) => e.clone(),
         };
@@ -1010,7 +1030,7 @@ impl<B: Backend> Conn<B> {
                 format!("unauthorized access to '{entity}': put a valid token to $cbs first"),
             );
             self.refuse(ch, handle, error);
-            return;
+            return Ok(());
         }
         let backend = self.shared.backend.clone();
         let events = self.events.clone();
@@ -1018,6 +1038,7 @@ impl<B: Backend> Conn<B> {
             let kind = backend.entity(&entity).await;
             let _ = events.send(Event::Resolved { link: id, kind });
         });
+        Ok(())
     }
 
     /// Finishes an attach once the broker said what its entity is.
@@ -1229,7 +1250,7 @@ impl<B: Backend> Conn<B> {
         let Some(id) = s.links.get(&d.handle).map(|l| l.id) else { return };
         // Releases of what never went out are queued before the settler learns the link ended.
         s.discard_outgoing(Some(id));
-        let Some(l) = s.links.remove(&d.handle) else { return };
+        let Some(l) = s.remove_link(d.handle) else { return };
         self.links.remove(&l.id);
         let local = s.local_channel;
         s.unsettled.retain(|_, u| u.link != l.id);
@@ -1619,26 +1640,27 @@ impl<B: Backend> Conn<B> {
             Some(Err(_)) | None => Outcome::Other,
         };
         let last = d.last.unwrap_or(d.first);
-        if last.wrapping_sub(d.first) > 10_000 {
-            return;
-        }
         let Some(s) = self.sessions.get_mut(&ch) else { return };
-        let mut id = d.first;
-        loop {
-            if let Some(u) = s.unsettled.remove(&id) {
-                let (how, echo) = settlement_of(&outcome);
-                let job =
-                    Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
-                if let Some(&(_, handle)) = self.links.get(&u.link) {
-                    if let Some(l) = s.links.get(&handle) {
-                        l.job(job);
-                    }
+        // Only the unsettled deliveries in the range are work, whatever its width (it may wrap
+        // around the end of the id space).
+        let ids: Vec<u32> = if d.first <= last {
+            s.unsettled.range(d.first..=last).map(|(id, _)| *id).collect()
+        } else {
+            s.unsettled
+                .range(d.first..)
+                .chain(s.unsettled.range(..=last))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        for id in ids {
+            let Some(u) = s.unsettled.remove(&id) else { continue };
+            let (how, echo) = settlement_of(&outcome);
+            let job = Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
+            if let Some(&(_, handle)) = self.links.get(&u.link) {
+                if let Some(l) = s.links.get(&handle) {
+                    l.job(job);
                 }
             }
-            if id == last {
-                break;
-            }
-            id = id.wrapping_add(1);
         }
     }
 
@@ -1831,6 +1853,16 @@ impl<B: Backend> Conn<B> {
             s.unsettled.retain(|_, u| u.lock != lock);
         }
     }
+}
+
+/// The highest channel a connection with at most `sessions` sessions announces.
+fn max_channel(sessions: usize) -> u16 {
+    u16::try_from(sessions.saturating_sub(1)).unwrap_or(u16::MAX)
+}
+
+/// The highest handle a session with at most `links` links announces.
+fn handle_max(links: usize) -> u32 {
+    u32::try_from(links.saturating_sub(1)).unwrap_or(u32::MAX)
 }
 
 /// Writes dispositions for settled deliveries, one frame per run of consecutive delivery ids

@@ -75,6 +75,7 @@ pub mod backend;
 mod broker;
 mod connection;
 mod http;
+mod ids;
 pub mod metrics;
 mod mgmt;
 mod options;

@@ -15,6 +15,7 @@ pub struct ServerOptions {
     pub(crate) max_connections: usize,
     pub(crate) max_pending_connections: usize,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) max_sessions_per_connection: usize,
     pub(crate) max_links_per_session: usize,
     pub(crate) max_unsettled_per_link: u32,
     pub(crate) max_message_size: u64,
@@ -32,6 +33,7 @@ impl Default for ServerOptions {
             max_connections: 1024,
             max_pending_connections: 256,
             handshake_timeout: Duration::from_secs(10),
+            max_sessions_per_connection: 256,
             max_links_per_session: 256,
             max_unsettled_per_link: 5000,
             max_message_size: 256 * 1024,
@@ -43,8 +45,8 @@ impl Default for ServerOptions {
 
 impl ServerOptions {
     /// The defaults: AMQP on 127.0.0.1:5673, HTTP on 127.0.0.1:5300, the emulator's key, 1 MiB
-    /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 links
-    /// per session, 5000 unsettled deliveries per link,
+    /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 sessions
+    /// per connection, 256 links per session, 5000 unsettled deliveries per link,
     /// 256 KiB messages, 120 s idle timeout.
     pub fn new() -> Self {
         Self::default()
@@ -102,7 +104,16 @@ impl ServerOptions {
         self
     }
 
-    /// The most links one AMQP session may attach.
+    /// The most AMQP sessions one connection may begin (the `channel-max` the server
+    /// announces is one less); a `begin` beyond it closes the connection.
+    #[must_use]
+    pub fn max_sessions_per_connection(mut self, n: usize) -> Self {
+        self.max_sessions_per_connection = n.clamp(1, 65_536);
+        self
+    }
+
+    /// The most links one AMQP session may attach (the `handle-max` the server announces is
+    /// one less); an attach beyond it closes the connection.
     #[must_use]
     pub fn max_links_per_session(mut self, n: usize) -> Self {
         self.max_links_per_session = n.max(1);
@@ -165,6 +176,11 @@ impl ServerOptions {
     /// How long a handshake may take.
     pub fn get_handshake_timeout(&self) -> Duration {
         self.handshake_timeout
+    }
+
+    /// The most sessions per connection.
+    pub fn get_max_sessions_per_connection(&self) -> usize {
+        self.max_sessions_per_connection
     }
 
     /// The most links per session.

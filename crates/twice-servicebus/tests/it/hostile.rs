@@ -309,3 +309,116 @@ async fn a_client_that_never_sends_open_is_disconnected() {
         .unwrap_or(0);
     assert_eq!(n, 0, "nothing but the end: {rest:?}");
 }
+
+#[tokio::test]
+async fn a_disposition_over_a_huge_range_settles_what_is_in_it() {
+    let server = TestServer::start().await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("send", 0, false, "q7", 0).await;
+    c.send_messages(0, 3).await;
+    c.attach("recv", 1, true, "q7", 0).await;
+    c.flow(1, 0, 3, false).await;
+    let ids = c.transfers(3).await;
+    // One disposition for half the id space: only the three deliveries in it are work.
+    let all = twice_servicebus::performative::Disposition {
+        role: true,
+        first: ids[0],
+        last: Some(ids[0].wrapping_add(u32::MAX / 2)),
+        settled: false,
+        state: Some(twice_servicebus::performative::Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(all), &[]).await;
+    let mut echoed = Vec::new();
+    while echoed.len() < 3 {
+        let Performative::Disposition(d) = c.next().await.0 else { panic!("expected echoes") };
+        echoed.extend(d.first..=d.last.unwrap_or(d.first));
+    }
+    assert_eq!(echoed, ids);
+    assert_eq!(server.broker.counts("q7").await.unwrap().active, 0);
+}
+
+#[tokio::test]
+async fn begins_beyond_the_session_limit_close_the_connection_and_cost_little() {
+    let server = TestServer::start().await;
+    let s = TcpStream::connect(server.addr).await.unwrap();
+    let (r, mut w) = s.into_split();
+    let mut c_reader = FrameReader::new(r, 16 * 1024 * 1024);
+    let mut out = frame::AMQP_HEADER.to_vec();
+    let open = Open {
+        container_id: "many".into(),
+        max_frame_size: 65536,
+        channel_max: u16::MAX,
+        ..Open::default()
+    };
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    for ch in 0..u16::MAX {
+        let begin = Begin {
+            next_outgoing_id: 0,
+            incoming_window: 10,
+            outgoing_window: 10,
+            ..Begin::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, ch, &Performative::Begin(begin), &[]);
+    }
+    // The server may stop reading before all of it is written.
+    let writer = tokio::spawn(async move {
+        let _ = w.write_all(&out).await;
+        w
+    });
+    assert_eq!(c_reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+    let mut begun = 0usize;
+    let closed = loop {
+        let f = tokio::time::timeout(crate::wire::TIMEOUT, c_reader.read_frame())
+            .await
+            .expect("the server keeps answering")
+            .expect("a frame");
+        if f.body.is_empty() {
+            continue;
+        }
+        match Performative::decode(&f.body).unwrap().0 {
+            Performative::Begin(_) => begun += 1,
+            Performative::Close(e) => break e.map(|e| e.condition),
+            Performative::Open(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(begun, ServerOptions::new().get_max_sessions_per_connection());
+    assert_eq!(closed.as_deref(), Some("amqp:connection:framing-error"));
+    drop(writer.await);
+    // Others are served as before.
+    let mut good = Raw::open(server.addr, 65536).await;
+    good.attach("s", 0, false, "q1", 0).await;
+}
+
+#[tokio::test]
+async fn an_attach_beyond_handle_max_closes_the_connection() {
+    let server = TestServer::start_with(ServerOptions::new().max_links_per_session(4), None).await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+    let mut out = Vec::new();
+    for handle in 0..4000 {
+        let a = Attach {
+            name: format!("l{handle}"),
+            handle,
+            role: false,
+            source: Some(terminus(0x28, "me")),
+            target: Some(terminus(0x29, "q1")),
+            initial_delivery_count: Some(0),
+            ..Attach::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Attach(a), &[]);
+    }
+    // The server may stop reading before all of it is written.
+    let _ = c.writer.write_all(&out).await;
+    let mut attached = 0;
+    let closed = loop {
+        match c.next().await.0 {
+            Performative::Attach(_) => attached += 1,
+            Performative::Close(e) => break e.map(|e| e.condition),
+            _ => {}
+        }
+    };
+    // Handles 0 to 3 (handle-max 3) may be answered before the close; no more.
+    assert!(attached <= 4, "{attached} attaches answered");
+    assert_eq!(closed.as_deref(), Some("amqp:connection:framing-error"));
+}

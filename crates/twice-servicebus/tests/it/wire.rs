@@ -456,42 +456,6 @@ async fn a_connection_over_the_limit_is_closed_with_resource_limit_exceeded() {
 }
 
 #[tokio::test]
-async fn an_attach_over_the_links_per_session_limit_is_refused() {
-    let server = TestServer::start_with(ServerOptions::new().max_links_per_session(2), None).await;
-    let mut c = Raw::open(server.addr, 65536).await;
-    c.attach("a", 0, false, "q1", 0).await;
-    c.attach("b", 1, false, "q1", 0).await;
-    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
-    let third = Attach {
-        name: "c".into(),
-        handle: 2,
-        role: false,
-        source: Some(terminus(0x28, "me")),
-        target: Some(terminus(0x29, "q1")),
-        initial_delivery_count: Some(0),
-        ..Attach::default()
-    };
-    c.send(Performative::Attach(third), &[]).await;
-    match c.next().await.0 {
-        Performative::Attach(reply) => {
-            assert_eq!(reply.name, "c");
-            assert!(reply.target.is_none(), "a refused sender link gets a null target");
-        }
-        other => panic!("expected attach, got {other:?}"),
-    }
-    match c.next().await.0 {
-        Performative::Detach(d) => {
-            assert!(d.closed);
-            assert_eq!(d.error.unwrap().condition, "amqp:resource-limit-exceeded");
-        }
-        other => panic!("expected detach, got {other:?}"),
-    }
-    // The two links within the limit still take messages.
-    c.transfer(0, 0, &encode_message(&twice::Message::new("x")), 65536).await;
-    assert!(matches!(c.next().await.0, Performative::Disposition(_)));
-}
-
-#[tokio::test]
 async fn a_receiver_holds_at_most_the_unsettled_limit() {
     let server = TestServer::start_with(ServerOptions::new().max_unsettled_per_link(2), None).await;
     let mut c = Raw::open(server.addr, 65536).await;
