@@ -168,11 +168,12 @@ enum Event<S> {
         result: Result<Option<S>, BackendError>,
     },
     /// Sends of one sender link stored (or refused): delivery id, settled by the client,
-    /// message count, outcome.
+    /// message count, outcome; and the bytes of the transfers.
     Sent {
         link: u64,
         entity: String,
         results: Vec<(u32, bool, usize, Outcome)>,
+        bytes: usize,
     },
     /// Dispositions the settler applied.
     Settled {
@@ -195,6 +196,8 @@ enum Event<S> {
 struct PendingSend {
     delivery_id: u32,
     settled: bool,
+    /// The size of the transfer, counted against the connection's bytes in flight.
+    bytes: usize,
     messages: Vec<twice::Message>,
 }
 
@@ -309,6 +312,9 @@ struct Link<S> {
     // Twice as receiver.
     rx_delivery_count: u32,
     rx_credit: u32,
+    /// Deliveries received and handed to the sender or request task, not yet answered: the
+    /// credit they took comes back only when they are.
+    rx_in_flight: u32,
     partial: Option<Partial>,
     sends: Option<mpsc::UnboundedSender<PendingSend>>,
     requests: Option<mpsc::UnboundedSender<(mgmt::Request, Option<Arc<S>>)>>,
@@ -525,6 +531,10 @@ struct Conn<B: Backend> {
     events: mpsc::UnboundedSender<Event<B::Session>>,
     /// Local channels of the sessions.
     channels: IdPool,
+    /// Bytes of transfers handed to sender tasks and not yet stored: past
+    /// [`ServerOptions::max_bytes_in_flight`](crate::ServerOptions::max_bytes_in_flight) the
+    /// connection stops reading until the broker catches up.
+    bytes_in_flight: usize,
     /// Paths the connection may use (from tokens); `Some("")` is all of them.
     grants: Vec<String>,
     channel_max: u16,
@@ -596,6 +606,7 @@ pub(crate) async fn serve<B, IO>(
         sessions: HashMap::new(),
         links: HashMap::new(),
         channels: IdPool::default(),
+        bytes_in_flight: 0,
         next_link_id: 0,
         events: tx,
         grants: if sasl_ok { vec![String::new()] } else { Vec::new() },
@@ -618,9 +629,14 @@ pub(crate) async fn serve<B, IO>(
     let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
     let mut silent_ticks = 0u32;
+    let max_in_flight = shared.options.max_bytes_in_flight;
+    let write_timeout = shared.options.write_timeout;
     let end = loop {
+        // Backpressure: while the broker has not stored what this connection sent, the socket
+        // is not read, so a fast producer is held by TCP rather than by the server's memory.
+        let reading = conn.bytes_in_flight <= max_in_flight;
         let step = tokio::select! {
-            f = reader.read_frame() => match f {
+            f = reader.read_frame(), if reading => match f {
                 Ok(f) => {
                     conn.heard = true;
                     conn.on_frame(&f)
@@ -644,7 +660,8 @@ pub(crate) async fn serve<B, IO>(
                 Ok(())
             }
             _ = ticker.tick() => {
-                if conn.heard {
+                // A connection the server does not read is not idle.
+                if conn.heard || !reading {
                     silent_ticks = 0;
                 } else {
                     silent_ticks += 1;
@@ -662,8 +679,15 @@ pub(crate) async fn serve<B, IO>(
             _ = shutdown.changed() => Err(End::Close(Some(AmqpError::new("amqp:connection:forced", "the server is shutting down")))),
         };
         if !conn.out.buf.is_empty() {
-            if wr.write_all(&conn.out.buf).await.is_err() {
-                break End::Drop;
+            // A client that stops reading is dropped rather than holding the connection (and
+            // what its links hold) forever.
+            match tokio::time::timeout(write_timeout, wr.write_all(&conn.out.buf)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => break End::Drop,
+                Err(_) => {
+                    tracing::debug!("dropping a connection whose peer stopped reading");
+                    break End::Drop;
+                }
             }
             conn.out.buf.clear();
         }
@@ -1000,6 +1024,7 @@ impl<B: Backend> Conn<B> {
             lock_watch: None,
             replies: VecDeque::new(),
             rx_credit: 0,
+            rx_in_flight: 0,
             partial: None,
             sends: None,
             requests: None,
@@ -1431,10 +1456,12 @@ impl<B: Backend> Conn<B> {
                         let pending = PendingSend {
                             delivery_id: done.delivery_id,
                             settled: done.settled,
+                            bytes: done.buf.len(),
                             messages,
                         };
+                        // Its credit comes back once it is stored (see `on_sent`).
                         self.queue_send(ch, t.handle, e, pending);
-                        return self.top_up(ch, t.handle);
+                        return;
                     }
                 },
                 Node::Cbs => {
@@ -1453,7 +1480,9 @@ impl<B: Backend> Conn<B> {
                         Ok(req) => {
                             let held =
                                 mgmt::session_id(&req).and_then(|sid| self.held_session(e, &sid));
+                            // Its credit comes back once it is answered.
                             self.queue_request(ch, t.handle, e, req, held);
+                            return;
                         }
                         Err(err) => self.reply(link_id, mgmt::decode_error(&err)),
                     }
@@ -1490,21 +1519,31 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    /// Gives a client sender more credit when half of it is used.
+    /// Gives a client sender more credit when half of it is used: as much as keeps its
+    /// deliveries not yet stored (or answered) within [`SENDER_CREDIT`].
     fn top_up(&mut self, ch: u16, handle: u32) {
         let Some(s) = self.sessions.get_mut(&ch) else { return };
-        if let Some(l) = s.links.get_mut(&handle) {
-            if l.rx_credit < SENDER_CREDIT / 2 {
-                l.rx_credit = SENDER_CREDIT;
-                let fl = Flow {
-                    handle: Some(l.local_handle),
-                    delivery_count: Some(l.rx_delivery_count),
-                    link_credit: Some(SENDER_CREDIT),
-                    ..sflow!(s)
-                };
-                self.out.send(s.local_channel, &Performative::Flow(fl));
-            }
+        let Some(l) = s.links.get_mut(&handle).filter(|l| !l.detached) else { return };
+        let grant = SENDER_CREDIT.saturating_sub(l.rx_in_flight);
+        if l.rx_credit < SENDER_CREDIT / 2 && grant > l.rx_credit {
+            l.rx_credit = grant;
+            let fl = Flow {
+                handle: Some(l.local_handle),
+                delivery_count: Some(l.rx_delivery_count),
+                link_credit: Some(grant),
+                ..sflow!(s)
+            };
+            self.out.send(s.local_channel, &Performative::Flow(fl));
         }
+    }
+
+    /// Counts `n` deliveries of a link as answered, and tops its credit up.
+    fn answered(&mut self, link: u64, n: usize) {
+        let Some(&(ch, handle)) = self.links.get(&link) else { return };
+        if let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) {
+            l.rx_in_flight = l.rx_in_flight.saturating_sub(u32::try_from(n).unwrap_or(u32::MAX));
+        }
+        self.top_up(ch, handle);
     }
 
     /// Queues a send on the link's sender task, starting it on first use.
@@ -1512,6 +1551,8 @@ impl<B: Backend> Conn<B> {
         let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) else {
             return;
         };
+        l.rx_in_flight += 1;
+        self.bytes_in_flight += pending.bytes;
         let tx = l.sends.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             let max = usize::try_from(self.shared.options.max_message_size).unwrap_or(usize::MAX);
@@ -1540,6 +1581,7 @@ impl<B: Backend> Conn<B> {
         let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) else {
             return;
         };
+        l.rx_in_flight += 1;
         let tx = l.requests.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(request_task(
@@ -1684,7 +1726,12 @@ impl<B: Backend> Conn<B> {
                     Err(e) => self.refuse(ch, handle, backend_error(&e)),
                 }
             }
-            Event::Sent { link, entity, results } => self.on_sent(link, &entity, results),
+            Event::Sent { link, entity, results, bytes } => {
+                self.bytes_in_flight = self.bytes_in_flight.saturating_sub(bytes);
+                let n = results.len();
+                self.on_sent(link, &entity, results);
+                self.answered(link, n);
+            }
             Event::Batch { link, drain, source, result } => {
                 self.on_batch(link, drain, source, result);
             }
@@ -1694,6 +1741,7 @@ impl<B: Backend> Conn<B> {
                     self.forget_lock(lock);
                 }
                 self.reply(link, reply);
+                self.answered(link, 1);
             }
             Event::SessionLockLost { link } => {
                 let Some(&(ch, handle)) = self.links.get(&link) else { return };
@@ -2360,9 +2408,10 @@ async fn sender_task<B: Backend>(
             }
             start = end;
         }
+        let bytes = group.iter().map(|p| p.bytes).sum();
         group.clear();
         let entity = entity.clone();
-        if events.send(Event::Sent { link, entity, results }).is_err() {
+        if events.send(Event::Sent { link, entity, results, bytes }).is_err() {
             return;
         }
     }

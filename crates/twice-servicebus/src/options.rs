@@ -20,6 +20,8 @@ pub struct ServerOptions {
     pub(crate) max_unsettled_per_link: u32,
     pub(crate) max_message_size: u64,
     pub(crate) idle_timeout: Duration,
+    pub(crate) max_bytes_in_flight: usize,
+    pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
 }
 
@@ -38,6 +40,8 @@ impl Default for ServerOptions {
             max_unsettled_per_link: 5000,
             max_message_size: 256 * 1024,
             idle_timeout: Duration::from_secs(120),
+            max_bytes_in_flight: 16 * 1024 * 1024,
+            write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
         }
     }
@@ -47,7 +51,8 @@ impl ServerOptions {
     /// The defaults: AMQP on 127.0.0.1:5673, HTTP on 127.0.0.1:5300, the emulator's key, 1 MiB
     /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 sessions
     /// per connection, 256 links per session, 5000 unsettled deliveries per link,
-    /// 256 KiB messages, 120 s idle timeout.
+    /// 256 KiB messages, 120 s idle timeout, 16 MiB of sends in flight per connection, 30 s
+    /// socket writes.
     pub fn new() -> Self {
         Self::default()
     }
@@ -141,6 +146,21 @@ impl ServerOptions {
         self
     }
 
+    /// The most bytes of sends one connection may have waiting for the broker; past it the
+    /// connection stops reading its socket until the broker catches up.
+    #[must_use]
+    pub fn max_bytes_in_flight(mut self, n: usize) -> Self {
+        self.max_bytes_in_flight = n;
+        self
+    }
+
+    /// How long one write to a client may take; a client that stops reading is disconnected.
+    #[must_use]
+    pub fn write_timeout(mut self, d: Duration) -> Self {
+        self.write_timeout = d;
+        self
+    }
+
     /// The host name put in the connection string.
     #[must_use]
     pub fn hostname(mut self, h: impl Into<String>) -> Self {
@@ -196,6 +216,16 @@ impl ServerOptions {
     /// The largest message accepted.
     pub fn get_max_message_size(&self) -> u64 {
         self.max_message_size
+    }
+
+    /// The most bytes of sends in flight per connection.
+    pub fn get_max_bytes_in_flight(&self) -> usize {
+        self.max_bytes_in_flight
+    }
+
+    /// How long one write to a client may take.
+    pub fn get_write_timeout(&self) -> Duration {
+        self.write_timeout
     }
 
     /// The idle timeout.

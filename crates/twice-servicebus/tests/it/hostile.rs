@@ -422,3 +422,95 @@ async fn an_attach_beyond_handle_max_closes_the_connection() {
     assert!(attached <= 4, "{attached} attaches answered");
     assert_eq!(closed.as_deref(), Some("amqp:connection:framing-error"));
 }
+
+#[tokio::test]
+async fn a_sender_gets_credit_back_only_as_its_sends_are_stored() {
+    let broker = twice_broker::Broker::open(
+        twice_broker::BrokerOptions::in_memory().with_config(crate::harness::standard_config()),
+    )
+    .await
+    .unwrap();
+    let (gate, closed) = tokio::sync::watch::channel(false);
+    let backend = crate::gated::Gated { inner: broker.clone(), gate: closed };
+    let options =
+        ServerOptions::new().amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0))).http_addr(None);
+    let server = twice_servicebus::Server::bind(options, backend).await.unwrap();
+    let addr = server.amqp_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async move {
+        let _ = stopped.await;
+    }));
+
+    let mut c = Raw::open(addr, 65536).await;
+    c.attach("send", 0, false, "q8", 0).await;
+    // The 1000 credits of the attach, and one transfer more, while nothing can be stored.
+    let mut out = Vec::new();
+    for id in 0..1001u32 {
+        let t = Transfer {
+            handle: 0,
+            delivery_id: Some(id),
+            delivery_tag: Some(Bytes::from(id.to_be_bytes().to_vec())),
+            message_format: Some(0),
+            ..Transfer::default()
+        };
+        let m = encode_message(&twice::Message::new("m").with_message_id(id.to_string()));
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Transfer(t), &m);
+    }
+    c.writer.write_all(&out).await.unwrap();
+    let detached = loop {
+        match c.next().await.0 {
+            Performative::Detach(d) => break d.error.map(|e| e.condition),
+            Performative::Flow(f) => {
+                assert!(f.link_credit.is_none(), "no credit while nothing is stored: {f:?}")
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(detached.as_deref(), Some("amqp:link:transfer-limit-exceeded"));
+    // Once the broker stores them, the 1000 within the credit are accepted.
+    gate.send(true).unwrap();
+    let mut accepted = 0;
+    while accepted < 1000 {
+        if let Performative::Disposition(d) = c.next().await.0 {
+            accepted += d.last.unwrap_or(d.first) - d.first + 1;
+        }
+    }
+    assert_eq!(broker.counts("q8").await.unwrap().active, 1000);
+    let _ = stop.send(());
+    let _ = running.await;
+}
+
+/// The server's count of open AMQP connections, from `/metrics`.
+async fn open_connections(http: SocketAddr) -> u64 {
+    let metrics = http_get(http, "/metrics").await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("twice_servicebus_connections "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the connections gauge")
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_disconnected() {
+    let options = ServerOptions::new().write_timeout(Duration::from_millis(200));
+    let server = TestServer::start_with(options, None).await;
+    for i in 0..100 {
+        let m = twice::Message::new(vec![b'x'; 250_000]).with_message_id(format!("big{i}"));
+        server.broker.send("q9", m).await.unwrap();
+    }
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("recv", 0, true, "q9", 0).await;
+    assert_eq!(open_connections(server.http).await, 1);
+    // Credit for 25 MB, more than the socket buffers hold, and the client never reads again.
+    c.flow(0, 0, 100, false).await;
+    let mut open = 1;
+    for _ in 0..100 {
+        open = open_connections(server.http).await;
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(open, 0, "the server gave up on the client");
+    drop(c);
+}
