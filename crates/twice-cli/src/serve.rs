@@ -23,6 +23,10 @@ pub(crate) struct ServeArgs {
     /// beyond loopback must be asked for.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5673")]
     amqp: SocketAddr,
+    /// The host name clients reach the server by: it goes into the connection string, and
+    /// tokens must name it in their audience (a server on loopback also takes `localhost`).
+    #[arg(long, value_name = "NAME", default_value = "localhost")]
+    hostname: String,
     /// The HTTP address for `/health`, `/metrics` and `/entities`.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5300")]
     http: SocketAddr,
@@ -116,6 +120,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let server_options = ServerOptions::new()
+        .hostname(args.hostname.clone())
         .amqp_addr(args.amqp)
         .http_addr(if args.no_http { None } else { Some(args.http) })
         .keys(keys)
@@ -145,7 +150,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         // A key of the user's own is a secret: it is not printed.
         let name = args.sas_keys.first().map_or("", |(name, _)| name.as_str());
         println!(
-            "connection string: Endpoint=sb://localhost:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            "connection string: Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            args.hostname,
             server.amqp_addr().port()
         );
     }

@@ -31,6 +31,7 @@ use crate::address::{self, Node};
 use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveMode, Settlement};
 use crate::codec::Value;
 use crate::frame::{self, Frame, FrameReader, ReadError};
+use crate::grants::{Grants, audience_is_ours, same_secret};
 use crate::ids::IdPool;
 use crate::mapping::{self, Presentation};
 use crate::metrics::{Counter, Metrics};
@@ -107,6 +108,14 @@ fn session_lock_lost() -> AmqpError {
     AmqpError::new(
         cond::SESSION_LOCK_LOST,
         "The session lock has expired on the MessageSession. Accept a new MessageSession.",
+    )
+}
+
+/// The error a link is detached with when its token expired and was not renewed.
+fn token_expired(path: &str) -> AmqpError {
+    AmqpError::new(
+        cond::UNAUTHORIZED,
+        format!("the token for '{path}' has expired: put a new token to $cbs"),
     )
 }
 
@@ -536,7 +545,7 @@ struct Conn<B: Backend> {
     /// connection stops reading until the broker catches up.
     bytes_in_flight: usize,
     /// Paths the connection may use (from tokens); `Some("")` is all of them.
-    grants: Vec<String>,
+    grants: Grants,
     channel_max: u16,
     heard: bool,
 }
@@ -609,7 +618,7 @@ pub(crate) async fn serve<B, IO>(
         bytes_in_flight: 0,
         next_link_id: 0,
         events: tx,
-        grants: if sasl_ok { vec![String::new()] } else { Vec::new() },
+        grants: if sasl_ok { Grants::everything() } else { Grants::default() },
         channel_max: u16::MAX,
         heard: true,
     };
@@ -660,6 +669,7 @@ pub(crate) async fn serve<B, IO>(
                 Ok(())
             }
             _ = ticker.tick() => {
+                conn.detach_unauthorized();
                 // A connection the server does not read is not idle.
                 if conn.heard || !reading {
                     silent_ticks = 0;
@@ -754,7 +764,13 @@ async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 let user = parts.next().and_then(|u| std::str::from_utf8(u).ok());
                 let pass = parts.next().and_then(|p| std::str::from_utf8(p).ok());
                 match (user, pass) {
-                    (Some(u), Some(p)) if shared.options.keys.get(u) == Some(p) => {
+                    (Some(u), Some(p))
+                        if shared
+                            .options
+                            .keys
+                            .get(u)
+                            .is_some_and(|k| same_secret(k.as_bytes(), p.as_bytes())) =>
+                    {
                         plain_ok = true;
                         0
                     }
@@ -959,7 +975,7 @@ impl<B: Backend> Conn<B> {
     }
 
     fn authorized(&self, path: &str) -> bool {
-        self.grants.iter().any(|g| g.is_empty() || path == g || path.starts_with(&format!("{g}/")))
+        self.grants.allows(path, self.shared.clock.now().as_millis() / 1000)
     }
 
     /// Records a link and checks what needs no broker; the broker's answer about the entity
@@ -1294,6 +1310,16 @@ impl<B: Backend> Conn<B> {
 
     fn on_flow(&mut self, ch: u16, f: &Flow) {
         let max_unsettled = self.shared.options.max_unsettled_per_link;
+        // Credit for a link whose token expired detaches it instead.
+        let expired = f.handle.and_then(|h| {
+            let l = self.sessions.get(&ch)?.links.get(&h)?;
+            let live = l.attached && !l.detached && l.node != Node::Cbs;
+            (live && !self.authorized(&l.path)).then(|| (h, l.path.clone()))
+        });
+        if let Some((handle, path)) = expired {
+            self.detach_with(ch, handle, token_expired(&path));
+            return;
+        }
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         // The peer's incoming window, per the specification: its next-incoming-id plus its
         // window, less what twice has sent (a next-incoming-id it does not know yet is our
@@ -1397,6 +1423,15 @@ impl<B: Backend> Conn<B> {
         if l.client_receives {
             return;
         }
+        let path = l.path.clone();
+        if l.node != Node::Cbs && !self.authorized(&path) {
+            // The token that authorized the link expired and was not renewed.
+            self.link_error(ch, t.handle, token_expired(&path));
+            return;
+        }
+        let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&t.handle)) else {
+            return;
+        };
         if l.partial.is_none() {
             // A new delivery takes one credit; one the client was not given ends the link.
             if l.rx_credit == 0 {
@@ -1615,10 +1650,19 @@ impl<B: Backend> Conn<B> {
         let req = mgmt::Request::parse(payload).ok()?;
         let (status, description) = if req.operation() == Some("put-token") {
             let token = req.body.as_str().unwrap_or("");
-            match self.shared.options.keys.validate(token, now) {
+            let opts = &self.shared.options;
+            match opts.keys.validate(token, now) {
+                Ok(grant) if !audience_is_ours(&grant.resource, &opts.hostname, opts.amqp_addr) => {
+                    tracing::debug!("token refused: its audience names another host");
+                    (401, "Unauthorized: the token's audience is not this namespace".to_owned())
+                }
                 Ok(grant) => {
-                    self.grants.push(address::normalize(&grant.resource));
-                    (202, "Accepted".to_owned())
+                    let path = address::normalize(&grant.resource);
+                    if self.grants.insert(path, grant.expiry, now) {
+                        (202, "Accepted".to_owned())
+                    } else {
+                        (403, "Forbidden: too many tokens on one connection".to_owned())
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "token refused");
@@ -1841,6 +1885,21 @@ impl<B: Backend> Conn<B> {
             update_pump(l, max_unsettled);
         }
         send_echoes(&mut self.out, s.local_channel, ROLE_SENDER, results.into_iter());
+    }
+
+    /// Detaches the links whose token has expired (and was not renewed), as Service Bus does.
+    fn detach_unauthorized(&mut self) {
+        let mut expired = Vec::new();
+        for (ch, s) in &self.sessions {
+            for (handle, l) in &s.links {
+                if l.attached && !l.detached && l.node != Node::Cbs && !self.authorized(&l.path) {
+                    expired.push((*ch, *handle, l.path.clone()));
+                }
+            }
+        }
+        for (ch, handle, path) in expired {
+            self.detach_with(ch, handle, token_expired(&path));
+        }
     }
 
     /// Ends a session for a session error: `end` with the error, and everything it held goes.

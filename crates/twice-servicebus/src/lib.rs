@@ -74,6 +74,7 @@ pub mod address;
 pub mod backend;
 mod broker;
 mod connection;
+mod grants;
 mod http;
 mod ids;
 pub mod metrics;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use twice::Clock as _;
 use twice_servicebus::ServerOptions;
 use twice_servicebus::codec::Value;
 use twice_servicebus::frame::{self, FrameReader};
@@ -513,4 +514,82 @@ async fn a_client_that_stops_reading_is_disconnected() {
     }
     assert_eq!(open, 0, "the server gave up on the client");
     drop(c);
+}
+
+impl Raw {
+    /// Puts a token to `$cbs` on links 0 (requests) and 1 (replies); returns the status code.
+    pub(crate) async fn put_token(&mut self, token: &str) -> i32 {
+        assert_eq!(self.try_attach("cbs-requests", 0, false, "$cbs").await, None);
+        let a = Attach {
+            name: "cbs-replies".into(),
+            handle: 1,
+            role: true,
+            source: Some(described_list(0x28, vec![Value::string("$cbs")])),
+            target: Some(described_list(0x29, vec![Value::string("me")])),
+            ..Attach::default()
+        };
+        self.send(Performative::Attach(a), &[]).await;
+        assert!(matches!(self.next().await.0, Performative::Attach(_)));
+        self.flow(1, 0, 10, false).await;
+        self.transfer(0, 0, &mgmt_request("put-token", Value::string(token)), 65536).await;
+        loop {
+            let (p, payload) = self.next().await;
+            if let Performative::Transfer(_) = p {
+                let reply = twice_servicebus::mapping::Sections::parse(&payload).unwrap();
+                let status = reply
+                    .application_properties
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some("status-code"))
+                    .and_then(|(_, v)| v.as_i64())
+                    .expect("a status code");
+                return i32::try_from(status).unwrap();
+            }
+        }
+    }
+}
+
+/// A token for `resource` signed with the server's default key, valid until `expiry`.
+fn token(resource: &str, expiry: std::time::SystemTime) -> String {
+    let secs = expiry.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    twice_servicebus::sas::sign(
+        resource,
+        "RootManageSharedAccessKey",
+        "SAS_KEY_VALUE",
+        i64::try_from(secs).unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn an_expired_token_no_longer_authorizes_its_links() {
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let mut c = Raw::anonymous(server.addr).await;
+    let status = c.put_token(&token("sb://localhost/q10", now + Duration::from_secs(60))).await;
+    assert_eq!(status, 202);
+    assert_eq!(c.try_attach("s", 2, false, "q10").await, None, "authorized while the token holds");
+    c.send_messages(2, 1).await;
+    // The token expires and is not renewed.
+    server.clock.advance(Duration::from_secs(120));
+    let m = encode_message(&twice::Message::new("late").with_message_id("late"));
+    c.transfer(2, 1, &m, 65536).await;
+    let error = loop {
+        if let Performative::Detach(d) = c.next().await.0 {
+            break d.error.map(|e| e.condition);
+        }
+    };
+    assert_eq!(error.as_deref(), Some("amqp:unauthorized-access"));
+    assert_eq!(server.broker.counts("q10").await.unwrap().active, 1, "only the first send");
+}
+
+#[tokio::test]
+async fn a_token_for_another_host_is_refused() {
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let mut c = Raw::anonymous(server.addr).await;
+    let forged = token("sb://another-namespace.example.com/q11", now + Duration::from_secs(600));
+    assert_eq!(c.put_token(&forged).await, 401);
+    let refused = c.try_attach("s", 2, false, "q11").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
 }
