@@ -66,8 +66,10 @@ const ADDRESSES: [&str; 6] =
     [GUARDED, "q12/$management", "$cbs", TOKEN_ENTITY, "q13/$management", "madeup"];
 
 fn op() -> impl Strategy<Value = Op> {
-    let ch = 0u16..3;
-    let handle = 0u32..4;
+    // Few channels and handles, so that generated frames often meet the sessions and links
+    // generated before them.
+    let ch = 0u16..2;
+    let handle = 0u32..2;
     prop_oneof![
         2 => ch.clone().prop_map(|ch| Op::Begin { ch }),
         1 => ch.clone().prop_map(|ch| Op::End { ch }),
@@ -75,7 +77,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(ch, handle, receiver, address)| Op::Attach { ch, handle, receiver, address }),
         2 => (ch.clone(), prop::option::of(handle.clone()), 0u32..2000, any::<bool>(), 0u32..10_000)
             .prop_map(|(ch, handle, credit, drain, window)| Op::Flow { ch, handle, credit, drain, window }),
-        5 => (ch.clone(), handle.clone(), 0u32..8, any::<bool>(), any::<bool>(), 0usize..4)
+        6 => (ch.clone(), handle.clone(), 0u32..8, prop::bool::weighted(0.2), any::<bool>(), prop_oneof![3 => Just(0usize), 1 => 1usize..4])
             .prop_map(|(ch, handle, id, more, settled, payload)| Op::Transfer { ch, handle, id, more, settled, payload }),
         2 => (ch.clone(), any::<u32>(), prop::option::of(any::<u32>()), 0usize..4)
             .prop_map(|(ch, first, last, outcome)| Op::Disposition { ch, first, last, outcome }),
@@ -83,6 +85,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => ch.prop_map(|ch| Op::PutToken { ch }),
         1 => prop::collection::vec(any::<u8>(), 0..64).prop_map(Op::Garbage),
         1 => Just(Op::Close),
+        2 => Just(Op::Begin { ch: 0 }),
     ]
 }
 
