@@ -289,8 +289,8 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 #[test]
 fn random_clients_never_crash_the_server_nor_reach_a_guarded_entity() {
-    let cases = u32::try_from(env_number("TWICE_FUZZ_CASES", 400)).unwrap_or(u32::MAX);
-    let budget = Duration::from_secs(env_number("TWICE_FUZZ_SECS", 40));
+    let cases = u32::try_from(env_number("TWICE_FUZZ_CASES", 800)).unwrap_or(u32::MAX);
+    let budget = Duration::from_secs(env_number("TWICE_FUZZ_SECS", 60));
     // The server runs on threads of its own, so a panic in any of its tasks is seen here.
     let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
