@@ -40,6 +40,7 @@ use crate::performative::{
     AmqpError, Attach, Begin, Detach, Disposition, Flow, Open, Outcome, Performative,
     ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
+use crate::sas::{Claim, Claims};
 use crate::server::Shared;
 
 /// Credit granted to client senders, topped up when half is used.
@@ -109,6 +110,16 @@ fn session_lock_lost() -> AmqpError {
         cond::SESSION_LOCK_LOST,
         "The session lock has expired on the MessageSession. Accept a new MessageSession.",
     )
+}
+
+/// The claim a link needs: sending to an entity, receiving from one, or (for a management
+/// node, checked per request) any.
+fn need_of<S>(l: &Link<S>) -> Option<Claim> {
+    match l.node {
+        Node::Entity(_) if l.client_receives => Some(Claim::Listen),
+        Node::Entity(_) => Some(Claim::Send),
+        Node::Management(_) | Node::Cbs => None,
+    }
 }
 
 /// The error a link is detached with when its token expired and was not renewed.
@@ -618,7 +629,10 @@ pub(crate) async fn serve<B, IO>(
         bytes_in_flight: 0,
         next_link_id: 0,
         events: tx,
-        grants: if sasl_ok { Grants::everything() } else { Grants::default() },
+        grants: match sasl_ok {
+            Some(claims) => Grants::everything(claims),
+            None => Grants::default(),
+        },
         channel_max: u16::MAX,
         heard: true,
     };
@@ -733,14 +747,15 @@ async fn refuse<B: Backend, W: AsyncWrite + Unpin>(first: &Frame, wr: &mut W, sh
     .await;
 }
 
-/// Protocol headers and SASL. Returns whether SASL PLAIN authenticated with a configured key.
+/// Protocol headers and SASL. Returns the claims of the configured key SASL PLAIN
+/// authenticated with, if it did.
 async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     reader: &mut FrameReader<R>,
     wr: &mut W,
     shared: &Shared<B>,
-) -> Result<bool, ()> {
+) -> Result<Option<Claims>, ()> {
     let mut header = reader.read_protocol_header().await.map_err(|_| ())?;
-    let mut plain_ok = false;
+    let mut plain_ok = None;
     if header == frame::SASL_HEADER {
         let mut out = frame::SASL_HEADER.to_vec();
         let mechs = Performative::SaslMechanisms(vec![
@@ -771,7 +786,7 @@ async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                             .get(u)
                             .is_some_and(|k| same_secret(k.as_bytes(), p.as_bytes())) =>
                     {
-                        plain_ok = true;
+                        plain_ok = Some(shared.options.keys.claims(u));
                         0
                     }
                     _ => 1,
@@ -974,8 +989,8 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn authorized(&self, path: &str) -> bool {
-        self.grants.allows(path, self.shared.clock.now().as_millis() / 1000)
+    fn authorized(&self, path: &str, need: Option<Claim>) -> bool {
+        self.grants.allows(path, self.shared.clock.now().as_millis() / 1000, need)
     }
 
     /// Records a link and checks what needs no broker; the broker's answer about the entity
@@ -1065,7 +1080,12 @@ impl<B: Backend> Conn<B> {
             Node::Management(e) | Node::Entity(e) => e.clone(),
         };
         // A token for the entity covers its management node; so does one for the node.
-        if !self.authorized(&path) {
+        let need = match &node {
+            Node::Management(_) | Node::Cbs => None,
+            Node::Entity(_) if client_receives => Some(Claim::Listen),
+            Node::Entity(_) => Some(Claim::Send),
+        };
+        if !self.authorized(&path, need) {
             let error = AmqpError::new(
                 cond::UNAUTHORIZED,
                 format!("unauthorized access to '{entity}': put a valid token to $cbs first"),
@@ -1314,7 +1334,7 @@ impl<B: Backend> Conn<B> {
         let expired = f.handle.and_then(|h| {
             let l = self.sessions.get(&ch)?.links.get(&h)?;
             let live = l.attached && !l.detached && l.node != Node::Cbs;
-            (live && !self.authorized(&l.path)).then(|| (h, l.path.clone()))
+            (live && !self.authorized(&l.path, need_of(l))).then(|| (h, l.path.clone()))
         });
         if let Some((handle, path)) = expired {
             self.detach_with(ch, handle, token_expired(&path));
@@ -1424,7 +1444,8 @@ impl<B: Backend> Conn<B> {
             return;
         }
         let path = l.path.clone();
-        if l.node != Node::Cbs && !self.authorized(&path) {
+        let need = need_of(l);
+        if l.node != Node::Cbs && !self.authorized(&path, need) {
             // The token that authorized the link expired and was not renewed.
             self.link_error(ch, t.handle, token_expired(&path));
             return;
@@ -1512,6 +1533,15 @@ impl<B: Backend> Conn<B> {
                     // request task, as a request/response peer expects.
                     self.settle_request(ch, &done);
                     match mgmt::Request::parse(&done.buf) {
+                        Ok(req)
+                            if !self.authorized(
+                                &format!("{e}/$management"),
+                                Some(mgmt::claim_of(&req)),
+                            ) =>
+                        {
+                            let why = format!("the token for '{e}' does not allow this operation");
+                            self.reply(link_id, mgmt::unauthorized(&req, why));
+                        }
                         Ok(req) => {
                             let held =
                                 mgmt::session_id(&req).and_then(|sid| self.held_session(e, &sid));
@@ -1658,7 +1688,8 @@ impl<B: Backend> Conn<B> {
                 }
                 Ok(grant) => {
                     let path = address::normalize(&grant.resource);
-                    if self.grants.insert(path, grant.expiry, now) {
+                    let claims = opts.keys.claims(&grant.key_name);
+                    if self.grants.insert(path, grant.expiry, claims, now) {
                         (202, "Accepted".to_owned())
                     } else {
                         (403, "Forbidden: too many tokens on one connection".to_owned())
@@ -1892,7 +1923,11 @@ impl<B: Backend> Conn<B> {
         let mut expired = Vec::new();
         for (ch, s) in &self.sessions {
             for (handle, l) in &s.links {
-                if l.attached && !l.detached && l.node != Node::Cbs && !self.authorized(&l.path) {
+                if l.attached
+                    && !l.detached
+                    && l.node != Node::Cbs
+                    && !self.authorized(&l.path, need_of(l))
+                {
                     expired.push((*ch, *handle, l.path.clone()));
                 }
             }

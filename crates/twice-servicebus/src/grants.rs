@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 
+use crate::sas::{Claim, Claims};
+
 /// The most grants a connection keeps; a token for a path already granted replaces the old one.
 const MAX_GRANTS: usize = 1024;
 
@@ -12,6 +14,8 @@ struct Grant {
     path: String,
     /// Unix seconds after which the grant is void; `None` for no end.
     expiry: Option<i64>,
+    /// What the key that signed it may do.
+    claims: Claims,
 }
 
 /// The grants of one connection.
@@ -19,28 +23,32 @@ struct Grant {
 pub(crate) struct Grants(Vec<Grant>);
 
 impl Grants {
-    /// Every path, for good (a connection authenticated with a key).
-    pub(crate) fn everything() -> Self {
-        Self(vec![Grant { path: String::new(), expiry: None }])
+    /// Every path, for good, within the claims of the key a connection authenticated with.
+    pub(crate) fn everything(claims: Claims) -> Self {
+        Self(vec![Grant { path: String::new(), expiry: None, claims }])
     }
 
     /// Grants `path` until `expiry`, replacing a grant of the same path. Returns false when
     /// the connection already holds as many grants as it may.
-    pub(crate) fn insert(&mut self, path: String, expiry: i64, now: i64) -> bool {
+    pub(crate) fn insert(&mut self, path: String, expiry: i64, claims: Claims, now: i64) -> bool {
         self.0.retain(|g| g.path != path && g.expiry.is_none_or(|e| e >= now));
         if self.0.len() >= MAX_GRANTS {
             return false;
         }
-        self.0.push(Grant { path, expiry: Some(expiry) });
+        self.0.push(Grant { path, expiry: Some(expiry), claims });
         true
     }
 
-    /// Whether `path` may be used at `now` (unix seconds): a grant of the path itself or of a
-    /// path it is under (a token for an entity covers its management node) that has not
-    /// expired.
-    pub(crate) fn allows(&self, path: &str, now: i64) -> bool {
+    /// Whether `path` may be used at `now` (unix seconds) for `need` (`None`: for anything
+    /// at all): a grant of the path itself or of a path it is under (a token for an entity
+    /// covers its management node) that has not expired and whose claims allow it.
+    pub(crate) fn allows(&self, path: &str, now: i64, need: Option<Claim>) -> bool {
         self.0.iter().any(|g| {
             g.expiry.is_none_or(|e| e >= now)
+                && match need {
+                    Some(c) => g.claims.allows(c),
+                    None => g.claims != Claims::NONE,
+                }
                 && (g.path.is_empty()
                     || path == g.path
                     || path.strip_prefix(g.path.as_str()).is_some_and(|rest| rest.starts_with('/')))
@@ -83,12 +91,16 @@ mod tests {
     #[test]
     fn grants_cover_their_path_and_what_is_under_it_until_they_expire() {
         let mut g = Grants::default();
-        assert!(g.insert("q1".into(), 100, 0));
-        assert!(g.allows("q1", 100));
-        assert!(g.allows("q1/$management", 50));
-        assert!(!g.allows("q10", 50), "a prefix of the name is not a parent path");
-        assert!(!g.allows("q1", 101), "expired");
-        assert!(Grants::everything().allows("anything", i64::MAX));
+        let send = Some(Claim::Send);
+        assert!(g.insert("q1".into(), 100, Claims::ALL, 0));
+        assert!(g.allows("q1", 100, send));
+        assert!(g.allows("q1/$management", 50, None));
+        assert!(!g.allows("q10", 50, send), "a prefix of the name is not a parent path");
+        assert!(!g.allows("q1", 101, send), "expired");
+        assert!(Grants::everything(Claims::ALL).allows("anything", i64::MAX, send));
+        let listen_only = Claims::NONE.with(Claim::Listen);
+        assert!(g.insert("q2".into(), 100, listen_only, 0));
+        assert!(g.allows("q2", 0, Some(Claim::Listen)) && !g.allows("q2", 0, send));
     }
 
     #[test]

@@ -593,3 +593,21 @@ async fn a_token_for_another_host_is_refused() {
     let refused = c.try_attach("s", 2, false, "q11").await;
     assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
 }
+
+#[tokio::test]
+async fn a_key_with_only_the_send_claim_cannot_receive_or_manage() {
+    let mut keys = twice_servicebus::sas::Keys::emulator_default();
+    let send_only = twice_servicebus::sas::Claims::parse("Send").unwrap();
+    keys.insert_with_claims("sender", "sender-key", send_only);
+    let server = TestServer::start_with(ServerOptions::new().keys(keys), None).await;
+    server.broker.send("q14", twice::Message::new("kept").with_message_id("k")).await.unwrap();
+    let now = server.clock.now().as_millis() / 1000;
+    let token =
+        twice_servicebus::sas::sign("sb://localhost/q14", "sender", "sender-key", now + 600);
+    let mut c = Raw::anonymous(server.addr).await;
+    assert_eq!(c.put_token(&token).await, 202);
+    assert_eq!(c.try_attach("s", 2, false, "q14").await, None, "sending is allowed");
+    let refused = c.try_attach("r", 3, true, "q14").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"), "receiving is not");
+    assert_eq!(server.broker.counts("q14").await.unwrap().active, 1);
+}
