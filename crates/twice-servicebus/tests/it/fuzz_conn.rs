@@ -98,23 +98,6 @@ fn start() -> impl Strategy<Value = Start> {
     ]
 }
 
-/// A management request of `operation` with `body`.
-fn request(operation: &str, body: Value) -> Vec<u8> {
-    let mut out = Vec::new();
-    described_list(
-        0x73,
-        vec![Value::string("r"), Value::Null, Value::Null, Value::Null, Value::string("me")],
-    )
-    .encode(&mut out);
-    Value::described(
-        0x74,
-        Value::Map(vec![(Value::string("operation"), Value::string(operation))]),
-    )
-    .encode(&mut out);
-    Value::described(0x77, body).encode(&mut out);
-    out
-}
-
 /// The bytes of one generated client; `token` is a valid token for [`TOKEN_ENTITY`].
 fn encode(start: &Start, ops: &[Op], token: &str) -> Vec<u8> {
     let mut out = Vec::new();
@@ -150,7 +133,7 @@ fn encode(start: &Start, ops: &[Op], token: &str) -> Vec<u8> {
     };
     frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
     let message = encode_message(&twice::Message::new("fuzz").with_message_id("f"));
-    let schedule = request(
+    let schedule = crate::hostile::mgmt_request(
         "com.microsoft:schedule-message",
         Value::Map(vec![(Value::string("messages"), Value::List(vec![]))]),
     );
@@ -203,7 +186,7 @@ fn encode(start: &Start, ops: &[Op], token: &str) -> Vec<u8> {
                 let body = match payload {
                     0 => message.clone(),
                     1 => schedule.clone(),
-                    2 => request("put-token", Value::string(token)),
+                    2 => crate::hostile::mgmt_request("put-token", Value::string(token)),
                     _ => message[..message.len() / 2].to_vec(),
                 };
                 let t = Transfer {
@@ -242,7 +225,11 @@ fn encode(start: &Start, ops: &[Op], token: &str) -> Vec<u8> {
                     message_format: Some(0),
                     ..Transfer::default()
                 };
-                (ch, Performative::Transfer(t), request("put-token", Value::string(token)))
+                (
+                    ch,
+                    Performative::Transfer(t),
+                    crate::hostile::mgmt_request("put-token", Value::string(token)),
+                )
             }
             Op::Garbage(bytes) => {
                 out.extend_from_slice(&bytes);

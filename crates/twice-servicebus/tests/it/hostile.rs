@@ -64,23 +64,7 @@ impl Raw {
         client_receives: bool,
         address: &str,
     ) -> Option<String> {
-        let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
-        let (source, target) = if client_receives {
-            (terminus(0x28, address), terminus(0x29, "me"))
-        } else {
-            (terminus(0x28, "me"), terminus(0x29, address))
-        };
-        let a = Attach {
-            name: name.into(),
-            handle,
-            role: client_receives,
-            snd_settle_mode: Some(0),
-            rcv_settle_mode: Some(0),
-            source: Some(source),
-            target: Some(target),
-            initial_delivery_count: (!client_receives).then_some(0),
-            ..Attach::default()
-        };
+        let a = crate::wire::attach_of(name, handle, client_receives, address);
         self.send(Performative::Attach(a), &[]).await;
         match self.next().await.0 {
             Performative::Attach(reply) => assert_eq!(reply.name, name),
@@ -108,7 +92,7 @@ impl Raw {
 }
 
 /// An `amqp-value` management request with an `operation` application property.
-fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
+pub(crate) fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
     let mut out = Vec::new();
     described_list(
         0x73,
@@ -314,12 +298,7 @@ async fn a_client_that_never_sends_open_is_disconnected() {
 #[tokio::test]
 async fn a_disposition_over_a_huge_range_settles_what_is_in_it() {
     let server = TestServer::start().await;
-    let mut c = Raw::open(server.addr, 65536).await;
-    c.attach("send", 0, false, "q7", 0).await;
-    c.send_messages(0, 3).await;
-    c.attach("recv", 1, true, "q7", 0).await;
-    c.flow(1, 0, 3, false).await;
-    let ids = c.transfers(3).await;
+    let (mut c, ids) = Raw::with_deliveries(server.addr, "q7", 3).await;
     // One disposition for half the id space: only the three deliveries in it are work.
     let all = twice_servicebus::performative::Disposition {
         role: true,
