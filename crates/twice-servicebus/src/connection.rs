@@ -1443,16 +1443,16 @@ impl<B: Backend> Conn<B> {
         if l.client_receives {
             return;
         }
-        let path = l.path.clone();
-        let need = need_of(l);
-        if l.node != Node::Cbs && !self.authorized(&path, need) {
-            // The token that authorized the link expired and was not renewed.
-            self.link_error(ch, t.handle, token_expired(&path));
+        // Checked once per delivery: the token that authorized the link may have expired.
+        let now = self.shared.clock.now().as_millis() / 1000;
+        if l.partial.is_none()
+            && l.node != Node::Cbs
+            && !self.grants.allows(&l.path, now, need_of(l))
+        {
+            let error = token_expired(&l.path);
+            self.link_error(ch, t.handle, error);
             return;
         }
-        let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&t.handle)) else {
-            return;
-        };
         if l.partial.is_none() {
             // A new delivery takes one credit; one the client was not given ends the link.
             if l.rx_credit == 0 {
