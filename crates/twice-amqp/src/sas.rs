@@ -39,9 +39,78 @@ pub struct Grant {
     pub expiry: i64,
 }
 
-/// The configured keys, by name. `Debug` shows only the names.
+/// What a token signed with a key may do, as in a Service Bus shared access rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Claim {
+    /// Send to an entity.
+    Send,
+    /// Receive from an entity, and settle, peek and renew locks.
+    Listen,
+    /// Manage an entity (rules); implies `Send` and `Listen`.
+    Manage,
+}
+
+/// The claims of a key. The default, and what [`Keys::insert`] gives, is all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claims {
+    send: bool,
+    listen: bool,
+    manage: bool,
+}
+
+impl Default for Claims {
+    fn default() -> Self {
+        Self::ALL
+    }
+}
+
+impl Claims {
+    /// `Send`, `Listen` and `Manage`.
+    pub const ALL: Claims = Claims { send: true, listen: true, manage: true };
+    /// No claim at all.
+    pub const NONE: Claims = Claims { send: false, listen: false, manage: false };
+
+    /// These claims and `c`.
+    #[must_use]
+    pub fn with(mut self, c: Claim) -> Self {
+        match c {
+            Claim::Send => self.send = true,
+            Claim::Listen => self.listen = true,
+            Claim::Manage => self.manage = true,
+        }
+        self
+    }
+
+    /// Whether these claims allow `c` (`Manage` allows everything).
+    pub fn allows(&self, c: Claim) -> bool {
+        self.manage
+            || match c {
+                Claim::Send => self.send,
+                Claim::Listen => self.listen,
+                Claim::Manage => false,
+            }
+    }
+
+    /// Parses a comma-separated list such as `Send,Listen` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Self> {
+        let mut claims = Self::NONE;
+        for part in s.split(',') {
+            let c = match part.trim().to_ascii_lowercase().as_str() {
+                "send" => Claim::Send,
+                "listen" => Claim::Listen,
+                "manage" => Claim::Manage,
+                _ => return None,
+            };
+            claims = claims.with(c);
+        }
+        Some(claims)
+    }
+}
+
+/// The configured keys, by name, with their claims. `Debug` shows only the names.
 #[derive(Clone, Default)]
-pub struct Keys(BTreeMap<String, String>);
+pub struct Keys(BTreeMap<String, String>, BTreeMap<String, Claims>);
 
 impl std::fmt::Debug for Keys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -62,9 +131,26 @@ impl Keys {
         k
     }
 
-    /// Adds or replaces a key.
+    /// Adds or replaces a key, with every claim.
     pub fn insert(&mut self, name: impl Into<String>, key: impl Into<String>) {
-        self.0.insert(name.into(), key.into());
+        self.insert_with_claims(name, key, Claims::ALL);
+    }
+
+    /// Adds or replaces a key whose tokens may do only what `claims` allow.
+    pub fn insert_with_claims(
+        &mut self,
+        name: impl Into<String>,
+        key: impl Into<String>,
+        claims: Claims,
+    ) {
+        let name = name.into();
+        self.1.insert(name.clone(), claims);
+        self.0.insert(name, key.into());
+    }
+
+    /// The claims of a key (none for a name that is not configured).
+    pub fn claims(&self, name: &str) -> Claims {
+        self.1.get(name).copied().unwrap_or(Claims::NONE)
     }
 
     /// The key of a name.
@@ -180,6 +266,20 @@ pub fn url_encode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claims_parse_and_manage_implies_the_others() {
+        let send = Claims::parse("Send").unwrap();
+        assert!(send.allows(Claim::Send) && !send.allows(Claim::Listen));
+        let manage = Claims::parse("manage").unwrap();
+        assert!(manage.allows(Claim::Send) && manage.allows(Claim::Listen));
+        assert_eq!(Claims::parse("Send,Bogus"), None);
+        let mut keys = Keys::new();
+        keys.insert_with_claims("s", "k", send);
+        assert_eq!(keys.claims("s"), send);
+        assert_eq!(keys.claims("nobody"), Claims::NONE);
+        assert_eq!(Keys::emulator_default().claims("RootManageSharedAccessKey"), Claims::ALL);
+    }
 
     #[test]
     fn accepts_a_token_signed_with_the_key() {

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use twice::Stopwatch;
 use twice_broker::config::Config;
 use twice_broker::{Broker, BrokerOptions};
-use twice_servicebus::sas::Keys;
+use twice_servicebus::sas::{Claims, Keys};
 use twice_servicebus::{Server, ServerOptions};
 
 /// Options of `twice serve`.
@@ -23,6 +23,10 @@ pub(crate) struct ServeArgs {
     /// beyond loopback must be asked for.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5673")]
     amqp: SocketAddr,
+    /// The host name clients reach the server by: it goes into the connection string, and
+    /// tokens must name it in their audience (a server on loopback also takes `localhost`).
+    #[arg(long, value_name = "NAME", default_value = "localhost")]
+    hostname: String,
     /// The HTTP address for `/health`, `/metrics` and `/entities`.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5300")]
     http: SocketAddr,
@@ -35,10 +39,12 @@ pub(crate) struct ServeArgs {
     /// Keep nothing on disk (for tests): everything is gone when the process ends.
     #[arg(long)]
     in_memory: bool,
-    /// A shared access key, as NAME=KEY; repeatable. Default: the emulator's
-    /// RootManageSharedAccessKey=SAS_KEY_VALUE, so its connection string works unchanged.
-    #[arg(long = "sas-key", value_name = "NAME=KEY", value_parser = parse_key)]
-    sas_keys: Vec<(String, String)>,
+    /// A shared access key, as NAME=KEY, or NAME=KEY:CLAIMS to allow only some of
+    /// Send,Listen,Manage (Manage implies the others; without claims a key has all three);
+    /// repeatable. Default: the emulator's RootManageSharedAccessKey=SAS_KEY_VALUE, so its
+    /// connection string works unchanged.
+    #[arg(long = "sas-key", value_name = "NAME=KEY[:CLAIMS]", value_parser = parse_key)]
+    sas_keys: Vec<(String, String, Claims)>,
     /// The most connections served at once; one more is answered with
     /// `amqp:resource-limit-exceeded`. Capped so that connections never exhaust the
     /// process's file descriptors (whose soft limit is raised to the hard limit at start).
@@ -59,13 +65,25 @@ pub(crate) struct ServeArgs {
     max_unsettled_per_link: u32,
 }
 
-fn parse_key(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((name, key)) if !name.is_empty() && !key.is_empty() => {
-            Ok((name.to_owned(), key.to_owned()))
-        }
-        _ => Err("expected NAME=KEY, both non-empty".to_owned()),
+fn parse_key(s: &str) -> Result<(String, String, Claims), String> {
+    let (name, rest) = s.split_once('=').unwrap_or((s, ""));
+    // Claims follow the last colon when they parse as claims; otherwise the colon is the key's.
+    let (key, claims) = match rest.rsplit_once(':') {
+        Some((key, list)) => match Claims::parse(list) {
+            Some(claims) => (key, claims),
+            None if list.chars().all(|c| c.is_ascii_alphabetic() || c == ',')
+                && !list.is_empty() =>
+            {
+                return Err(format!("unknown claim in '{list}': expected Send, Listen or Manage"));
+            }
+            None => (rest, Claims::ALL),
+        },
+        None => (rest, Claims::ALL),
+    };
+    if name.is_empty() || key.is_empty() {
+        return Err("expected NAME=KEY or NAME=KEY:CLAIMS, name and key non-empty".to_owned());
     }
+    Ok((name.to_owned(), key.to_owned(), claims))
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -90,8 +108,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Keys::emulator_default()
     } else {
         let mut keys = Keys::new();
-        for (name, key) in &args.sas_keys {
-            keys.insert(name, key);
+        for (name, key, claims) in &args.sas_keys {
+            keys.insert_with_claims(name, key, *claims);
         }
         keys
     };
@@ -116,6 +134,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let server_options = ServerOptions::new()
+        .hostname(args.hostname.clone())
         .amqp_addr(args.amqp)
         .http_addr(if args.no_http { None } else { Some(args.http) })
         .keys(keys)
@@ -143,14 +162,16 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("connection string: {}", server.connection_string());
     } else {
         // A key of the user's own is a secret: it is not printed.
-        let name = args.sas_keys.first().map_or("", |(name, _)| name.as_str());
+        let name = args.sas_keys.first().map_or("", |(name, _, _)| name.as_str());
         println!(
-            "connection string: Endpoint=sb://localhost:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            "connection string: Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            args.hostname,
             server.amqp_addr().port()
         );
     }
+    let shutdown = shutdown_signal();
     println!("ready in {} ms; Ctrl-C stops", started.elapsed().as_millis());
-    server.run(shutdown_signal()).await.context("serving")?;
+    server.run(shutdown).await.context("serving")?;
     broker.shutdown().await;
     if args.in_memory {
         println!("twice serve: stopped; in memory, nothing was kept");
@@ -180,19 +201,41 @@ fn connection_limits(connections: usize, pending: usize, fds: Option<u64>) -> (u
     (connections, pending)
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when
+/// the future is first polled, so a signal that comes right after the "ready" line stops the
+/// server cleanly instead of killing the process.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let term = signal(SignalKind::terminate());
     let int = signal(SignalKind::interrupt());
-    match (term, int) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+    async move {
+        match (term, int) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
             }
+            // Without signal handlers, Ctrl-C still ends the process (without the clean flush).
+            _ => std::future::pending().await,
         }
-        // Without signal handlers, Ctrl-C still ends the process (without the clean flush).
-        _ => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_key;
+    use twice_servicebus::sas::{Claim, Claims};
+
+    #[test]
+    fn keys_parse_with_and_without_claims() {
+        let (name, key, claims) = parse_key("sender=abc:Send").unwrap();
+        assert_eq!((name.as_str(), key.as_str()), ("sender", "abc"));
+        assert!(claims.allows(Claim::Send) && !claims.allows(Claim::Listen));
+        assert_eq!(parse_key("root=k").unwrap().2, Claims::ALL);
+        // A colon the key itself holds stays in the key.
+        assert_eq!(parse_key("a=b:c/d+e=").unwrap().1, "b:c/d+e=");
+        assert!(parse_key("a=b:Sned").is_err(), "a misspelt claim is an error");
+        assert!(parse_key("=k").is_err() && parse_key("n=").is_err());
     }
 }

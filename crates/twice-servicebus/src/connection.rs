@@ -17,7 +17,7 @@
 //! Outgoing transfers respect the peer's session incoming window: deliveries wait in the
 //! session's queue until the peer's flow makes room.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +31,8 @@ use crate::address::{self, Node};
 use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveMode, Settlement};
 use crate::codec::Value;
 use crate::frame::{self, Frame, FrameReader, ReadError};
+use crate::grants::{Grants, audience_is_ours, same_secret};
+use crate::ids::IdPool;
 use crate::mapping::{self, Presentation};
 use crate::metrics::{Counter, Metrics};
 use crate::mgmt;
@@ -38,6 +40,7 @@ use crate::performative::{
     AmqpError, Attach, Begin, Detach, Disposition, Flow, Open, Outcome, Performative,
     ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
+use crate::sas::{Claim, Claims};
 use crate::server::Shared;
 
 /// Credit granted to client senders, topped up when half is used.
@@ -111,6 +114,24 @@ fn session_lock_lost() -> AmqpError {
     )
 }
 
+/// The claim a link needs: sending to an entity, receiving from one, or (for a management
+/// node, checked per request) any.
+fn need_of<S>(l: &Link<S>) -> Option<Claim> {
+    match l.node {
+        Node::Entity(_) if l.client_receives => Some(Claim::Listen),
+        Node::Entity(_) => Some(Claim::Send),
+        Node::Management(_) | Node::Cbs => None,
+    }
+}
+
+/// The error a link is detached with when its token expired and was not renewed.
+fn token_expired(path: &str) -> AmqpError {
+    AmqpError::new(
+        cond::UNAUTHORIZED,
+        format!("the token for '{path}' has expired: put a new token to $cbs"),
+    )
+}
+
 /// Why a connection ends.
 #[derive(Debug)]
 enum End {
@@ -169,11 +190,12 @@ enum Event<S> {
         result: Result<Option<S>, BackendError>,
     },
     /// Sends of one sender link stored (or refused): delivery id, settled by the client,
-    /// message count, outcome.
+    /// message count, outcome; and the bytes of the transfers.
     Sent {
         link: u64,
         entity: String,
         results: Vec<(u32, bool, usize, Outcome)>,
+        bytes: usize,
     },
     /// Dispositions the settler applied.
     Settled {
@@ -196,6 +218,8 @@ enum Event<S> {
 struct PendingSend {
     delivery_id: u32,
     settled: bool,
+    /// The size of the transfer, counted against the connection's bytes in flight.
+    bytes: usize,
     messages: Vec<twice::Message>,
 }
 
@@ -310,6 +334,9 @@ struct Link<S> {
     // Twice as receiver.
     rx_delivery_count: u32,
     rx_credit: u32,
+    /// Deliveries received and handed to the sender or request task, not yet answered: the
+    /// credit they took comes back only when they are.
+    rx_in_flight: u32,
     partial: Option<Partial>,
     sends: Option<mpsc::UnboundedSender<PendingSend>>,
     requests: Option<mpsc::UnboundedSender<(mgmt::Request, Option<Arc<S>>)>>,
@@ -334,7 +361,10 @@ struct Session<S> {
     remote_incoming_window: u32,
     frames_since_flow: u32,
     links: HashMap<u32, Link<S>>,
-    unsettled: HashMap<u32, Unsettled>,
+    /// Local handles of this session's links.
+    handles: IdPool,
+    /// By delivery id, ordered so a disposition's range costs only the deliveries in it.
+    unsettled: BTreeMap<u32, Unsettled>,
     outgoing: VecDeque<Queued>,
 }
 
@@ -353,8 +383,11 @@ macro_rules! sflow {
 }
 
 impl<S> Session<S> {
-    fn free_handle(&self) -> u32 {
-        (0..).find(|h| !self.links.values().any(|l| l.local_handle == *h)).unwrap_or(0)
+    /// Forgets a link of this session, giving its local handle back.
+    fn remove_link(&mut self, handle: u32) -> Option<Link<S>> {
+        let l = self.links.remove(&handle)?;
+        self.handles.give_back(l.local_handle);
+        Some(l)
     }
 
     /// Queues a delivery on the link with this remote handle; returns its delivery id.
@@ -518,8 +551,14 @@ struct Conn<B: Backend> {
     links: HashMap<u64, (u16, u32)>,
     next_link_id: u64,
     events: mpsc::UnboundedSender<Event<B::Session>>,
+    /// Local channels of the sessions.
+    channels: IdPool,
+    /// Bytes of transfers handed to sender tasks and not yet stored: past
+    /// [`ServerOptions::max_bytes_in_flight`](crate::ServerOptions::max_bytes_in_flight) the
+    /// connection stops reading until the broker catches up.
+    bytes_in_flight: usize,
     /// Paths the connection may use (from tokens); `Some("")` is all of them.
-    grants: Vec<String>,
+    grants: Grants,
     channel_max: u16,
     heard: bool,
 }
@@ -588,9 +627,14 @@ pub(crate) async fn serve<B, IO>(
         out: Out { buf: Vec::new(), peer_max_frame: frame::MIN_MAX_FRAME_SIZE },
         sessions: HashMap::new(),
         links: HashMap::new(),
+        channels: IdPool::default(),
+        bytes_in_flight: 0,
         next_link_id: 0,
         events: tx,
-        grants: if sasl_ok { vec![String::new()] } else { Vec::new() },
+        grants: match sasl_ok {
+            Some(claims) => Grants::everything(claims),
+            None => Grants::default(),
+        },
         channel_max: u16::MAX,
         heard: true,
     };
@@ -610,9 +654,14 @@ pub(crate) async fn serve<B, IO>(
     let mut ticker = tokio::time::interval(heartbeat);
     ticker.tick().await;
     let mut silent_ticks = 0u32;
+    let max_in_flight = shared.options.max_bytes_in_flight;
+    let write_timeout = shared.options.write_timeout;
     let end = loop {
+        // Backpressure: while the broker has not stored what this connection sent, the socket
+        // is not read, so a fast producer is held by TCP rather than by the server's memory.
+        let reading = conn.bytes_in_flight <= max_in_flight;
         let step = tokio::select! {
-            f = reader.read_frame() => match f {
+            f = reader.read_frame(), if reading => match f {
                 Ok(f) => {
                     conn.heard = true;
                     conn.on_frame(&f)
@@ -636,7 +685,9 @@ pub(crate) async fn serve<B, IO>(
                 Ok(())
             }
             _ = ticker.tick() => {
-                if conn.heard {
+                conn.detach_unauthorized();
+                // A connection the server does not read is not idle.
+                if conn.heard || !reading {
                     silent_ticks = 0;
                 } else {
                     silent_ticks += 1;
@@ -654,8 +705,15 @@ pub(crate) async fn serve<B, IO>(
             _ = shutdown.changed() => Err(End::Close(Some(AmqpError::new("amqp:connection:forced", "the server is shutting down")))),
         };
         if !conn.out.buf.is_empty() {
-            if wr.write_all(&conn.out.buf).await.is_err() {
-                break End::Drop;
+            // A client that stops reading is dropped rather than holding the connection (and
+            // what its links hold) forever.
+            match tokio::time::timeout(write_timeout, wr.write_all(&conn.out.buf)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => break End::Drop,
+                Err(_) => {
+                    tracing::debug!("dropping a connection whose peer stopped reading");
+                    break End::Drop;
+                }
             }
             conn.out.buf.clear();
         }
@@ -691,14 +749,15 @@ async fn refuse<B: Backend, W: AsyncWrite + Unpin>(first: &Frame, wr: &mut W, sh
     .await;
 }
 
-/// Protocol headers and SASL. Returns whether SASL PLAIN authenticated with a configured key.
+/// Protocol headers and SASL. Returns the claims of the configured key SASL PLAIN
+/// authenticated with, if it did.
 async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     reader: &mut FrameReader<R>,
     wr: &mut W,
     shared: &Shared<B>,
-) -> Result<bool, ()> {
+) -> Result<Option<Claims>, ()> {
     let mut header = reader.read_protocol_header().await.map_err(|_| ())?;
-    let mut plain_ok = false;
+    let mut plain_ok = None;
     if header == frame::SASL_HEADER {
         let mut out = frame::SASL_HEADER.to_vec();
         let mechs = Performative::SaslMechanisms(vec![
@@ -722,8 +781,14 @@ async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 let user = parts.next().and_then(|u| std::str::from_utf8(u).ok());
                 let pass = parts.next().and_then(|p| std::str::from_utf8(p).ok());
                 match (user, pass) {
-                    (Some(u), Some(p)) if shared.options.keys.get(u) == Some(p) => {
-                        plain_ok = true;
+                    (Some(u), Some(p))
+                        if shared
+                            .options
+                            .keys
+                            .get(u)
+                            .is_some_and(|k| same_secret(k.as_bytes(), p.as_bytes())) =>
+                    {
+                        plain_ok = Some(shared.options.keys.claims(u));
                         0
                     }
                     _ => 1,
@@ -785,7 +850,7 @@ impl<B: Backend> Conn<B> {
                 container_id: "twice".into(),
                 hostname: None,
                 max_frame_size: opts.max_frame_size,
-                channel_max: u16::MAX,
+                channel_max: max_channel(opts.max_sessions_per_connection),
                 idle_time_out: (idle_ms > 0).then_some(idle_ms),
                 properties: None,
             }),
@@ -838,10 +903,7 @@ impl<B: Backend> Conn<B> {
                 }
                 Err(End::Close(None))
             }
-            Performative::Begin(b) => {
-                self.on_begin(ch, &b);
-                Ok(())
-            }
+            Performative::Begin(b) => self.on_begin(ch, &b),
             Performative::End(_) => {
                 if let Some(local) = self.sessions.get(&ch).map(|s| s.local_channel) {
                     self.drop_session(ch);
@@ -849,10 +911,7 @@ impl<B: Backend> Conn<B> {
                 }
                 Ok(())
             }
-            Performative::Attach(a) => {
-                self.on_attach(ch, a);
-                Ok(())
-            }
+            Performative::Attach(a) => self.on_attach(ch, a),
             Performative::Detach(d) => {
                 self.on_detach(ch, &d);
                 Ok(())
@@ -878,13 +937,20 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn on_begin(&mut self, ch: u16, b: &Begin) {
-        if ch > self.channel_max || self.sessions.contains_key(&ch) {
-            return;
+    fn on_begin(&mut self, ch: u16, b: &Begin) -> Result<(), End> {
+        // Beyond the channel-max twice announced: a framing error (AMQP 1.0 section 2.7.1),
+        // which bounds the sessions of a connection.
+        if ch > max_channel(self.shared.options.max_sessions_per_connection) {
+            return Err(End::Close(Some(AmqpError::new(
+                cond::FRAME_TOO_LARGE,
+                format!("begin on channel {ch}, beyond the channel-max announced"),
+            ))));
         }
-        let local = (0..=u16::MAX)
-            .find(|c| !self.sessions.values().any(|s| s.local_channel == *c))
-            .unwrap_or(0);
+        if ch > self.channel_max || self.sessions.contains_key(&ch) {
+            return Ok(());
+        }
+        // At most as many sessions as channels, so a local channel always fits.
+        let local = u16::try_from(self.channels.take()).unwrap_or(u16::MAX);
         self.sessions.insert(
             ch,
             Session {
@@ -896,7 +962,8 @@ impl<B: Backend> Conn<B> {
                 remote_incoming_window: b.incoming_window,
                 frames_since_flow: 0,
                 links: HashMap::new(),
-                unsettled: HashMap::new(),
+                handles: IdPool::default(),
+                unsettled: BTreeMap::new(),
                 outgoing: VecDeque::new(),
             },
         );
@@ -907,16 +974,16 @@ impl<B: Backend> Conn<B> {
                 next_outgoing_id: 0,
                 incoming_window: SESSION_WINDOW,
                 outgoing_window: SESSION_WINDOW,
-                handle_max: u32::try_from(self.shared.options.max_links_per_session)
-                    .unwrap_or(u32::MAX)
-                    .saturating_sub(1),
+                handle_max: handle_max(self.shared.options.max_links_per_session),
             }),
         );
+        Ok(())
     }
 
     /// Forgets a session and everything its links hold (without sending anything).
     fn drop_session(&mut self, ch: u16) {
         let Some(mut s) = self.sessions.remove(&ch) else { return };
+        self.channels.give_back(u32::from(s.local_channel));
         s.discard_outgoing(None);
         for (_, link) in s.links.drain() {
             self.links.remove(&link.id);
@@ -924,19 +991,27 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn authorized(&self, path: &str) -> bool {
-        self.grants.iter().any(|g| g.is_empty() || path == g || path.starts_with(&format!("{g}/")))
+    fn authorized(&self, path: &str, need: Option<Claim>) -> bool {
+        self.grants.allows(path, self.shared.clock.now().as_millis() / 1000, need)
     }
 
     /// Records a link and checks what needs no broker; the broker's answer about the entity
     /// comes back as [`Event::Resolved`].
-    fn on_attach(&mut self, ch: u16, a: Attach) {
+    fn on_attach(&mut self, ch: u16, a: Attach) -> Result<(), End> {
         let max_links = self.shared.options.max_links_per_session;
-        let Some(s) = self.sessions.get_mut(&ch) else { return };
+        // Beyond the handle-max twice announced: a framing error (AMQP 1.0 section 2.7.2),
+        // which bounds the links of a session.
+        if a.handle > handle_max(max_links) {
+            return Err(End::Close(Some(AmqpError::new(
+                cond::FRAME_TOO_LARGE,
+                format!("attach with handle {}, beyond the handle-max announced", a.handle),
+            ))));
+        }
+        let Some(s) = self.sessions.get_mut(&ch) else { return Ok(()) };
         if let Some(old) = s.links.get(&a.handle).map(|l| l.id) {
             // A reused handle: the client forgot the old link; so does twice.
             s.discard_outgoing(Some(old));
-            if let Some(old) = s.links.remove(&a.handle) {
+            if let Some(old) = s.remove_link(a.handle) {
                 self.links.remove(&old.id);
                 release_link(old);
             }
@@ -951,7 +1026,7 @@ impl<B: Backend> Conn<B> {
         let target_address = crate::performative::Terminus::parse(a.target.as_ref(), false).address;
         let id = self.next_link_id;
         self.next_link_id += 1;
-        let local_handle = s.free_handle();
+        let local_handle = s.handles.take();
         let mode = if client_receives && a.snd_settle_mode == Some(1) {
             ReceiveMode::ReceiveAndDelete
         } else {
@@ -982,6 +1057,7 @@ impl<B: Backend> Conn<B> {
             lock_watch: None,
             replies: VecDeque::new(),
             rx_credit: 0,
+            rx_in_flight: 0,
             partial: None,
             sends: None,
             requests: None,
@@ -996,23 +1072,28 @@ impl<B: Backend> Conn<B> {
                 format!("a session may attach at most {max_links} links"),
             );
             self.refuse(ch, handle, error);
-            return;
+            return Ok(());
         }
         let entity = match &node {
             Node::Cbs => {
                 self.accept_attach(ch, handle, None);
-                return;
+                return Ok(());
             }
             Node::Management(e) | Node::Entity(e) => e.clone(),
         };
         // A token for the entity covers its management node; so does one for the node.
-        if !self.authorized(&path) {
+        let need = match &node {
+            Node::Management(_) | Node::Cbs => None,
+            Node::Entity(_) if client_receives => Some(Claim::Listen),
+            Node::Entity(_) => Some(Claim::Send),
+        };
+        if !self.authorized(&path, need) {
             let error = AmqpError::new(
                 cond::UNAUTHORIZED,
                 format!("unauthorized access to '{entity}': put a valid token to $cbs first"),
             );
             self.refuse(ch, handle, error);
-            return;
+            return Ok(());
         }
         let backend = self.shared.backend.clone();
         let events = self.events.clone();
@@ -1020,6 +1101,7 @@ impl<B: Backend> Conn<B> {
             let kind = backend.entity(&entity).await;
             let _ = events.send(Event::Resolved { link: id, kind });
         });
+        Ok(())
     }
 
     /// Finishes an attach once the broker said what its entity is.
@@ -1231,7 +1313,7 @@ impl<B: Backend> Conn<B> {
         let Some(id) = s.links.get(&d.handle).map(|l| l.id) else { return };
         // Releases of what never went out are queued before the settler learns the link ended.
         s.discard_outgoing(Some(id));
-        let Some(l) = s.links.remove(&d.handle) else { return };
+        let Some(l) = s.remove_link(d.handle) else { return };
         self.links.remove(&l.id);
         let local = s.local_channel;
         s.unsettled.retain(|_, u| u.link != l.id);
@@ -1250,6 +1332,16 @@ impl<B: Backend> Conn<B> {
 
     fn on_flow(&mut self, ch: u16, f: &Flow) {
         let max_unsettled = self.shared.options.max_unsettled_per_link;
+        // Credit for a link whose token expired detaches it instead.
+        let expired = f.handle.and_then(|h| {
+            let l = self.sessions.get(&ch)?.links.get(&h)?;
+            let live = l.attached && !l.detached && l.node != Node::Cbs;
+            (live && !self.authorized(&l.path, need_of(l))).then(|| (h, l.path.clone()))
+        });
+        if let Some((handle, path)) = expired {
+            self.detach_with(ch, handle, token_expired(&path));
+            return;
+        }
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         // The peer's incoming window, per the specification: its next-incoming-id plus its
         // window, less what twice has sent (a next-incoming-id it does not know yet is our
@@ -1353,6 +1445,16 @@ impl<B: Backend> Conn<B> {
         if l.client_receives {
             return;
         }
+        // Checked once per delivery: the token that authorized the link may have expired.
+        let now = self.shared.clock.now().as_millis() / 1000;
+        if l.partial.is_none()
+            && l.node != Node::Cbs
+            && !self.grants.allows(&l.path, now, need_of(l))
+        {
+            let error = token_expired(&l.path);
+            self.link_error(ch, t.handle, error);
+            return;
+        }
         if l.partial.is_none() {
             // A new delivery takes one credit; one the client was not given ends the link.
             if l.rx_credit == 0 {
@@ -1412,10 +1514,12 @@ impl<B: Backend> Conn<B> {
                         let pending = PendingSend {
                             delivery_id: done.delivery_id,
                             settled: done.settled,
+                            bytes: done.buf.len(),
                             messages,
                         };
+                        // Its credit comes back once it is stored (see `on_sent`).
                         self.queue_send(ch, t.handle, e, pending);
-                        return self.top_up(ch, t.handle);
+                        return;
                     }
                 },
                 Node::Cbs => {
@@ -1431,10 +1535,21 @@ impl<B: Backend> Conn<B> {
                     // request task, as a request/response peer expects.
                     self.settle_request(ch, &done);
                     match mgmt::Request::parse(&done.buf) {
+                        Ok(req)
+                            if !self.authorized(
+                                &format!("{e}/$management"),
+                                Some(mgmt::claim_of(&req)),
+                            ) =>
+                        {
+                            let why = format!("the token for '{e}' does not allow this operation");
+                            self.reply(link_id, mgmt::unauthorized(&req, why));
+                        }
                         Ok(req) => {
                             let held =
                                 mgmt::session_id(&req).and_then(|sid| self.held_session(e, &sid));
+                            // Its credit comes back once it is answered.
                             self.queue_request(ch, t.handle, e, req, held);
+                            return;
                         }
                         Err(err) => self.reply(link_id, mgmt::decode_error(&err)),
                     }
@@ -1471,21 +1586,31 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    /// Gives a client sender more credit when half of it is used.
+    /// Gives a client sender more credit when half of it is used: as much as keeps its
+    /// deliveries not yet stored (or answered) within [`SENDER_CREDIT`].
     fn top_up(&mut self, ch: u16, handle: u32) {
         let Some(s) = self.sessions.get_mut(&ch) else { return };
-        if let Some(l) = s.links.get_mut(&handle) {
-            if l.rx_credit < SENDER_CREDIT / 2 {
-                l.rx_credit = SENDER_CREDIT;
-                let fl = Flow {
-                    handle: Some(l.local_handle),
-                    delivery_count: Some(l.rx_delivery_count),
-                    link_credit: Some(SENDER_CREDIT),
-                    ..sflow!(s)
-                };
-                self.out.send(s.local_channel, &Performative::Flow(fl));
-            }
+        let Some(l) = s.links.get_mut(&handle).filter(|l| !l.detached) else { return };
+        let grant = SENDER_CREDIT.saturating_sub(l.rx_in_flight);
+        if l.rx_credit < SENDER_CREDIT / 2 && grant > l.rx_credit {
+            l.rx_credit = grant;
+            let fl = Flow {
+                handle: Some(l.local_handle),
+                delivery_count: Some(l.rx_delivery_count),
+                link_credit: Some(grant),
+                ..sflow!(s)
+            };
+            self.out.send(s.local_channel, &Performative::Flow(fl));
         }
+    }
+
+    /// Counts `n` deliveries of a link as answered, and tops its credit up.
+    fn answered(&mut self, link: u64, n: usize) {
+        let Some(&(ch, handle)) = self.links.get(&link) else { return };
+        if let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) {
+            l.rx_in_flight = l.rx_in_flight.saturating_sub(u32::try_from(n).unwrap_or(u32::MAX));
+        }
+        self.top_up(ch, handle);
     }
 
     /// Queues a send on the link's sender task, starting it on first use.
@@ -1493,6 +1618,8 @@ impl<B: Backend> Conn<B> {
         let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) else {
             return;
         };
+        l.rx_in_flight += 1;
+        self.bytes_in_flight += pending.bytes;
         let tx = l.sends.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             let max = usize::try_from(self.shared.options.max_message_size).unwrap_or(usize::MAX);
@@ -1521,6 +1648,7 @@ impl<B: Backend> Conn<B> {
         let Some(l) = self.sessions.get_mut(&ch).and_then(|s| s.links.get_mut(&handle)) else {
             return;
         };
+        l.rx_in_flight += 1;
         let tx = l.requests.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(request_task(
@@ -1554,10 +1682,20 @@ impl<B: Backend> Conn<B> {
         let req = mgmt::Request::parse(payload).ok()?;
         let (status, description) = if req.operation() == Some("put-token") {
             let token = req.body.as_str().unwrap_or("");
-            match self.shared.options.keys.validate(token, now) {
+            let opts = &self.shared.options;
+            match opts.keys.validate(token, now) {
+                Ok(grant) if !audience_is_ours(&grant.resource, &opts.hostname, opts.amqp_addr) => {
+                    tracing::debug!("token refused: its audience names another host");
+                    (401, "Unauthorized: the token's audience is not this namespace".to_owned())
+                }
                 Ok(grant) => {
-                    self.grants.push(address::normalize(&grant.resource));
-                    (202, "Accepted".to_owned())
+                    let path = address::normalize(&grant.resource);
+                    let claims = opts.keys.claims(&grant.key_name);
+                    if self.grants.insert(path, grant.expiry, claims, now) {
+                        (202, "Accepted".to_owned())
+                    } else {
+                        (403, "Forbidden: too many tokens on one connection".to_owned())
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "token refused");
@@ -1621,26 +1759,27 @@ impl<B: Backend> Conn<B> {
             Some(Err(_)) | None => Outcome::Other,
         };
         let last = d.last.unwrap_or(d.first);
-        if last.wrapping_sub(d.first) > 10_000 {
-            return;
-        }
         let Some(s) = self.sessions.get_mut(&ch) else { return };
-        let mut id = d.first;
-        loop {
-            if let Some(u) = s.unsettled.remove(&id) {
-                let (how, echo) = settlement_of(&outcome);
-                let job =
-                    Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
-                if let Some(&(_, handle)) = self.links.get(&u.link) {
-                    if let Some(l) = s.links.get(&handle) {
-                        l.job(job);
-                    }
+        // Only the unsettled deliveries in the range are work, whatever its width (it may wrap
+        // around the end of the id space).
+        let ids: Vec<u32> = if d.first <= last {
+            s.unsettled.range(d.first..=last).map(|(id, _)| *id).collect()
+        } else {
+            s.unsettled
+                .range(d.first..)
+                .chain(s.unsettled.range(..=last))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        for id in ids {
+            let Some(u) = s.unsettled.remove(&id) else { continue };
+            let (how, echo) = settlement_of(&outcome);
+            let job = Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
+            if let Some(&(_, handle)) = self.links.get(&u.link) {
+                if let Some(l) = s.links.get(&handle) {
+                    l.job(job);
                 }
             }
-            if id == last {
-                break;
-            }
-            id = id.wrapping_add(1);
         }
     }
 
@@ -1664,7 +1803,12 @@ impl<B: Backend> Conn<B> {
                     Err(e) => self.refuse(ch, handle, backend_error(&e)),
                 }
             }
-            Event::Sent { link, entity, results } => self.on_sent(link, &entity, results),
+            Event::Sent { link, entity, results, bytes } => {
+                self.bytes_in_flight = self.bytes_in_flight.saturating_sub(bytes);
+                let n = results.len();
+                self.on_sent(link, &entity, results);
+                self.answered(link, n);
+            }
             Event::Batch { link, drain, source, result } => {
                 self.on_batch(link, drain, source, result);
             }
@@ -1674,6 +1818,7 @@ impl<B: Backend> Conn<B> {
                     self.forget_lock(lock);
                 }
                 self.reply(link, reply);
+                self.answered(link, 1);
             }
             Event::SessionLockLost { link } => {
                 let Some(&(ch, handle)) = self.links.get(&link) else { return };
@@ -1775,6 +1920,25 @@ impl<B: Backend> Conn<B> {
         send_echoes(&mut self.out, s.local_channel, ROLE_SENDER, results.into_iter());
     }
 
+    /// Detaches the links whose token has expired (and was not renewed), as Service Bus does.
+    fn detach_unauthorized(&mut self) {
+        let mut expired = Vec::new();
+        for (ch, s) in &self.sessions {
+            for (handle, l) in &s.links {
+                if l.attached
+                    && !l.detached
+                    && l.node != Node::Cbs
+                    && !self.authorized(&l.path, need_of(l))
+                {
+                    expired.push((*ch, *handle, l.path.clone()));
+                }
+            }
+        }
+        for (ch, handle, path) in expired {
+            self.detach_with(ch, handle, token_expired(&path));
+        }
+    }
+
     /// Ends a session for a session error: `end` with the error, and everything it held goes.
     fn end_session(&mut self, ch: u16, error: AmqpError) {
         let Some(local) = self.sessions.get(&ch).map(|s| s.local_channel) else { return };
@@ -1833,6 +1997,16 @@ impl<B: Backend> Conn<B> {
             s.unsettled.retain(|_, u| u.lock != lock);
         }
     }
+}
+
+/// The highest channel a connection with at most `sessions` sessions announces.
+fn max_channel(sessions: usize) -> u16 {
+    u16::try_from(sessions.saturating_sub(1)).unwrap_or(u16::MAX)
+}
+
+/// The highest handle a session with at most `links` links announces.
+fn handle_max(links: usize) -> u32 {
+    u32::try_from(links.saturating_sub(1)).unwrap_or(u32::MAX)
 }
 
 /// Writes dispositions for settled deliveries, one frame per run of consecutive delivery ids
@@ -2330,9 +2504,10 @@ async fn sender_task<B: Backend>(
             }
             start = end;
         }
+        let bytes = group.iter().map(|p| p.bytes).sum();
         group.clear();
         let entity = entity.clone();
-        if events.send(Event::Sent { link, entity, results }).is_err() {
+        if events.send(Event::Sent { link, entity, results, bytes }).is_err() {
             return;
         }
     }

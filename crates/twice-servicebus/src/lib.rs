@@ -46,8 +46,20 @@
 //! [`ServerOptions::max_unsettled_per_link`]. A session receiver whose session lock expires is
 //! detached with `com.microsoft:session-lock-lost` even while it idles. A connection over
 //! [`ServerOptions::max_connections`] is answered with `open` and a `close` carrying
-//! `amqp:resource-limit-exceeded` (the SDKs' quota error); an attach over
-//! [`ServerOptions::max_links_per_session`] is refused with the same condition.
+//! `amqp:resource-limit-exceeded` (the SDKs' quota error). Sessions and links are bounded by
+//! the `channel-max` and `handle-max` the server announces
+//! ([`ServerOptions::max_sessions_per_connection`], [`ServerOptions::max_links_per_session`]).
+//!
+//! # Hostile clients
+//!
+//! A link is used only once it is attached and authorized: a transfer on a refused, detached or
+//! unknown handle ends its session with `amqp:session:unattached-handle`, and a token holds
+//! only until it expires. A client sender gets link credit back only as its sends become
+//! durable, and a connection stops reading its socket while more than
+//! [`ServerOptions::max_bytes_in_flight`] of its sends wait for the broker. Handshakes time out
+//! ([`ServerOptions::handshake_timeout`]) and count apart from the connection limit; frames
+//! before `open` are at most 512 bytes; writes to a client that stops reading time out. See
+//! `SECURITY.md` for the threat model and every limit.
 //!
 //! # Known client issues
 //!
@@ -74,7 +86,9 @@ pub mod address;
 pub mod backend;
 mod broker;
 mod connection;
+mod grants;
 mod http;
+mod ids;
 pub mod metrics;
 mod mgmt;
 mod options;

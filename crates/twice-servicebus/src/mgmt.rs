@@ -17,6 +17,7 @@ use crate::connection::{backend_error, cond};
 use crate::mapping::{self, Presentation, Sections};
 use crate::metrics::{Counter, Metrics};
 use crate::performative::described_list;
+use crate::sas::Claim;
 
 /// A request on `$management` or `$cbs`.
 #[derive(Debug, Clone, PartialEq)]
@@ -168,6 +169,23 @@ impl Status {
 /// The reply to a request that could not be parsed.
 pub(crate) fn decode_error(e: &DecodeError) -> Reply {
     reply(None, Value::Null, Status::error(400, cond::DECODE_ERROR, e.to_string()))
+}
+
+/// The reply to a request the connection's tokens do not allow.
+pub(crate) fn unauthorized(req: &Request, why: String) -> Reply {
+    reply(req.reply_to.clone(), req.message_id.clone(), Status::error(401, cond::UNAUTHORIZED, why))
+}
+
+/// The claim an operation needs: scheduling is sending, rules are managing, the rest (peek,
+/// locks, settlement, deferred messages, sessions) is listening.
+pub(crate) fn claim_of(req: &Request) -> Claim {
+    match req.operation().unwrap_or("") {
+        "com.microsoft:schedule-message" | "com.microsoft:cancel-scheduled-message" => Claim::Send,
+        "com.microsoft:add-rule"
+        | "com.microsoft:remove-rule"
+        | "com.microsoft:enumerate-rules" => Claim::Manage,
+        _ => Claim::Listen,
+    }
 }
 
 /// The `session-id` a request names, if any.

@@ -15,10 +15,13 @@ pub struct ServerOptions {
     pub(crate) max_connections: usize,
     pub(crate) max_pending_connections: usize,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) max_sessions_per_connection: usize,
     pub(crate) max_links_per_session: usize,
     pub(crate) max_unsettled_per_link: u32,
     pub(crate) max_message_size: u64,
     pub(crate) idle_timeout: Duration,
+    pub(crate) max_bytes_in_flight: usize,
+    pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
 }
 
@@ -32,10 +35,13 @@ impl Default for ServerOptions {
             max_connections: 1024,
             max_pending_connections: 256,
             handshake_timeout: Duration::from_secs(10),
+            max_sessions_per_connection: 256,
             max_links_per_session: 256,
             max_unsettled_per_link: 5000,
             max_message_size: 256 * 1024,
             idle_timeout: Duration::from_secs(120),
+            max_bytes_in_flight: 16 * 1024 * 1024,
+            write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
         }
     }
@@ -43,9 +49,10 @@ impl Default for ServerOptions {
 
 impl ServerOptions {
     /// The defaults: AMQP on 127.0.0.1:5673, HTTP on 127.0.0.1:5300, the emulator's key, 1 MiB
-    /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 links
-    /// per session, 5000 unsettled deliveries per link,
-    /// 256 KiB messages, 120 s idle timeout.
+    /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 sessions
+    /// per connection, 256 links per session, 5000 unsettled deliveries per link,
+    /// 256 KiB messages, 120 s idle timeout, 16 MiB of sends in flight per connection, 30 s
+    /// socket writes.
     pub fn new() -> Self {
         Self::default()
     }
@@ -102,7 +109,16 @@ impl ServerOptions {
         self
     }
 
-    /// The most links one AMQP session may attach.
+    /// The most AMQP sessions one connection may begin (the `channel-max` the server
+    /// announces is one less); a `begin` beyond it closes the connection.
+    #[must_use]
+    pub fn max_sessions_per_connection(mut self, n: usize) -> Self {
+        self.max_sessions_per_connection = n.clamp(1, 65_536);
+        self
+    }
+
+    /// The most links one AMQP session may attach (the `handle-max` the server announces is
+    /// one less); an attach beyond it closes the connection.
     #[must_use]
     pub fn max_links_per_session(mut self, n: usize) -> Self {
         self.max_links_per_session = n.max(1);
@@ -127,6 +143,21 @@ impl ServerOptions {
     #[must_use]
     pub fn idle_timeout(mut self, d: Duration) -> Self {
         self.idle_timeout = d;
+        self
+    }
+
+    /// The most bytes of sends one connection may have waiting for the broker; past it the
+    /// connection stops reading its socket until the broker catches up.
+    #[must_use]
+    pub fn max_bytes_in_flight(mut self, n: usize) -> Self {
+        self.max_bytes_in_flight = n;
+        self
+    }
+
+    /// How long one write to a client may take; a client that stops reading is disconnected.
+    #[must_use]
+    pub fn write_timeout(mut self, d: Duration) -> Self {
+        self.write_timeout = d;
         self
     }
 
@@ -167,6 +198,11 @@ impl ServerOptions {
         self.handshake_timeout
     }
 
+    /// The most sessions per connection.
+    pub fn get_max_sessions_per_connection(&self) -> usize {
+        self.max_sessions_per_connection
+    }
+
     /// The most links per session.
     pub fn get_max_links_per_session(&self) -> usize {
         self.max_links_per_session
@@ -180,6 +216,16 @@ impl ServerOptions {
     /// The largest message accepted.
     pub fn get_max_message_size(&self) -> u64 {
         self.max_message_size
+    }
+
+    /// The most bytes of sends in flight per connection.
+    pub fn get_max_bytes_in_flight(&self) -> usize {
+        self.max_bytes_in_flight
+    }
+
+    /// How long one write to a client may take.
+    pub fn get_write_timeout(&self) -> Duration {
+        self.write_timeout
     }
 
     /// The idle timeout.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use twice::Clock as _;
 use twice_servicebus::ServerOptions;
 use twice_servicebus::codec::Value;
 use twice_servicebus::frame::{self, FrameReader};
@@ -63,23 +64,7 @@ impl Raw {
         client_receives: bool,
         address: &str,
     ) -> Option<String> {
-        let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
-        let (source, target) = if client_receives {
-            (terminus(0x28, address), terminus(0x29, "me"))
-        } else {
-            (terminus(0x28, "me"), terminus(0x29, address))
-        };
-        let a = Attach {
-            name: name.into(),
-            handle,
-            role: client_receives,
-            snd_settle_mode: Some(0),
-            rcv_settle_mode: Some(0),
-            source: Some(source),
-            target: Some(target),
-            initial_delivery_count: (!client_receives).then_some(0),
-            ..Attach::default()
-        };
+        let a = crate::wire::attach_of(name, handle, client_receives, address);
         self.send(Performative::Attach(a), &[]).await;
         match self.next().await.0 {
             Performative::Attach(reply) => assert_eq!(reply.name, name),
@@ -107,7 +92,7 @@ impl Raw {
 }
 
 /// An `amqp-value` management request with an `operation` application property.
-fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
+pub(crate) fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
     let mut out = Vec::new();
     described_list(
         0x73,
@@ -308,4 +293,300 @@ async fn a_client_that_never_sends_open_is_disconnected() {
         .expect("disconnected in time")
         .unwrap_or(0);
     assert_eq!(n, 0, "nothing but the end: {rest:?}");
+}
+
+#[tokio::test]
+async fn a_disposition_over_a_huge_range_settles_what_is_in_it() {
+    let server = TestServer::start().await;
+    let (mut c, ids) = Raw::with_deliveries(server.addr, "q7", 3).await;
+    // One disposition for half the id space: only the three deliveries in it are work.
+    let all = twice_servicebus::performative::Disposition {
+        role: true,
+        first: ids[0],
+        last: Some(ids[0].wrapping_add(u32::MAX / 2)),
+        settled: false,
+        state: Some(twice_servicebus::performative::Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(all), &[]).await;
+    let mut echoed = Vec::new();
+    while echoed.len() < 3 {
+        let Performative::Disposition(d) = c.next().await.0 else { panic!("expected echoes") };
+        echoed.extend(d.first..=d.last.unwrap_or(d.first));
+    }
+    assert_eq!(echoed, ids);
+    assert_eq!(server.broker.counts("q7").await.unwrap().active, 0);
+}
+
+#[tokio::test]
+async fn begins_beyond_the_session_limit_close_the_connection_and_cost_little() {
+    let server = TestServer::start().await;
+    let s = TcpStream::connect(server.addr).await.unwrap();
+    let (r, mut w) = s.into_split();
+    let mut c_reader = FrameReader::new(r, 16 * 1024 * 1024);
+    let mut out = frame::AMQP_HEADER.to_vec();
+    let open = Open {
+        container_id: "many".into(),
+        max_frame_size: 65536,
+        channel_max: u16::MAX,
+        ..Open::default()
+    };
+    frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Open(open), &[]);
+    for ch in 0..u16::MAX {
+        let begin = Begin {
+            next_outgoing_id: 0,
+            incoming_window: 10,
+            outgoing_window: 10,
+            ..Begin::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, ch, &Performative::Begin(begin), &[]);
+    }
+    // The server may stop reading before all of it is written.
+    let writer = tokio::spawn(async move {
+        let _ = w.write_all(&out).await;
+        w
+    });
+    assert_eq!(c_reader.read_protocol_header().await.unwrap(), frame::AMQP_HEADER);
+    let mut begun = 0usize;
+    let closed = loop {
+        let f = tokio::time::timeout(crate::wire::TIMEOUT, c_reader.read_frame())
+            .await
+            .expect("the server keeps answering")
+            .expect("a frame");
+        if f.body.is_empty() {
+            continue;
+        }
+        match Performative::decode(&f.body).unwrap().0 {
+            Performative::Begin(_) => begun += 1,
+            Performative::Close(e) => break e.map(|e| e.condition),
+            Performative::Open(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(begun, ServerOptions::new().get_max_sessions_per_connection());
+    assert_eq!(closed.as_deref(), Some("amqp:connection:framing-error"));
+    drop(writer.await);
+    // Others are served as before.
+    let mut good = Raw::open(server.addr, 65536).await;
+    good.attach("s", 0, false, "q1", 0).await;
+}
+
+#[tokio::test]
+async fn an_attach_beyond_handle_max_closes_the_connection() {
+    let server = TestServer::start_with(ServerOptions::new().max_links_per_session(4), None).await;
+    let mut c = Raw::open(server.addr, 65536).await;
+    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+    let mut out = Vec::new();
+    for handle in 0..4000 {
+        let a = Attach {
+            name: format!("l{handle}"),
+            handle,
+            role: false,
+            source: Some(terminus(0x28, "me")),
+            target: Some(terminus(0x29, "q1")),
+            initial_delivery_count: Some(0),
+            ..Attach::default()
+        };
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Attach(a), &[]);
+    }
+    // The server may stop reading before all of it is written.
+    let _ = c.writer.write_all(&out).await;
+    let mut attached = 0;
+    let closed = loop {
+        match c.next().await.0 {
+            Performative::Attach(_) => attached += 1,
+            Performative::Close(e) => break e.map(|e| e.condition),
+            _ => {}
+        }
+    };
+    // Handles 0 to 3 (handle-max 3) may be answered before the close; no more.
+    assert!(attached <= 4, "{attached} attaches answered");
+    assert_eq!(closed.as_deref(), Some("amqp:connection:framing-error"));
+}
+
+#[tokio::test]
+async fn a_sender_gets_credit_back_only_as_its_sends_are_stored() {
+    let broker = twice_broker::Broker::open(
+        twice_broker::BrokerOptions::in_memory().with_config(crate::harness::standard_config()),
+    )
+    .await
+    .unwrap();
+    let (gate, closed) = tokio::sync::watch::channel(false);
+    let backend = crate::gated::Gated { inner: broker.clone(), gate: closed };
+    let options =
+        ServerOptions::new().amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0))).http_addr(None);
+    let server = twice_servicebus::Server::bind(options, backend).await.unwrap();
+    let addr = server.amqp_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async move {
+        let _ = stopped.await;
+    }));
+
+    let mut c = Raw::open(addr, 65536).await;
+    c.attach("send", 0, false, "q8", 0).await;
+    // The 1000 credits of the attach, and one transfer more, while nothing can be stored.
+    let mut out = Vec::new();
+    for id in 0..1001u32 {
+        let t = Transfer {
+            handle: 0,
+            delivery_id: Some(id),
+            delivery_tag: Some(Bytes::from(id.to_be_bytes().to_vec())),
+            message_format: Some(0),
+            ..Transfer::default()
+        };
+        let m = encode_message(&twice::Message::new("m").with_message_id(id.to_string()));
+        frame::write_frame(&mut out, frame::TYPE_AMQP, 0, &Performative::Transfer(t), &m);
+    }
+    c.writer.write_all(&out).await.unwrap();
+    let detached = loop {
+        match c.next().await.0 {
+            Performative::Detach(d) => break d.error.map(|e| e.condition),
+            Performative::Flow(f) => {
+                assert!(f.link_credit.is_none(), "no credit while nothing is stored: {f:?}")
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert_eq!(detached.as_deref(), Some("amqp:link:transfer-limit-exceeded"));
+    // Once the broker stores them, the 1000 within the credit are accepted.
+    gate.send(true).unwrap();
+    let mut accepted = 0;
+    while accepted < 1000 {
+        if let Performative::Disposition(d) = c.next().await.0 {
+            accepted += d.last.unwrap_or(d.first) - d.first + 1;
+        }
+    }
+    assert_eq!(broker.counts("q8").await.unwrap().active, 1000);
+    let _ = stop.send(());
+    let _ = running.await;
+}
+
+/// The server's count of open AMQP connections, from `/metrics`.
+async fn open_connections(http: SocketAddr) -> u64 {
+    let metrics = http_get(http, "/metrics").await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("twice_servicebus_connections "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the connections gauge")
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_disconnected() {
+    let options = ServerOptions::new().write_timeout(Duration::from_millis(200));
+    let server = TestServer::start_with(options, None).await;
+    for i in 0..100 {
+        let m = twice::Message::new(vec![b'x'; 250_000]).with_message_id(format!("big{i}"));
+        server.broker.send("q9", m).await.unwrap();
+    }
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("recv", 0, true, "q9", 0).await;
+    assert_eq!(open_connections(server.http).await, 1);
+    // Credit for 25 MB, more than the socket buffers hold, and the client never reads again.
+    c.flow(0, 0, 100, false).await;
+    let mut open = 1;
+    for _ in 0..100 {
+        open = open_connections(server.http).await;
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(open, 0, "the server gave up on the client");
+    drop(c);
+}
+
+impl Raw {
+    /// Puts a token to `$cbs` on links 0 (requests) and 1 (replies); returns the status code.
+    pub(crate) async fn put_token(&mut self, token: &str) -> i32 {
+        assert_eq!(self.try_attach("cbs-requests", 0, false, "$cbs").await, None);
+        let a = Attach {
+            name: "cbs-replies".into(),
+            handle: 1,
+            role: true,
+            source: Some(described_list(0x28, vec![Value::string("$cbs")])),
+            target: Some(described_list(0x29, vec![Value::string("me")])),
+            ..Attach::default()
+        };
+        self.send(Performative::Attach(a), &[]).await;
+        assert!(matches!(self.next().await.0, Performative::Attach(_)));
+        self.flow(1, 0, 10, false).await;
+        self.transfer(0, 0, &mgmt_request("put-token", Value::string(token)), 65536).await;
+        loop {
+            let (p, payload) = self.next().await;
+            if let Performative::Transfer(_) = p {
+                let reply = twice_servicebus::mapping::Sections::parse(&payload).unwrap();
+                let status = reply
+                    .application_properties
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some("status-code"))
+                    .and_then(|(_, v)| v.as_i64())
+                    .expect("a status code");
+                return i32::try_from(status).unwrap();
+            }
+        }
+    }
+}
+
+/// A token for `resource` signed with the server's default key, valid until `expiry`.
+fn token(resource: &str, expiry: std::time::SystemTime) -> String {
+    let secs = expiry.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    twice_servicebus::sas::sign(
+        resource,
+        "RootManageSharedAccessKey",
+        "SAS_KEY_VALUE",
+        i64::try_from(secs).unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn an_expired_token_no_longer_authorizes_its_links() {
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let mut c = Raw::anonymous(server.addr).await;
+    let status = c.put_token(&token("sb://localhost/q10", now + Duration::from_secs(60))).await;
+    assert_eq!(status, 202);
+    assert_eq!(c.try_attach("s", 2, false, "q10").await, None, "authorized while the token holds");
+    c.send_messages(2, 1).await;
+    // The token expires and is not renewed.
+    server.clock.advance(Duration::from_secs(120));
+    let m = encode_message(&twice::Message::new("late").with_message_id("late"));
+    c.transfer(2, 1, &m, 65536).await;
+    let error = loop {
+        if let Performative::Detach(d) = c.next().await.0 {
+            break d.error.map(|e| e.condition);
+        }
+    };
+    assert_eq!(error.as_deref(), Some("amqp:unauthorized-access"));
+    assert_eq!(server.broker.counts("q10").await.unwrap().active, 1, "only the first send");
+}
+
+#[tokio::test]
+async fn a_token_for_another_host_is_refused() {
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let mut c = Raw::anonymous(server.addr).await;
+    let forged = token("sb://another-namespace.example.com/q11", now + Duration::from_secs(600));
+    assert_eq!(c.put_token(&forged).await, 401);
+    let refused = c.try_attach("s", 2, false, "q11").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+}
+
+#[tokio::test]
+async fn a_key_with_only_the_send_claim_cannot_receive_or_manage() {
+    let mut keys = twice_servicebus::sas::Keys::emulator_default();
+    let send_only = twice_servicebus::sas::Claims::parse("Send").unwrap();
+    keys.insert_with_claims("sender", "sender-key", send_only);
+    let server = TestServer::start_with(ServerOptions::new().keys(keys), None).await;
+    server.broker.send("q14", twice::Message::new("kept").with_message_id("k")).await.unwrap();
+    let now = server.clock.now().as_millis() / 1000;
+    let token =
+        twice_servicebus::sas::sign("sb://localhost/q14", "sender", "sender-key", now + 600);
+    let mut c = Raw::anonymous(server.addr).await;
+    assert_eq!(c.put_token(&token).await, 202);
+    assert_eq!(c.try_attach("s", 2, false, "q14").await, None, "sending is allowed");
+    let refused = c.try_attach("r", 3, true, "q14").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"), "receiving is not");
+    assert_eq!(server.broker.counts("q14").await.unwrap().active, 1);
 }

@@ -6,6 +6,8 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // reason: small test counts
 
 mod fuzz;
+mod fuzz_conn;
+mod gated;
 mod harness;
 mod hostile;
 mod js_sdk;

@@ -132,22 +132,10 @@ impl Raw {
         address: &str,
         snd_settle_mode: u8,
     ) {
-        let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
-        let (source, target) = if client_receives {
-            (terminus(0x28, address), terminus(0x29, "me"))
-        } else {
-            (terminus(0x28, "me"), terminus(0x29, address))
-        };
         let a = Attach {
-            name: name.into(),
-            handle,
-            role: client_receives,
             snd_settle_mode: Some(snd_settle_mode),
             rcv_settle_mode: Some(if client_receives { 1 } else { 0 }),
-            source: Some(source),
-            target: Some(target),
-            initial_delivery_count: (!client_receives).then_some(0),
-            ..Attach::default()
+            ..attach_of(name, handle, client_receives, address)
         };
         self.send(Performative::Attach(a), &[]).await;
         match self.next().await.0 {
@@ -201,6 +189,27 @@ impl Raw {
             };
             self.send(Performative::Transfer(t), c).await;
         }
+    }
+}
+
+/// An attach of a link to or from `address` (the other terminus is "me").
+pub(crate) fn attach_of(name: &str, handle: u32, client_receives: bool, address: &str) -> Attach {
+    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
+    let (source, target) = if client_receives {
+        (terminus(0x28, address), terminus(0x29, "me"))
+    } else {
+        (terminus(0x28, "me"), terminus(0x29, address))
+    };
+    Attach {
+        name: name.into(),
+        handle,
+        role: client_receives,
+        snd_settle_mode: Some(0),
+        rcv_settle_mode: Some(0),
+        source: Some(source),
+        target: Some(target),
+        initial_delivery_count: (!client_receives).then_some(0),
+        ..Attach::default()
     }
 }
 
@@ -416,6 +425,18 @@ impl Raw {
         assert_eq!(accepted, n);
     }
 
+    /// A client that sent `n` messages to `queue` on link 0 and holds them, unsettled, on
+    /// receiver link 1; returns it with their delivery ids.
+    pub(crate) async fn with_deliveries(addr: SocketAddr, queue: &str, n: u32) -> (Self, Vec<u32>) {
+        let mut c = Raw::open(addr, 65536).await;
+        c.attach("send", 0, false, queue, 0).await;
+        c.send_messages(0, n).await;
+        c.attach("recv", 1, true, queue, 0).await;
+        c.flow(1, 0, n, false).await;
+        let ids = c.transfers(n as usize).await;
+        (c, ids)
+    }
+
     /// Reads `n` complete single-frame transfers; returns their delivery ids.
     pub(crate) async fn transfers(&mut self, n: usize) -> Vec<u32> {
         let mut ids = Vec::new();
@@ -453,42 +474,6 @@ async fn a_connection_over_the_limit_is_closed_with_resource_limit_exceeded() {
     assert_eq!(second.closed_with().await.as_deref(), Some("amqp:resource-limit-exceeded"));
     // The connection within the limit is unaffected.
     first.attach("s", 0, false, "q1", 0).await;
-}
-
-#[tokio::test]
-async fn an_attach_over_the_links_per_session_limit_is_refused() {
-    let server = TestServer::start_with(ServerOptions::new().max_links_per_session(2), None).await;
-    let mut c = Raw::open(server.addr, 65536).await;
-    c.attach("a", 0, false, "q1", 0).await;
-    c.attach("b", 1, false, "q1", 0).await;
-    let terminus = |code, addr: &str| described_list(code, vec![Value::string(addr)]);
-    let third = Attach {
-        name: "c".into(),
-        handle: 2,
-        role: false,
-        source: Some(terminus(0x28, "me")),
-        target: Some(terminus(0x29, "q1")),
-        initial_delivery_count: Some(0),
-        ..Attach::default()
-    };
-    c.send(Performative::Attach(third), &[]).await;
-    match c.next().await.0 {
-        Performative::Attach(reply) => {
-            assert_eq!(reply.name, "c");
-            assert!(reply.target.is_none(), "a refused sender link gets a null target");
-        }
-        other => panic!("expected attach, got {other:?}"),
-    }
-    match c.next().await.0 {
-        Performative::Detach(d) => {
-            assert!(d.closed);
-            assert_eq!(d.error.unwrap().condition, "amqp:resource-limit-exceeded");
-        }
-        other => panic!("expected detach, got {other:?}"),
-    }
-    // The two links within the limit still take messages.
-    c.transfer(0, 0, &encode_message(&twice::Message::new("x")), 65536).await;
-    assert!(matches!(c.next().await.0, Performative::Disposition(_)));
 }
 
 #[tokio::test]
@@ -567,12 +552,7 @@ async fn transfers_wait_for_the_clients_session_window() {
 #[tokio::test]
 async fn settlements_are_applied_and_echoed_in_ranges() {
     let server = TestServer::start().await;
-    let mut c = Raw::open(server.addr, 65536).await;
-    c.attach("send", 0, false, "q6", 0).await;
-    c.send_messages(0, 20).await;
-    c.attach("recv", 1, true, "q6", 0).await;
-    c.flow(1, 0, 20, false).await;
-    let ids = c.transfers(20).await;
+    let (mut c, ids) = Raw::with_deliveries(server.addr, "q6", 20).await;
     let all = Disposition {
         role: true,
         first: ids[0],
