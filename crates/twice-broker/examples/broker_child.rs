@@ -11,6 +11,15 @@
 //!
 //! `broker_child reopen <dir>`: opens the directory, prints `active <n>`, `rss_kib <n>` and
 //! `elapsed_ms <n>`.
+//!
+//! `broker_child no-fds <dir>`: opens a broker with 4 KiB segments, then opens files until the
+//! process has no file descriptor left, then sends 300 messages of 512 bytes (enough to fill
+//! many segments) and receives and completes them all (reading bodies back from disk). Prints
+//! `sent <n>`, `completed <n>` and `health <Healthy|...>`, or the first error.
+//!
+//! `broker_child no-space <dir>`: sends messages of 1 KiB until a send fails (run it with a
+//! file size limit), printing `acked <id>` for each acknowledged one, then `health <...>` and
+//! whether a later send was refused (`late send refused`).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -45,6 +54,75 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
     match arg(1)?.as_str() {
+        "no-fds" => {
+            let options = BrokerOptions::durable(arg(2)?).with_segment_size(4096);
+            let broker = Broker::open(options).await?;
+            broker.create_queue("q", QueueProperties::default()).await?;
+            // Every descriptor the process may open is taken: from now on, only what the
+            // broker reserved is there.
+            let mut held = Vec::new();
+            while let Ok(f) = std::fs::File::open("/dev/null") {
+                held.push(f);
+            }
+            let mut sent = 0;
+            for i in 0..300 {
+                let m = Message::new(vec![b'x'; 512]).with_message_id(format!("m{i}"));
+                if let Err(e) = broker.send("q", m).await {
+                    println!("send failed: {e}");
+                    break;
+                }
+                sent += 1;
+            }
+            println!("sent {sent}");
+            let mut completed = 0;
+            while completed < sent {
+                match broker.receive("q", 50, Duration::ZERO).await {
+                    Ok(got) if got.is_empty() => break,
+                    Ok(got) => {
+                        for m in got {
+                            let Some(t) = m.lock_token else { continue };
+                            if let Err(e) = broker.complete(t).await {
+                                println!("complete failed: {e}");
+                                break;
+                            }
+                            completed += 1;
+                        }
+                    }
+                    Err(e) => {
+                        println!("receive failed: {e}");
+                        break;
+                    }
+                }
+            }
+            println!("completed {completed}");
+            println!("health {:?}", broker.health());
+            drop(held);
+            broker.shutdown().await;
+        }
+        "no-space" => {
+            let broker = open_queue(&arg(2)?, "q").await?;
+            for i in 0.. {
+                let id = format!("m{i}");
+                let m = Message::new(vec![b'x'; 1024]).with_message_id(id.as_str());
+                if broker.send("q", m).await.is_err() {
+                    break;
+                }
+                println!("acked {id}");
+            }
+            let health = broker.health();
+            println!(
+                "health {}",
+                if matches!(health, twice_broker::Health::StorageFailed(_)) {
+                    "StorageFailed"
+                } else {
+                    "other"
+                }
+            );
+            if broker.send("q", Message::new("late").with_message_id("late")).await.is_err() {
+                println!("late send refused");
+            }
+            broker.shutdown().await;
+        }
         "load" => {
             let broker = open_queue(&arg(2)?, "load").await?;
             let senders: usize = arg(3)?.parse()?;
