@@ -20,6 +20,11 @@
 //! `broker_child no-space <dir>`: sends messages of 1 KiB until a send fails (run it with a
 //! file size limit), printing `acked <id>` for each acknowledged one, then `health <...>` and
 //! whether a later send was refused (`late send refused`).
+//!
+//! `broker_child amplification <dir> <backlog MiB> <message KiB> <rounds>`: queues a backlog of
+//! that many MiB in messages of that size in queue `backlog` (never consumed), then sends,
+//! receives and completes `rounds` messages of the same size in queue `work`, and prints the
+//! bytes sent and written during the rounds and their ratio (the write amplification).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -121,6 +126,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             if broker.send("q", Message::new("late").with_message_id("late")).await.is_err() {
                 println!("late send refused");
             }
+            broker.shutdown().await;
+        }
+        "amplification" => {
+            let broker = open_queue(&arg(2)?, "backlog").await?;
+            broker.create_queue("work", QueueProperties::default()).await?;
+            let backlog_mib: usize = arg(3)?.parse()?;
+            let size = arg(4)?.parse::<usize>()? * 1024;
+            let rounds: usize = arg(5)?.parse()?;
+            let backlog = (backlog_mib << 20) / size;
+            for n in 0..backlog {
+                let m = Message::new(vec![b'b'; size]).with_message_id(format!("b{n}"));
+                broker.send("backlog", m).await?;
+            }
+            let before = broker.storage_statistics().await?;
+            let watch = Stopwatch::start();
+            for n in 0..rounds {
+                let m = Message::new(vec![b'w'; size]).with_message_id(format!("w{n}"));
+                broker.send("work", m).await?;
+                for got in broker.receive("work", 1, Duration::from_secs(1)).await? {
+                    if let Some(t) = got.lock_token {
+                        broker.complete(t).await?;
+                    }
+                }
+            }
+            let after = broker.storage_statistics().await?;
+            let sent = (rounds * size) as u64;
+            let written = after.bytes_written - before.bytes_written;
+            println!("backlog_messages {backlog}");
+            println!("bytes_sent {sent}");
+            println!("bytes_written {written}");
+            println!("amplification {:.2}", written as f64 / sent as f64);
+            println!("segments {}", after.segments);
+            println!("elapsed_ms {}", watch.elapsed().as_millis());
             broker.shutdown().await;
         }
         "load" => {
