@@ -3,7 +3,8 @@
 //! `broker_child load <dir> <senders> <prefix>`: sends to queue `load` from concurrent senders
 //! until killed, printing `<message id> <sequence number>` for every acknowledged send (ids
 //! start with `prefix`). A receiver completes the messages of sender 0, printing
-//! `completed <message id>` for every acknowledged completion, and abandons the others. With
+//! `completing <message id>` before and `completed <message id>` after every acknowledged
+//! completion, and abandons the others. With
 //! `TWICE_CHILD_RELAXED=1` the broker runs with relaxed delivery counts.
 //!
 //! `broker_child fill <dir> <count>`: queues `count` messages of 1 KiB, then prints
@@ -195,6 +196,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     for m in got {
                         let Some(t) = m.lock_token else { continue };
                         if m.message_id().as_str().contains("-s0-") {
+                            // Said before the call: a kill between the acknowledgement and
+                            // the line below leaves a message gone that the parent would
+                            // otherwise count as lost.
+                            {
+                                let mut out =
+                                    out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let _ = writeln!(out, "completing {}", m.message_id());
+                                let _ = out.flush();
+                            }
                             if receiver.complete(t).await.is_ok() {
                                 let mut out =
                                     out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
