@@ -3,7 +3,8 @@
 //! `broker_child load <dir> <senders> <prefix>`: sends to queue `load` from concurrent senders
 //! until killed, printing `<message id> <sequence number>` for every acknowledged send (ids
 //! start with `prefix`). A receiver completes the messages of sender 0, printing
-//! `completed <message id>` for every acknowledged completion, and abandons the others. With
+//! `completing <message id>` before and `completed <message id>` after every acknowledged
+//! completion, and abandons the others. With
 //! `TWICE_CHILD_RELAXED=1` the broker runs with relaxed delivery counts.
 //!
 //! `broker_child fill <dir> <count>`: queues `count` messages of 1 KiB, then prints
@@ -11,6 +12,20 @@
 //!
 //! `broker_child reopen <dir>`: opens the directory, prints `active <n>`, `rss_kib <n>` and
 //! `elapsed_ms <n>`.
+//!
+//! `broker_child no-fds <dir>`: opens a broker with 4 KiB segments, then opens files until the
+//! process has no file descriptor left, then sends 300 messages of 512 bytes (enough to fill
+//! many segments) and receives and completes them all (reading bodies back from disk). Prints
+//! `sent <n>`, `completed <n>` and `health <Healthy|...>`, or the first error.
+//!
+//! `broker_child no-space <dir>`: sends messages of 1 KiB until a send fails (run it with a
+//! file size limit), printing `acked <id>` for each acknowledged one, then `health <...>` and
+//! whether a later send was refused (`late send refused`).
+//!
+//! `broker_child amplification <dir> <backlog MiB> <message KiB> <rounds>`: queues a backlog of
+//! that many MiB in messages of that size in queue `backlog` (never consumed), then sends,
+//! receives and completes `rounds` messages of the same size in queue `work`, and prints the
+//! bytes sent and written during the rounds and their ratio (the write amplification).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -45,6 +60,108 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
     match arg(1)?.as_str() {
+        "no-fds" => {
+            let options = BrokerOptions::durable(arg(2)?).with_segment_size(4096);
+            let broker = Broker::open(options).await?;
+            broker.create_queue("q", QueueProperties::default()).await?;
+            // Every descriptor the process may open is taken: from now on, only what the
+            // broker reserved is there.
+            let mut held = Vec::new();
+            while let Ok(f) = std::fs::File::open("/dev/null") {
+                held.push(f);
+            }
+            let mut sent = 0;
+            for i in 0..300 {
+                let m = Message::new(vec![b'x'; 512]).with_message_id(format!("m{i}"));
+                if let Err(e) = broker.send("q", m).await {
+                    println!("send failed: {e}");
+                    break;
+                }
+                sent += 1;
+            }
+            println!("sent {sent}");
+            let mut completed = 0;
+            while completed < sent {
+                match broker.receive("q", 50, Duration::ZERO).await {
+                    Ok(got) if got.is_empty() => break,
+                    Ok(got) => {
+                        for m in got {
+                            let Some(t) = m.lock_token else { continue };
+                            if let Err(e) = broker.complete(t).await {
+                                println!("complete failed: {e}");
+                                break;
+                            }
+                            completed += 1;
+                        }
+                    }
+                    Err(e) => {
+                        println!("receive failed: {e}");
+                        break;
+                    }
+                }
+            }
+            println!("completed {completed}");
+            println!("health {:?}", broker.health());
+            drop(held);
+            broker.shutdown().await;
+        }
+        "no-space" => {
+            let broker = open_queue(&arg(2)?, "q").await?;
+            for i in 0.. {
+                let id = format!("m{i}");
+                let m = Message::new(vec![b'x'; 1024]).with_message_id(id.as_str());
+                if broker.send("q", m).await.is_err() {
+                    break;
+                }
+                println!("acked {id}");
+            }
+            let health = broker.health();
+            println!(
+                "health {}",
+                if matches!(health, twice_broker::Health::StorageFailed(_)) {
+                    "StorageFailed"
+                } else {
+                    "other"
+                }
+            );
+            if broker.send("q", Message::new("late").with_message_id("late")).await.is_err() {
+                println!("late send refused");
+            }
+            broker.shutdown().await;
+        }
+        "amplification" => {
+            let broker = open_queue(&arg(2)?, "backlog").await?;
+            broker.create_queue("work", QueueProperties::default()).await?;
+            let backlog_mib: usize = arg(3)?.parse()?;
+            let size = arg(4)?.parse::<usize>()? * 1024;
+            let rounds: usize = arg(5)?.parse()?;
+            let backlog = (backlog_mib << 20) / size;
+            for n in 0..backlog {
+                let m = Message::new(vec![b'b'; size]).with_message_id(format!("b{n}"));
+                broker.send("backlog", m).await?;
+            }
+            let before = broker.storage_statistics().await?;
+            let watch = Stopwatch::start();
+            for n in 0..rounds {
+                let m = Message::new(vec![b'w'; size]).with_message_id(format!("w{n}"));
+                broker.send("work", m).await?;
+                for got in broker.receive("work", 1, Duration::from_secs(1)).await? {
+                    if let Some(t) = got.lock_token {
+                        broker.complete(t).await?;
+                    }
+                }
+            }
+            let after = broker.storage_statistics().await?;
+            let sent = (rounds * size) as u64;
+            let written = after.bytes_written - before.bytes_written;
+            println!("backlog_messages {backlog}");
+            println!("bytes_sent {sent}");
+            println!("bytes_written {written}");
+            println!("amplification {:.2}", written as f64 / sent as f64);
+            println!("segments {}", after.segments);
+            println!("elapsed_ms {}", watch.elapsed().as_millis());
+            broker.shutdown().await;
+        }
         "load" => {
             let broker = open_queue(&arg(2)?, "load").await?;
             let senders: usize = arg(3)?.parse()?;
@@ -79,6 +196,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     for m in got {
                         let Some(t) = m.lock_token else { continue };
                         if m.message_id().as_str().contains("-s0-") {
+                            // Said before the call: a kill between the acknowledgement and
+                            // the line below leaves a message gone that the parent would
+                            // otherwise count as lost.
+                            {
+                                let mut out =
+                                    out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                                let _ = writeln!(out, "completing {}", m.message_id());
+                                let _ = out.flush();
+                            }
                             if receiver.complete(t).await.is_ok() {
                                 let mut out =
                                     out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

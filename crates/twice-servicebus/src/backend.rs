@@ -275,6 +275,11 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// Counts for every entity.
     fn stats(&self) -> impl Future<Output = Vec<EntityStats>> + Send;
 
+    /// Whether the backend can serve; the reason when it cannot (its storage failed).
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Sends messages (scheduled ones carry `scheduled_enqueue_time`); returns their sequence
     /// numbers (for a topic, one per message as the topic numbered it).
     fn send(

@@ -123,6 +123,14 @@ async fn take_deferred(
 impl Backend for Broker {
     type Session = BrokerSession;
 
+    fn health(&self) -> Result<(), String> {
+        match Broker::health(self) {
+            twice_broker::Health::Healthy => Ok(()),
+            twice_broker::Health::StorageFailed(e) => Err(format!("storage failed: {e}")),
+            other => Err(format!("{other:?}")),
+        }
+    }
+
     async fn entity(&self, path: &str) -> Option<EntityKind> {
         if let Some(parent) = crate::address::dead_letter_parent(path) {
             return self.entity_info(parent).await.ok().map(|_| EntityKind::DeadLetter);

@@ -1,4 +1,4 @@
-//! The bodies of the HTTP side port: Prometheus text and the entity list.
+//! The bodies of the HTTP side port: health, Prometheus text and the entity list.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -9,6 +9,18 @@ use crate::server::Shared;
 
 fn label(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// `/health`: 200 while the backend serves, 503 with the reason once it cannot (a broker
+/// whose storage failed acknowledges nothing until it is restarted).
+pub(crate) fn health(state: Result<(), String>) -> (&'static str, String) {
+    match state {
+        Ok(()) => ("200 OK", r#"{"status":"healthy"}"#.to_owned()),
+        Err(reason) => (
+            "503 Service Unavailable",
+            serde_json::json!({ "status": "unhealthy", "reason": reason }).to_string(),
+        ),
+    }
 }
 
 /// `/metrics`: gauges per entity and state, counters per entity and operation, connections.
@@ -93,6 +105,16 @@ pub(crate) async fn entities_json<B: Backend>(shared: &Shared<B>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn health_is_503_with_the_reason_once_storage_failed() {
+        assert_eq!(super::health(Ok(())), ("200 OK", r#"{"status":"healthy"}"#.to_owned()));
+        let (status, body) = super::health(Err("storage failed: No space left".to_owned()));
+        assert_eq!(status, "503 Service Unavailable");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["status"], "unhealthy");
+        assert_eq!(v["reason"], "storage failed: No space left");
+    }
 
     #[test]
     fn renders_prometheus_text() {

@@ -234,7 +234,10 @@ async fn http_request<B: Backend>(
     let method = parts.next().unwrap_or("");
     let path = parts.next().unwrap_or("").split('?').next().unwrap_or("");
     let (status, content_type, body) = match (method, path) {
-        ("GET", "/health") => ("200 OK", "application/json", r#"{"status":"healthy"}"#.to_owned()),
+        ("GET", "/health") => {
+            let (status, body) = crate::http::health(shared.backend.health());
+            (status, "application/json", body)
+        }
         ("GET", "/metrics") => {
             ("200 OK", "text/plain; version=0.0.4", crate::http::metrics_text(shared).await)
         }

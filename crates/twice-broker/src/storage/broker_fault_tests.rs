@@ -69,12 +69,7 @@ async fn broker_case(seed: u64) -> Result<(), String> {
     let broker = start(&fs, segment_size, relaxed).map_err(|e| e.to_string())?;
     broker.create_queue("q", QueueProperties::default()).await.map_err(|e| e.to_string())?;
 
-    let failure = match rng.below(5) {
-        0 => Some(Failure::NoSpaceOnWrite),
-        1 => Some(Failure::IoErrorOnWrite),
-        2 => Some(Failure::IoErrorOnSync),
-        _ => None,
-    };
+    let failure = Failure::random(&mut rng, 2);
     let at = 1 + rng.below(250);
     // A kill lands at a random operation, or at the n-th of a kind, so that rolls (create,
     // rename), compaction's deletions (remove) and recovery's cuts get their share.
@@ -146,12 +141,7 @@ async fn broker_case(seed: u64) -> Result<(), String> {
     fs.kill();
     broker.shutdown().await;
     drop(broker);
-    let crash = match rng.below(4) {
-        0 => Crash::Kill,
-        1 => Crash::PowerLossDropAll,
-        2 => Crash::PowerLossPrefix,
-        _ => Crash::PowerLossPages,
-    };
+    let crash = Crash::random(&mut rng);
     let fs2 = fs.crash(crash);
     let ctx = |e: &dyn std::fmt::Display| {
         format!(

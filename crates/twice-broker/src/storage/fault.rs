@@ -91,6 +91,30 @@ pub(crate) enum Crash {
     PowerLossPages,
 }
 
+impl Crash {
+    /// One of the four, at random.
+    pub(crate) fn random(rng: &mut Rng) -> Crash {
+        match rng.below(4) {
+            0 => Crash::Kill,
+            1 => Crash::PowerLossDropAll,
+            2 => Crash::PowerLossPrefix,
+            _ => Crash::PowerLossPages,
+        }
+    }
+}
+
+impl Failure {
+    /// One of the three, or (one time in `1 + none`) none: a kill is planned instead.
+    pub(crate) fn random(rng: &mut Rng, none: u64) -> Option<Failure> {
+        match rng.below(3 + none) {
+            0 => Some(Failure::NoSpaceOnWrite),
+            1 => Some(Failure::IoErrorOnWrite),
+            2 => Some(Failure::IoErrorOnSync),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Change {
     Write { offset: u64, data: Vec<u8> },

@@ -97,12 +97,7 @@ fn log_case(seed: u64) -> Result<(), String> {
     if replay.count() != 0 {
         return Err("a new log replays records".into());
     }
-    let failure = match rng.below(4) {
-        0 => Some(Failure::NoSpaceOnWrite),
-        1 => Some(Failure::IoErrorOnWrite),
-        2 => Some(Failure::IoErrorOnSync),
-        _ => None,
-    };
+    let failure = Failure::random(&mut rng, 1);
     let at = 1 + rng.below(200);
     fs.plan(match failure {
         Some(f) => Plan { fail_from: Some((at, f)), ..Plan::default() },
@@ -163,12 +158,7 @@ fn log_case(seed: u64) -> Result<(), String> {
     note_kill(&fs);
     fs.kill();
     drop(log);
-    let crash = match rng.below(4) {
-        0 => Crash::Kill,
-        1 => Crash::PowerLossDropAll,
-        2 => Crash::PowerLossPrefix,
-        _ => Crash::PowerLossPages,
-    };
+    let crash = Crash::random(&mut rng);
     let fs2 = fs.crash(crash);
     let ctx = |e: &dyn std::fmt::Display| {
         format!(

@@ -79,7 +79,7 @@ pub(crate) enum StorageError {
     #[error("the data directory {0} is already in use")]
     Locked(PathBuf),
     /// A segment was written by a newer or unknown format version.
-    #[error("log segment {segment} has format version {version}; this build reads version 1")]
+    #[error("log segment {segment} has format version {version}; this build reads version 2")]
     UnsupportedVersion {
         /// The segment id.
         segment: u64,
@@ -766,7 +766,7 @@ fn create_segment(
         .and_then(|()| file.sync())
         .and_then(|()| dir_handle.sync())
         .map_err(io)?;
-    Ok(Recovered { file, salt, len: HEADER_LEN, last_seq: first_seq - 1 })
+    Ok(Recovered { file, salt, len: HEADER_LEN, last_seq: first_seq.saturating_sub(1) })
 }
 
 /// Validates the newest segment, truncating a torn tail, and returns it open for writing.
@@ -822,10 +822,9 @@ fn recover_last(
     // What recovery kept may have been written but never synced (after a crash of the process
     // alone): it is made durable before any new commit can claim it was.
     file.sync().map_err(io_err(&path))?;
-    let last_seq = scan
-        .last_seq()
-        .unwrap_or(scan.header.first_seq - 1)
-        .max(scan.header.first_seq.saturating_sub(1));
+    // New commits number on from the last one here, and never below what the header allows.
+    let floor = scan.header.first_seq.saturating_sub(1);
+    let last_seq = scan.last_seq().unwrap_or(floor).max(floor);
     Ok(Recovered { file, salt: scan.header.salt, len: valid_end, last_seq })
 }
 

@@ -5,6 +5,7 @@
 mod amplification;
 mod corruption;
 mod crash;
+mod descriptors;
 mod durability;
 mod management;
 mod memory;
