@@ -187,6 +187,10 @@ struct Inner {
     consumer: jetstream::consumer::PullConsumer,
     /// The task that moves messages JetStream stopped delivering to the dead-letter stream.
     rescuer: Option<tokio::task::AbortHandle>,
+    /// The newest delivery count this transport has seen of each stream sequence it holds: a
+    /// delivery older than that has lost its lock, whatever the clocks say. A std Mutex: a map
+    /// operation, never held across an await.
+    newest: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
 }
 
 impl Drop for Inner {
@@ -347,6 +351,7 @@ impl NatsTransport {
                 context,
                 consumer,
                 rescuer,
+                newest: std::sync::Mutex::default(),
             }),
         })
     }
@@ -472,6 +477,7 @@ impl NatsTransport {
             });
             return None;
         }
+        self.newest().insert(raw_sequence(&message), delivered);
         let until = now + self.inner.options.lock_duration;
         message.lock_token = Some(twice::LockToken::random());
         message.locked_until = Some(until);
@@ -510,10 +516,24 @@ impl NatsTransport {
         raw.double_ack_with(AckKind::Term).await.map_err(|e| other("terminating", e))
     }
 
+    fn newest(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, u32>> {
+        self.inner.newest.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn take(&self, delivery: &NatsDelivery) -> Result<(), TransportError> {
         let now = self.inner.options.clock.now();
         if now.as_millis() >= delivery.locked_until.load(Ordering::SeqCst) {
             return Err(TransportError::LockLost);
+        }
+        let sequence = raw_sequence(&delivery.message);
+        {
+            let mut newest = self.newest();
+            // The server may deliver again a moment before this transport's deadline (it
+            // started AckWait when it sent): a newer delivery here means this one is stale.
+            if newest.get(&sequence).is_some_and(|n| *n > delivery.message.delivery_count) {
+                return Err(TransportError::LockLost);
+            }
+            newest.remove(&sequence);
         }
         delivery
             .settled
@@ -557,6 +577,11 @@ impl NatsTransport {
         }
         Ok(out)
     }
+}
+
+/// The stream sequence of a received message.
+fn raw_sequence(m: &ReceivedMessage) -> u64 {
+    u64::try_from(m.sequence_number.get()).unwrap_or_default()
 }
 
 impl Transport for NatsTransport {
