@@ -4,7 +4,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream;
 use twice::{Message, MessageId, ReceivedMessage, SequenceNumber, SessionId, Timestamp, Value};
 
-pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
+const MSG_ID: &str = "Nats-Msg-Id";
 const SESSION_ID: &str = "Twice-Session-Id";
 const CORRELATION_ID: &str = "Twice-Correlation-Id";
 const SUBJECT: &str = "Twice-Subject";
@@ -48,12 +48,14 @@ fn text(v: &Value) -> String {
 /// The headers of `message`, with `extra` added.
 pub(crate) fn to_headers(message: &Message, extra: &[(&str, String)]) -> HeaderMap {
     let mut h = HeaderMap::new();
+    if let Some(id) = &message.message_id {
+        h.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+    }
     for (name, value) in &message.application_properties {
         h.insert(name.as_str(), text(value).as_str());
     }
     let ttl = message.time_to_live.map(|d| d.as_millis().to_string());
     let fields = [
-        (MSG_ID, message.message_id.as_ref().map(MessageId::as_str)),
         (SESSION_ID, message.session_id.as_ref().map(SessionId::as_str)),
         (CORRELATION_ID, message.correlation_id.as_deref()),
         (SUBJECT, message.subject.as_deref()),

@@ -37,9 +37,16 @@
 //! MaxDeliveryCount is never handed to a handler: the transport publishes it to the
 //! dead-letter stream with the reason [`MAX_DELIVERY_COUNT_EXCEEDED`] and terminates it. So the
 //! message moves when the delivery after the last allowed one happens, as Service Bus moves it
-//! when the count would exceed the limit. Should that move fail for good (the process dies
-//! between the publish and the `+TERM`), JetStream stops redelivering at `MaxDeliver` and the
-//! message stays in the stream, and the copy in the dead-letter stream may be there already.
+//! when the count would exceed the limit.
+//!
+//! Should that move not happen (the process died between the delivery and the `+TERM`),
+//! JetStream stops redelivering at `MaxDeliver` and publishes a `MAX_DELIVERIES` advisory. A
+//! connected transport listens for these advisories and moves the message itself: it reads it
+//! from the stream by sequence, publishes it to the dead-letter stream with the same reason, and
+//! deletes it from the stream. The dead-letter copy's `Nats-Msg-Id` is the original's stream
+//! and sequence, so a message moved twice is stored once. An advisory sent while no transport
+//! is connected is lost (advisories are core NATS messages), and its message stays in the
+//! stream until someone moves it.
 //!
 //! # The lock
 //!
@@ -66,6 +73,7 @@
 //! deliveries taken before it can still be settled while their `AckWait` lasts.
 
 mod convert;
+mod rescue;
 
 use std::fmt;
 use std::sync::Arc;
@@ -177,6 +185,20 @@ struct Inner {
     dead_letter_subject: Option<String>,
     context: jetstream::Context,
     consumer: jetstream::consumer::PullConsumer,
+    /// The task that moves messages JetStream stopped delivering to the dead-letter stream.
+    rescuer: Option<tokio::task::AbortHandle>,
+    /// The newest delivery count this transport has seen of each stream sequence it holds: a
+    /// delivery older than that has lost its lock, whatever the clocks say. A std Mutex: a map
+    /// operation, never held across an await.
+    newest: std::sync::Mutex<std::collections::HashMap<u64, u32>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(task) = &self.rescuer {
+            task.abort();
+        }
+    }
 }
 
 /// A [`Transport`] on one JetStream stream and its durable pull consumer. Cheap to clone.
@@ -218,7 +240,10 @@ impl Delivery for NatsDelivery {
     }
 }
 
-fn other<E: Into<Box<dyn std::error::Error + Send + Sync>>>(what: &str, e: E) -> TransportError {
+pub(crate) fn other<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+    what: &str,
+    e: E,
+) -> TransportError {
     let source = e.into();
     TransportError::Other {
         message: format!("{what}: {source}"),
@@ -261,7 +286,7 @@ impl NatsTransport {
             .connect(options.url.as_str())
             .await
             .map_err(|e| other("connecting to NATS", e))?;
-        let context = jetstream::new(client);
+        let context = jetstream::new(client.clone());
         let subject = options.subject_name();
         let dead_letter_subject = (!is_dead_letter).then(|| format!("{subject}.dead-letter"));
         let create = |name: String, subject: String, retention| stream::Config {
@@ -305,6 +330,13 @@ impl NatsTransport {
             )
             .await
             .map_err(|e| other("creating the consumer", e))?;
+        let rescuer = match (&dead_letter_subject, options.max_delivery_count) {
+            (Some(dl), Some(_)) => Some(
+                rescue::start(&client, context.clone(), &options.stream, &options.consumer, dl)
+                    .await?,
+            ),
+            _ => None,
+        };
         let mut info = EntityInfo::new(options.stream.clone());
         info.lock_duration = options.lock_duration;
         info.max_delivery_count = options.max_delivery_count;
@@ -318,6 +350,8 @@ impl NatsTransport {
                 dead_letter_subject,
                 context,
                 consumer,
+                rescuer,
+                newest: std::sync::Mutex::default(),
             }),
         })
     }
@@ -443,6 +477,7 @@ impl NatsTransport {
             });
             return None;
         }
+        self.newest().insert(raw_sequence(&message), delivered);
         let until = now + self.inner.options.lock_duration;
         message.lock_token = Some(twice::LockToken::random());
         message.locked_until = Some(until);
@@ -481,10 +516,24 @@ impl NatsTransport {
         raw.double_ack_with(AckKind::Term).await.map_err(|e| other("terminating", e))
     }
 
+    fn newest(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, u32>> {
+        self.inner.newest.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn take(&self, delivery: &NatsDelivery) -> Result<(), TransportError> {
         let now = self.inner.options.clock.now();
         if now.as_millis() >= delivery.locked_until.load(Ordering::SeqCst) {
             return Err(TransportError::LockLost);
+        }
+        let sequence = raw_sequence(&delivery.message);
+        {
+            let mut newest = self.newest();
+            // The server may deliver again a moment before this transport's deadline (it
+            // started AckWait when it sent): a newer delivery here means this one is stale.
+            if newest.get(&sequence).is_some_and(|n| *n > delivery.message.delivery_count) {
+                return Err(TransportError::LockLost);
+            }
+            newest.remove(&sequence);
         }
         delivery
             .settled
@@ -528,6 +577,11 @@ impl NatsTransport {
         }
         Ok(out)
     }
+}
+
+/// The stream sequence of a received message.
+fn raw_sequence(m: &ReceivedMessage) -> u64 {
+    u64::try_from(m.sequence_number.get()).unwrap_or_default()
 }
 
 impl Transport for NatsTransport {

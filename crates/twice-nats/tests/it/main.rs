@@ -201,3 +201,36 @@ async fn after_the_connection_is_cut_the_client_reconnects_and_settles() {
     assert_eq!(n.message().message_id().as_str(), "n");
     t.complete(&n).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_message_jetstream_stopped_delivering_is_moved_to_the_dead_letter_stream() {
+    let Some((s, t)) = stream(|o| o.max_delivery_count(Some(1))).await else { return };
+    t.send(Message::new("x").with_message_id("m")).await.unwrap();
+    // Another client on the same consumer takes both deliveries MaxDeliver allows and never
+    // settles them, as a process that died before it could would.
+    let client = async_nats::connect(NATS_URL).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let consumer: async_nats::jetstream::consumer::PullConsumer =
+        js.get_stream(s.name()).await.unwrap().get_consumer("twice").await.unwrap();
+    for _ in 0..2 {
+        let mut batch = consumer
+            .batch()
+            .max_messages(1)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await
+            .unwrap();
+        let m = futures::StreamExt::next(&mut batch).await.expect("a delivery").unwrap();
+        m.ack_with(async_nats::jetstream::AckKind::Nak(None)).await.unwrap();
+    }
+    // A further pull makes the server try again and give up with the advisory.
+    let mut batch =
+        consumer.batch().max_messages(1).expires(Duration::from_secs(1)).messages().await.unwrap();
+    while futures::StreamExt::next(&mut batch).await.is_some() {}
+    let dlq = t.dead_letter_receiver().await.unwrap();
+    let d = receive_one(&dlq).await;
+    assert_eq!(d.message().message_id().as_str(), "m");
+    assert_eq!(d.message().dead_letter_reason.as_deref(), Some("MaxDeliveryCountExceeded"));
+    dlq.complete(&d).await.unwrap();
+    assert_eq!(t.message_count().await.unwrap(), 0, "it was deleted from the stream");
+}

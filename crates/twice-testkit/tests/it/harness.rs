@@ -89,25 +89,43 @@ impl Harness for Embedded {
     }
 }
 
-/// RabbitMQ on 127.0.0.1:5672, through a proxy the kit can cut.
-pub(crate) struct RabbitMq;
-
-pub(crate) struct RabbitMqEntity {
-    transport: Arc<RabbitMqTransport>,
-    dead_letters: RabbitMqTransport,
-    proxy: Proxy,
-    _queue: TestQueue,
+/// A transport on a server, with its own client's send.
+pub(crate) trait ServerTransport: twice::Transport {
+    fn send_message(
+        &self,
+        message: Message,
+    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send;
 }
 
-impl Entity for RabbitMqEntity {
-    type Transport = RabbitMqTransport;
+impl ServerTransport for RabbitMqTransport {
+    async fn send_message(&self, message: Message) -> Result<(), TransportError> {
+        self.send(message).await.map(|_| ())
+    }
+}
 
-    fn transport(&self) -> &Arc<RabbitMqTransport> {
+impl ServerTransport for NatsTransport {
+    async fn send_message(&self, message: Message) -> Result<(), TransportError> {
+        self.send(message).await.map(|_| ())
+    }
+}
+
+/// An entity on a server, reached through a proxy the kit can cut; `G` deletes it on drop.
+pub(crate) struct ServerEntity<T, G> {
+    transport: Arc<T>,
+    dead_letters: T,
+    proxy: Proxy,
+    _guard: G,
+}
+
+impl<T: ServerTransport, G: Send + Sync + 'static> Entity for ServerEntity<T, G> {
+    type Transport = T;
+
+    fn transport(&self) -> &Arc<T> {
         &self.transport
     }
 
     async fn send(&self, message: Message) -> Result<(), TransportError> {
-        self.transport.send(message).await.map(|_| ())
+        self.transport.send_message(message).await
     }
 
     async fn take_dead_letters(&self) -> Result<Vec<ReceivedMessage>, TransportError> {
@@ -120,14 +138,17 @@ impl Entity for RabbitMqEntity {
     }
 }
 
+/// RabbitMQ on 127.0.0.1:5672, through a proxy the kit can cut.
+pub(crate) struct RabbitMq;
+
 impl Harness for RabbitMq {
-    type Entity = RabbitMqEntity;
+    type Entity = ServerEntity<RabbitMqTransport, TestQueue>;
 
     fn name(&self) -> &'static str {
         "RabbitMQ (twice-rabbitmq)"
     }
 
-    async fn create(&self, s: EntitySettings) -> Option<RabbitMqEntity> {
+    async fn create(&self, s: EntitySettings) -> Option<Self::Entity> {
         let proxy = require_service("RabbitMQ", Proxy::start("127.0.0.1:5672").await)?;
         let queue = TestQueue::new("twice-kit");
         let url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
@@ -137,49 +158,21 @@ impl Harness for RabbitMq {
             .max_delivery_count(Some(s.max_delivery_count));
         let transport = require_service("RabbitMQ", RabbitMqTransport::connect(options).await)?;
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter queue");
-        Some(RabbitMqEntity { transport: Arc::new(transport), dead_letters, proxy, _queue: queue })
+        Some(ServerEntity { transport: Arc::new(transport), dead_letters, proxy, _guard: queue })
     }
 }
 
 /// NATS JetStream on 127.0.0.1:4222, through a proxy the kit can cut.
 pub(crate) struct Nats;
 
-pub(crate) struct NatsEntity {
-    transport: Arc<NatsTransport>,
-    dead_letters: NatsTransport,
-    proxy: Proxy,
-    _stream: TestStream,
-}
-
-impl Entity for NatsEntity {
-    type Transport = NatsTransport;
-
-    fn transport(&self) -> &Arc<NatsTransport> {
-        &self.transport
-    }
-
-    async fn send(&self, message: Message) -> Result<(), TransportError> {
-        self.transport.send(message).await.map(|_| ())
-    }
-
-    async fn take_dead_letters(&self) -> Result<Vec<ReceivedMessage>, TransportError> {
-        drain(&self.dead_letters).await
-    }
-
-    fn interrupt(&self) -> bool {
-        self.proxy.cut();
-        true
-    }
-}
-
 impl Harness for Nats {
-    type Entity = NatsEntity;
+    type Entity = ServerEntity<NatsTransport, TestStream>;
 
     fn name(&self) -> &'static str {
         "NATS JetStream (twice-nats)"
     }
 
-    async fn create(&self, s: EntitySettings) -> Option<NatsEntity> {
+    async fn create(&self, s: EntitySettings) -> Option<Self::Entity> {
         let proxy = require_service("NATS", Proxy::start("127.0.0.1:4222").await)?;
         let stream = TestStream::new("TWICE_KIT");
         let url = format!("nats://{}", proxy.addr());
@@ -193,6 +186,6 @@ impl Harness for Nats {
             .duplicate_window(window);
         let transport = require_service("NATS", NatsTransport::connect(options).await)?;
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter stream");
-        Some(NatsEntity { transport: Arc::new(transport), dead_letters, proxy, _stream: stream })
+        Some(ServerEntity { transport: Arc::new(transport), dead_letters, proxy, _guard: stream })
     }
 }
