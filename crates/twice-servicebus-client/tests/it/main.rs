@@ -1,0 +1,4 @@
+//! The Service Bus client against `twice serve`.
+
+mod client;
+mod harness;
