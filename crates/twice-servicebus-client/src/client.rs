@@ -305,18 +305,24 @@ impl Conn {
                 }
             }
         };
-        let props = vec![
-            (Value::string("operation"), Value::string("put-token")),
-            (Value::string("type"), Value::string(token.token_type().as_cbs_type())),
-            (Value::string("name"), Value::string(audience)),
-            (Value::string("expiration"), Value::Timestamp(token.expires_at().as_millis())),
-        ];
+        let props = put_token_properties(&token, audience);
         let reply = rpc
             .request(props, Value::string(token.token()), inner.options.operation_timeout)
             .await?;
         reply.ok("put-token")?;
         Ok(token.expires_at())
     }
+}
+
+/// The application properties of a `$cbs` put-token request: the token's type tells the
+/// service how to read it (a shared access signature, or an Entra ID `jwt`).
+fn put_token_properties(token: &crate::token::AccessToken, audience: &str) -> Vec<(Value, Value)> {
+    vec![
+        (Value::string("operation"), Value::string("put-token")),
+        (Value::string("type"), Value::string(token.token_type().as_cbs_type())),
+        (Value::string("name"), Value::string(audience)),
+        (Value::string("expiration"), Value::Timestamp(token.expires_at().as_millis())),
+    ]
 }
 
 /// Puts a fresh token before the old one expires, for as long as the connection lives.
@@ -565,5 +571,47 @@ impl Management {
         let reply =
             rpc.request(props, body, inner.options.operation_timeout).await?.ok(operation)?;
         Ok(reply.body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::{AccessToken, TokenType};
+
+    fn prop<'a>(props: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+        props.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+    }
+
+    /// An Entra ID token goes to `$cbs` as type `jwt`, a SAS token as the SAS type; both name
+    /// the audience and carry the expiry as a timestamp (what the SDKs send, research §4).
+    #[test]
+    fn put_token_names_the_token_type() {
+        let at = Timestamp::from_millis(1_700_000_000_000);
+        let jwt = AccessToken::new("eyJ0eXAi", TokenType::Jwt, at);
+        let props = put_token_properties(&jwt, "sb://ns.servicebus.windows.net/orders");
+        assert_eq!(prop(&props, "operation"), Some(&Value::string("put-token")));
+        assert_eq!(prop(&props, "type"), Some(&Value::string("jwt")));
+        assert_eq!(
+            prop(&props, "name"),
+            Some(&Value::string("sb://ns.servicebus.windows.net/orders"))
+        );
+        assert_eq!(prop(&props, "expiration"), Some(&Value::Timestamp(1_700_000_000_000)));
+        let sas =
+            AccessToken::new("SharedAccessSignature sr=x", TokenType::SharedAccessSignature, at);
+        let props = put_token_properties(&sas, "sb://h/q");
+        assert_eq!(prop(&props, "type"), Some(&Value::string("servicebus.windows.net:sastoken")));
+    }
+
+    #[test]
+    fn backoff_grows_with_jitter_and_a_cap() {
+        let r = RetryOptions::default();
+        for failures in 1..30 {
+            let exp =
+                r.initial_backoff.saturating_mul(1 << (failures - 1).min(20)).min(r.max_backoff);
+            let d = r.backoff(failures);
+            assert!(d >= exp / 2 && d <= exp, "{failures}: {d:?} outside [{:?}, {exp:?}]", exp / 2);
+        }
+        assert!(r.backoff(40) <= r.max_backoff);
     }
 }

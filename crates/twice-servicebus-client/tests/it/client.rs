@@ -253,3 +253,68 @@ async fn after_a_restart_old_locks_are_lost_and_the_client_reconnects() {
     let after = receiver.receive_messages(1, WAIT).await.unwrap().pop().unwrap();
     assert_eq!(body(&after), "after");
 }
+
+/// Counts the tokens a client asks for.
+#[derive(Debug)]
+struct Counting {
+    inner: twice_servicebus_client::SasKeyProvider,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl twice_servicebus_client::TokenProvider for Counting {
+    fn token<'a>(
+        &'a self,
+        audience: &'a str,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<
+                        twice_servicebus_client::AccessToken,
+                        twice_servicebus_client::Error,
+                    >,
+                > + Send
+                + 'a,
+        >,
+    > {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.token(audience)
+    }
+}
+
+#[tokio::test]
+async fn tokens_are_put_again_before_they_expire() {
+    let s = Serve::start().await;
+    let clock = twice::SharedClock::from(s.clock.clone());
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let provider = Counting {
+        inner: twice_servicebus_client::SasKeyProvider::new(
+            "RootManageSharedAccessKey",
+            "SAS_KEY_VALUE",
+        )
+        .clock(clock.clone()),
+        calls: calls.clone(),
+    };
+    let options =
+        twice_servicebus_client::ClientOptions::from_connection_string(&s.connection_string)
+            .unwrap()
+            .token_provider(provider)
+            .clock(clock);
+    let client = twice_servicebus_client::ServiceBusClient::new(options);
+    let sender = client.sender("q");
+    sender.send_message(Message::new("one")).await.unwrap();
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    for expected in [2, 3] {
+        // Past the point 5 minutes before the hour-long token expires.
+        s.clock.advance(Duration::from_secs(56 * 60));
+        let waited = tokio::time::timeout(WAIT, async {
+            while calls.load(std::sync::atomic::Ordering::SeqCst) < expected {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "no refresh number {expected}");
+    }
+    // The connection is the same one, still authorized.
+    sender.send_message(Message::new("two")).await.unwrap();
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 3);
+}

@@ -1,0 +1,99 @@
+//! The idempotent processor over the client against `twice serve`, with the inbox in
+//! PostgreSQL: the seed's shipping handler, every order sent twice.
+
+use std::time::Duration;
+
+use twice::{Context, Message, Outcome, Processor, ProcessorOptions, json_fn};
+use twice_servicebus_client::{ReceiverOptions, StableIdSender};
+use twice_sqlx::{InboxOptions, SqlxInbox};
+use twice_testkit::db::PgDatabase;
+use twice_testkit::require_service;
+
+use crate::harness::Serve;
+
+#[derive(serde::Deserialize)]
+struct OrderPlaced {
+    order_id: i64,
+}
+
+const ORDERS: i64 = 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_ships_each_order_once_over_the_client_with_a_postgres_inbox() {
+    let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
+        return;
+    };
+    let pool = db.pool(8).await.expect("pool");
+    sqlx::query("CREATE TABLE shipments (order_id BIGINT NOT NULL)").execute(&pool).await.unwrap();
+    sqlx::query("CREATE UNIQUE INDEX shipments_order_id ON shipments (order_id)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox =
+        SqlxInbox::new(pool.clone(), InboxOptions::new().business_key("shipments_order_id"))
+            .await
+            .unwrap();
+    let handler = json_fn(
+        |_ctx: Context<'_>,
+         order: OrderPlaced,
+         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+                    .bind(order.order_id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Outcome::Complete)
+            })
+        },
+    );
+
+    let s = Serve::start().await;
+    let client = s.client();
+    // Every order twice with the same id, as a sender that retried a send would: the queue
+    // has no duplicate detection, so the inbox must catch the copy.
+    let sender = StableIdSender::new(client.sender("q"));
+    for order in 0..ORDERS {
+        for _ in 0..2 {
+            let body = format!(r#"{{"order_id":{order}}}"#);
+            sender
+                .send(&format!("order-{order}"), "OrderPlaced", Message::new(body))
+                .await
+                .unwrap();
+        }
+    }
+
+    let calls = 4;
+    let receiver = client.receiver("q", ReceiverOptions::new().max_concurrent_calls(calls));
+    let processor = Processor::new(
+        receiver,
+        inbox,
+        handler,
+        ProcessorOptions::new().consumer("shipping").max_concurrent_calls(calls),
+    );
+    let counters = processor.counters();
+    let done = {
+        let counters = counters.clone();
+        async move {
+            while counters.snapshot().completed < u64::try_from(2 * ORDERS).unwrap() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // A bound, so that a hang fails the test instead of the run.
+    tokio::time::timeout(Duration::from_secs(120), processor.run(done))
+        .await
+        .expect("the processor settled every copy")
+        .unwrap();
+
+    let shipped: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM shipments").fetch_one(&pool).await.unwrap();
+    assert_eq!(shipped, ORDERS);
+    let c = counters.snapshot();
+    assert_eq!(
+        c.duplicates_already_processed + c.duplicates_concurrent_copy,
+        u64::try_from(ORDERS).unwrap()
+    );
+    // Every copy was completed on the broker: nothing is left to receive.
+    let check = client.receiver("q", ReceiverOptions::new());
+    assert!(check.receive_messages(1, Duration::from_millis(300)).await.unwrap().is_empty());
+}
