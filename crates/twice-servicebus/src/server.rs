@@ -107,8 +107,10 @@ impl<B: Backend> Server<B> {
         let opts = &self.shared.options;
         let (name, key) =
             opts.keys.first().unwrap_or(("RootManageSharedAccessKey", "SAS_KEY_VALUE"));
+        // Over TLS the string names no emulator, so clients use TLS (on the given port).
+        let emulator = if opts.tls.is_some() { "" } else { "UseDevelopmentEmulator=true;" };
         format!(
-            "Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey={key};UseDevelopmentEmulator=true;",
+            "Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey={key};{emulator}",
             opts.hostname,
             self.amqp_addr().port()
         )
@@ -182,7 +184,20 @@ impl<B: Backend> Server<B> {
                     let stop = stop_rx.clone();
                     tasks.spawn(async move {
                         shared.metrics.connection_opened();
-                        crate::connection::serve(stream, shared.clone(), stop).await;
+                        match shared.options.tls.clone() {
+                            None => crate::connection::serve(stream, shared.clone(), stop).await,
+                            Some(tls) => {
+                                // The TLS handshake is bounded like the AMQP one after it.
+                                let accept = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
+                                match tokio::time::timeout(Duration::from_secs(10), accept).await {
+                                    Ok(Ok(tls)) => {
+                                        crate::connection::serve(tls, shared.clone(), stop).await;
+                                    }
+                                    Ok(Err(e)) => tracing::debug!(error = %e, "tls handshake failed"),
+                                    Err(_) => tracing::debug!("tls handshake timed out"),
+                                }
+                            }
+                        }
                         shared.metrics.connection_closed();
                         drop(permit);
                     });

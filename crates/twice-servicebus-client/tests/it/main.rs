@@ -3,3 +3,4 @@
 mod client;
 mod harness;
 mod processor;
+mod tls;
