@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use twice::{Context, Message, Outcome, Processor, ProcessorOptions, json_fn};
+use twice::{
+    Context, Message, Outcome, Processor, ProcessorOptions, SessionProcessor,
+    SessionProcessorOptions, json_fn,
+};
 use twice_servicebus_client::{ReceiverOptions, StableIdSender};
 use twice_sqlx::{InboxOptions, SqlxInbox};
 use twice_testkit::db::PgDatabase;
@@ -96,4 +99,87 @@ async fn the_processor_ships_each_order_once_over_the_client_with_a_postgres_inb
     // Every copy was completed on the broker: nothing is left to receive.
     let check = client.receiver("q", ReceiverOptions::new());
     assert!(check.receive_messages(1, Duration::from_millis(300)).await.unwrap().is_empty());
+}
+
+#[derive(serde::Deserialize)]
+struct Step {
+    customer: String,
+    step: i64,
+}
+
+/// Sessions through the client: each customer's steps are handled in order, once each, the
+/// copy of a step skipped by the inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_processor_keeps_each_session_in_order_over_the_client() {
+    let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
+        return;
+    };
+    let pool = db.pool(8).await.expect("pool");
+    sqlx::query("CREATE TABLE steps (n BIGSERIAL PRIMARY KEY, customer TEXT NOT NULL, step BIGINT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new()).await.unwrap();
+    let handler = json_fn(
+        |_ctx: Context<'_>, s: Step, tx: &mut sqlx::Transaction<'static, sqlx::Postgres>| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO steps (customer, step) VALUES ($1, $2)")
+                    .bind(s.customer)
+                    .bind(s.step)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Outcome::Complete)
+            })
+        },
+    );
+    let s = Serve::start().await;
+    let client = s.client();
+    let sender = StableIdSender::new(client.sender("sess"));
+    let customers = ["c1", "c2", "c3"];
+    let steps = 4;
+    for step in 0..steps {
+        for c in customers {
+            let body = format!(r#"{{"customer":"{c}","step":{step}}}"#);
+            let m = Message::new(body).with_session_id(c);
+            sender.send(c, &format!("Step{step}"), m.clone()).await.unwrap();
+            if step == 1 {
+                // A resent step: the same id again.
+                sender.send(c, &format!("Step{step}"), m).await.unwrap();
+            }
+        }
+    }
+    let total = u64::try_from(customers.len() * (steps + 1)).unwrap();
+    let sessions = client.session_receiver("sess", ReceiverOptions::new().prefetch(4));
+    let p = SessionProcessor::new(
+        sessions,
+        inbox,
+        handler,
+        SessionProcessorOptions::new()
+            .consumer("steps")
+            .max_concurrent_sessions(2)
+            // A finished session is let go soon, so the third customer's gets its turn.
+            .session_idle_timeout(Duration::from_millis(500))
+            .max_wait(Duration::from_secs(2)),
+    )
+    .on_error(|e| eprintln!("processor error: {e}"));
+    let counters = p.counters();
+    let done = {
+        let counters = counters.clone();
+        async move {
+            while counters.snapshot().completed < total {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let run = tokio::time::timeout(Duration::from_secs(60), p.run(done)).await;
+    assert!(run.is_ok(), "the processor did not settle every message: {:?}", counters.snapshot());
+    for c in customers {
+        let seen: Vec<i64> =
+            sqlx::query_scalar("SELECT step FROM steps WHERE customer = $1 ORDER BY n")
+                .bind(c)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(seen, (0..i64::try_from(steps).unwrap()).collect::<Vec<_>>(), "{c}");
+    }
 }
