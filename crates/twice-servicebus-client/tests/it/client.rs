@@ -318,3 +318,36 @@ async fn tokens_are_put_again_before_they_expire() {
     sender.send_message(Message::new("two")).await.unwrap();
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 3);
 }
+
+#[tokio::test]
+async fn while_the_server_is_down_calls_fail_as_transient_and_then_recover() {
+    let mut s = Serve::start().await;
+    let options =
+        twice_servicebus_client::ClientOptions::from_connection_string(&s.connection_string)
+            .unwrap()
+            .retry(twice_servicebus_client::RetryOptions {
+                initial_backoff: Duration::from_millis(10),
+                max_backoff: Duration::from_millis(50),
+            });
+    let client = twice_servicebus_client::ServiceBusClient::new(options);
+    let sender = client.sender("q");
+    let receiver = client.receiver("q", ReceiverOptions::new());
+    sender.send_message(Message::new("before")).await.unwrap();
+    s.pause().await;
+    for _ in 0..3 {
+        let err = sender.send_message(Message::new("lost")).await.unwrap_err();
+        assert!(err.is_transient(), "{err}");
+        let err = receiver.receive_messages(1, BRIEF).await.unwrap_err();
+        assert!(matches!(
+            twice::TransportError::from(err),
+            twice::TransportError::Other { transient: true, .. }
+        ));
+    }
+    s.resume().await;
+    sender.send_message(Message::new("after")).await.unwrap();
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        got.extend(receiver.receive_messages(2, WAIT).await.unwrap());
+    }
+    assert_eq!(got.iter().map(body).collect::<Vec<_>>(), ["before", "after"]);
+}

@@ -77,6 +77,22 @@ impl Serve {
         }));
     }
 
+    /// Stops serving: every connection is closed and new ones are refused until
+    /// [`Serve::resume`].
+    pub(crate) async fn pause(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+
+    /// Serves again on the same port and broker.
+    pub(crate) async fn resume(&mut self) {
+        self.listen().await;
+    }
+
     /// Stops serving (closing every connection) and serves again on the same port and broker:
     /// what a client sees of a broker restart or a network cut.
     pub(crate) async fn restart(&mut self) {
