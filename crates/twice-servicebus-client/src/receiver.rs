@@ -876,32 +876,30 @@ impl twice::Transport for SessionClient {
         Err(TransportError::Unsupported("receive without a session on a session entity"))
     }
 
+    // Settling through the entity (not the session) is what the receiver does; a message of a
+    // session is settled through its `SessionReceiver`.
     async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.receiver.complete_message(d).await?)
+        twice::Transport::complete(&self.receiver, d).await
     }
 
-    async fn abandon(
-        &self,
-        d: &ServiceBusDelivery,
-        properties: Properties,
-    ) -> Result<(), TransportError> {
-        Ok(self.receiver.abandon_message(d, properties).await?)
+    async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
+        twice::Transport::abandon(&self.receiver, d, p).await
     }
 
     async fn dead_letter(
         &self,
         d: &ServiceBusDelivery,
-        reason: DeadLetterReason,
+        r: DeadLetterReason,
     ) -> Result<(), TransportError> {
-        Ok(self.receiver.dead_letter_message(d, reason).await?)
+        twice::Transport::dead_letter(&self.receiver, d, r).await
     }
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.receiver.defer_message(d).await?)
+        twice::Transport::defer(&self.receiver, d).await
     }
 
     async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.receiver.shared.settle(d, Settle::Release, None).await?)
+        twice::Transport::release(&self.receiver, d).await
     }
 
     async fn renew_lock(&self, _d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
