@@ -34,7 +34,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let watch = Stopwatch::start();
     let mut done = 0;
     while done < n {
-        let batch = receiver.receive_messages(usize::try_from(credit)?, Duration::from_secs(5)).await?;
+        let batch =
+            receiver.receive_messages(usize::try_from(credit)?, Duration::from_secs(5)).await?;
         if batch.is_empty() {
             break;
         }

@@ -183,3 +183,75 @@ async fn the_session_processor_keeps_each_session_in_order_over_the_client() {
         assert_eq!(seen, (0..i64::try_from(steps).unwrap()).collect::<Vec<_>>(), "{c}");
     }
 }
+
+/// The broker's connections are cut while the processor works: the client reconnects, the
+/// settlements of the cut links fail with lock-lost, the messages come back when their locks
+/// expire, and the inbox makes sure each order is still shipped once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processor_ships_each_order_once_across_a_broker_restart() {
+    let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
+        return;
+    };
+    let pool = db.pool(8).await.expect("pool");
+    // No unique index: a second shipment of an order would show as a second row.
+    sqlx::query("CREATE TABLE shipments (order_id BIGINT NOT NULL)").execute(&pool).await.unwrap();
+    let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new()).await.unwrap();
+    let handler = json_fn(
+        |_ctx: Context<'_>,
+         order: OrderPlaced,
+         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+                    .bind(order.order_id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Outcome::Complete)
+            })
+        },
+    );
+    let mut s = Serve::start().await;
+    let client = s.client();
+    let sender = StableIdSender::new(client.sender("q"));
+    let orders = 30;
+    for order in 0..orders {
+        let body = format!(r#"{{"order_id":{order}}}"#);
+        sender.send(&format!("order-{order}"), "OrderPlaced", Message::new(body)).await.unwrap();
+    }
+    let receiver = client.receiver("q", ReceiverOptions::new().max_concurrent_calls(4));
+    let processor = Processor::new(
+        receiver,
+        inbox,
+        handler,
+        ProcessorOptions::new().consumer("shipping").max_concurrent_calls(4),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(processor.run(async move {
+        let _ = stopped.await;
+    }));
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+    };
+    let bound = tokio::time::timeout(Duration::from_secs(60), async {
+        while count("SELECT COUNT(*) FROM shipments").await < 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        s.restart().await;
+        // The locks of the cut links expire; their messages come back.
+        s.clock.advance(Duration::from_secs(31));
+        loop {
+            let left = s.broker.counts("q").await.unwrap().active;
+            if left == 0 && count("SELECT COUNT(DISTINCT order_id) FROM shipments").await == orders
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    assert!(bound.is_ok(), "not every order was shipped and completed");
+    assert_eq!(count("SELECT COUNT(*) FROM shipments").await, orders, "an order shipped twice");
+    assert_eq!(s.broker.counts("q").await.unwrap().dead_letter, 0);
+}
