@@ -258,6 +258,7 @@ impl Engine {
             next_link_id: 1,
             sends: HashMap::new(),
             disposes: HashMap::new(),
+            sessions_lost: VecDeque::new(),
         };
         tokio::spawn(async move {
             actor.run(cmd_rx, frames_rx, beat).await;
@@ -381,6 +382,9 @@ struct Actor {
     sends: HashMap<u32, (u32, Reply<Outcome>)>,
     /// Our settlements waiting for the peer's echo, by the peer's delivery id.
     disposes: HashMap<u32, (u32, Reply<Outcome>)>,
+    /// Links the peer detached with a session-lock-lost error, by link id, so a later
+    /// settlement of one of their messages says that the session lock is gone.
+    sessions_lost: VecDeque<u64>,
 }
 
 /// Why the engine stopped.
@@ -488,7 +492,9 @@ impl Actor {
             }
             Cmd::Dispose { handle, id, delivery_id, outcome, reply } => {
                 if !self.links.get(&handle).is_some_and(|l| l.id == id && !l.detach_sent) {
-                    let _ = reply.send(Err(lock_lost()));
+                    let e =
+                        if self.sessions_lost.contains(&id) { session_lost() } else { lock_lost() };
+                    let _ = reply.send(Err(e));
                     return Ok(());
                 }
                 let d = Disposition {
@@ -660,6 +666,13 @@ impl Actor {
         let session_lost = error
             .as_ref()
             .is_some_and(|e| e.condition == crate::error::condition::SESSION_LOCK_LOST);
+        if session_lost {
+            // A short memory is enough: settlements follow the detach closely.
+            if self.sessions_lost.len() >= 64 {
+                self.sessions_lost.pop_front();
+            }
+            self.sessions_lost.push_back(l.id);
+        }
         let sends: Vec<u32> =
             self.sends.iter().filter(|(_, (h, _))| *h == handle).map(|(id, _)| *id).collect();
         for id in sends {
@@ -823,6 +836,13 @@ fn link_gone() -> Error {
     Error::Amqp {
         condition: crate::error::condition::DETACH_FORCED.into(),
         description: Some("the link was detached".into()),
+    }
+}
+
+fn session_lost() -> Error {
+    Error::Amqp {
+        condition: crate::error::condition::SESSION_LOCK_LOST.into(),
+        description: Some("the session link was detached: its lock is gone".into()),
     }
 }
 

@@ -351,3 +351,20 @@ async fn while_the_server_is_down_calls_fail_as_transient_and_then_recover() {
     }
     assert_eq!(got.iter().map(body).collect::<Vec<_>>(), ["before", "after"]);
 }
+
+#[tokio::test]
+async fn settling_after_the_session_lock_expired_fails_with_session_lock_lost() {
+    let s = Serve::start().await;
+    let client = s.client();
+    client.sender("sess").send_message(Message::new("x").with_session_id("s1")).await.unwrap();
+    let sessions = client.session_receiver("sess", ReceiverOptions::new());
+    let session = sessions.accept_next_session(WAIT).await.unwrap().expect("a session");
+    let d = session.receive_messages(1, WAIT).await.unwrap().pop().unwrap();
+    // Past the 30 s session lock: the server detaches the session's link.
+    s.clock.advance(Duration::from_secs(31));
+    let err = session.receive_messages(1, WAIT).await.unwrap_err();
+    assert!(err.is_session_lock_lost(), "{err}");
+    let err = session.complete_message(&d).await.unwrap_err();
+    assert!(err.is_session_lock_lost(), "{err}");
+    assert!(matches!(twice::TransportError::from(err), twice::TransportError::SessionLockLost));
+}
