@@ -368,3 +368,26 @@ async fn settling_after_the_session_lock_expired_fails_with_session_lock_lost() 
     assert!(err.is_session_lock_lost(), "{err}");
     assert!(matches!(twice::TransportError::from(err), twice::TransportError::SessionLockLost));
 }
+
+#[tokio::test]
+async fn a_message_larger_than_a_frame_is_split_and_arrives_whole() {
+    // The smallest frame AMQP allows: a 20 KB message takes dozens of transfer frames.
+    let s = Serve::start_with(twice_servicebus::ServerOptions::new().max_frame_size(512)).await;
+    let client = s.client();
+    let big: String =
+        (0..20_000).map(|i| char::from(b'a' + u8::try_from(i % 26).unwrap())).collect();
+    client.sender("q").send_message(Message::new(big.clone())).await.unwrap();
+    client
+        .sender("q")
+        .send_batch(vec![Message::new(big.clone()), Message::new("small")])
+        .await
+        .unwrap();
+    let receiver = client.receiver("q", ReceiverOptions::new().prefetch(5));
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.extend(receiver.receive_messages(5, WAIT).await.unwrap());
+    }
+    assert_eq!(body(&got[0]), big);
+    assert_eq!(body(&got[1]), big);
+    assert_eq!(body(&got[2]), "small");
+}
