@@ -51,6 +51,8 @@ pub enum MessageError {
 pub struct Sections {
     /// `header` fields.
     pub header: Vec<Value>,
+    /// `delivery-annotations` entries (the broker's lock token travels here).
+    pub delivery_annotations: Vec<(Value, Value)>,
     /// `message-annotations` entries.
     pub message_annotations: Vec<(Value, Value)>,
     /// `properties` fields.
@@ -74,7 +76,10 @@ impl Sections {
                 section::HEADER => {
                     s.header = inner.as_seq().ok_or(MessageError::BadSection)?.to_vec()
                 }
-                section::DELIVERY_ANNOTATIONS | section::FOOTER => {}
+                section::DELIVERY_ANNOTATIONS => {
+                    s.delivery_annotations = map_entries(inner)?;
+                }
+                section::FOOTER => {}
                 section::MESSAGE_ANNOTATIONS => {
                     s.message_annotations = map_entries(inner)?;
                 }
@@ -165,6 +170,64 @@ fn id_string(v: &Value) -> Option<String> {
         Value::Binary(b) => Some(b.iter().map(|x| format!("{x:02x}")).collect()),
         _ => None,
     }
+}
+
+/// Decodes a message as a broker delivers it (on a receiver link, or inside a `$management`
+/// reply): the sent message plus the broker's header and annotations (research §8.2). The
+/// lock token is taken from the `x-opt-lock-token` delivery annotation; a receiver that has
+/// the delivery tag should prefer [`lock_token_of_tag`].
+pub fn decode_received(payload: &[u8]) -> Result<ReceivedMessage, MessageError> {
+    let s = Sections::parse(payload)?;
+    let annotation = |key: &str| s.annotation(key);
+    let seq = annotation("x-opt-sequence-number").and_then(Value::as_i64).unwrap_or(0);
+    let enqueued = match annotation("x-opt-enqueued-time") {
+        Some(Value::Timestamp(t)) => *t,
+        _ => 0,
+    };
+    let mut r = ReceivedMessage::new(
+        s.to_message(),
+        twice::SequenceNumber::new(seq),
+        Timestamp::from_millis(enqueued),
+    );
+    if let Some(Value::Timestamp(t)) = annotation("x-opt-locked-until") {
+        r.locked_until = Some(Timestamp::from_millis(*t));
+    }
+    if let Some(Value::Timestamp(t)) = s.prop(8) {
+        r.expires_at = Some(Timestamp::from_millis(*t));
+    }
+    // The wire counts earlier deliveries; twice counts this one too.
+    let wire_count = s.header.get(4).and_then(Value::as_i64).unwrap_or(0);
+    r.delivery_count = u32::try_from(wire_count).unwrap_or(0).saturating_add(1);
+    r.state = match annotation("x-opt-message-state").and_then(Value::as_i64) {
+        Some(1) => MessageState::Deferred,
+        Some(2) => MessageState::Scheduled,
+        _ => MessageState::Active,
+    };
+    r.dead_letter_source = annotation("x-opt-deadletter-source").and_then(text);
+    let app = |key: &str| {
+        s.application_properties
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .and_then(|(_, v)| text(v))
+    };
+    r.dead_letter_reason = app("DeadLetterReason");
+    r.dead_letter_error_description = app("DeadLetterErrorDescription");
+    r.lock_token = s
+        .delivery_annotations
+        .iter()
+        .find(|(k, _)| k.as_str() == Some("x-opt-lock-token"))
+        .and_then(|(_, v)| match v {
+            Value::Uuid(u) => Some(twice::LockToken::from_uuid(*u)),
+            _ => None,
+        });
+    Ok(r)
+}
+
+/// The lock token a delivery tag carries: Service Bus tags a locked delivery with the 16
+/// bytes of its lock token in .NET's GUID byte order.
+pub fn lock_token_of_tag(tag: &[u8]) -> Option<twice::LockToken> {
+    let bytes: [u8; 16] = tag.try_into().ok()?;
+    Some(twice::LockToken::from_uuid(uuid::Uuid::from_bytes_le(bytes)))
 }
 
 /// Splits a payload into messages: one, or for the batch format each `data` section's message.
@@ -463,6 +526,32 @@ mod tests {
         let back = Sections::parse(&bytes).unwrap().to_message();
         assert_eq!(back.message_id.unwrap().as_str(), "m");
         assert_eq!(&back.body[..], b"x");
+    }
+
+    #[test]
+    fn a_received_message_decodes_back_with_the_broker_fields() {
+        let mut r = ReceivedMessage::new(
+            Message::new("x").with_message_id("m").with_session_id("s"),
+            SequenceNumber::new(42),
+            Timestamp::from_millis(1000),
+        );
+        let token = LockToken::random();
+        r.lock_token = Some(token);
+        r.locked_until = Some(Timestamp::from_millis(2000));
+        r.delivery_count = 3;
+        r.state = MessageState::Deferred;
+        r.dead_letter_reason = Some("Poison".into());
+        let back = decode_received(&encode_received(&r, Presentation::Locked)).unwrap();
+        assert_eq!(back.sequence_number, SequenceNumber::new(42));
+        assert_eq!(back.enqueued_time, Timestamp::from_millis(1000));
+        assert_eq!(back.lock_token, Some(token));
+        assert_eq!(back.locked_until, Some(Timestamp::from_millis(2000)));
+        assert_eq!(back.delivery_count, 3);
+        assert_eq!(back.state, MessageState::Deferred);
+        assert_eq!(back.dead_letter_reason.as_deref(), Some("Poison"));
+        assert_eq!(back.message.session_id, r.message.session_id);
+        assert_eq!(lock_token_of_tag(&token.as_uuid().to_bytes_le()), Some(token));
+        assert_eq!(lock_token_of_tag(b"short"), None);
     }
 
     #[test]

@@ -63,6 +63,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 5000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_unsettled_per_link: u32,
+    /// Serve amqps (TLS, as Azure does on port 5671) with this certificate chain (PEM); needs
+    /// --tls-key. The printed connection string then leaves out UseDevelopmentEmulator, so
+    /// clients use TLS.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 fn parse_key(s: &str) -> Result<(String, String, Claims), String> {
@@ -143,13 +151,24 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .max_frame_size(args.max_frame_size)
         .max_links_per_session(usize::try_from(args.max_links_per_session).unwrap_or(usize::MAX))
         .max_unsettled_per_link(args.max_unsettled_per_link);
+    let server_options = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let read =
+                |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+            server_options
+                .tls_pem(&read(cert)?, &read(key)?)
+                .context("loading the TLS certificate")?
+        }
+        _ => server_options,
+    };
     let server = Server::bind(server_options, broker.clone()).await?;
     let storage = if args.in_memory {
         "in memory (nothing is kept)".to_owned()
     } else {
         format!("durable in {}", args.data_dir.display())
     };
-    println!("twice serve: Service Bus over AMQP 1.0 on {}, {storage}", server.amqp_addr());
+    let scheme = if args.tls_cert.is_some() { "amqps (TLS)" } else { "AMQP 1.0" };
+    println!("twice serve: Service Bus over {scheme} on {}, {storage}", server.amqp_addr());
     if let Some(http) = server.http_addr() {
         println!(
             "health and metrics: http://{http}/health  http://{http}/metrics  http://{http}/entities"

@@ -31,6 +31,9 @@
 //! `/entities`); [`Server::run`] serves a [`Backend`] (a `twice_broker::Broker`, or anything
 //! else that implements the trait) until the shutdown future resolves. [`serve`] does both.
 //!
+//! With [`ServerOptions::tls_pem`] the server speaks amqps (TLS, as Azure does on port 5671)
+//! and its connection string leaves out `UseDevelopmentEmulator`, so clients use TLS.
+//!
 //! # Durability and flow
 //!
 //! A send is accepted, and a settlement echoed, only once the broker has made it durable. A
@@ -102,5 +105,5 @@ pub use backend::{
     SessionLock, Settlement,
 };
 pub use broker::{BrokerSession, serve};
-pub use options::ServerOptions;
+pub use options::{ServerOptions, TlsError};
 pub use server::{Server, ServerError};

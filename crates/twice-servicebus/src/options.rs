@@ -1,6 +1,7 @@
 //! Server options, builder-lite, with the defaults the SDKs and the official emulator expect.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::sas::Keys;
@@ -23,6 +24,7 @@ pub struct ServerOptions {
     pub(crate) max_bytes_in_flight: usize,
     pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
+    pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for ServerOptions {
@@ -43,6 +45,7 @@ impl Default for ServerOptions {
             max_bytes_in_flight: 16 * 1024 * 1024,
             write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
+            tls: None,
         }
     }
 }
@@ -168,6 +171,35 @@ impl ServerOptions {
         self
     }
 
+    /// Serves amqps: TLS with this certificate chain and private key (PEM), as Azure does on
+    /// port 5671. The connection string then leaves out `UseDevelopmentEmulator`, so clients
+    /// use TLS.
+    pub fn tls_pem(mut self, cert_chain: &[u8], key: &[u8]) -> Result<Self, TlsError> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_slice_iter(cert_chain)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| TlsError(format!("certificate: {e}")))?;
+        if certs.is_empty() {
+            return Err(TlsError("no certificate in the certificate file".into()));
+        }
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError(format!("key: {e}")))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError(e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .map_err(|e| TlsError(e.to_string()))?;
+        self.tls = Some(Arc::new(config));
+        Ok(self)
+    }
+
+    /// Whether the server speaks TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
     /// The AMQP listen address.
     pub fn get_amqp_addr(&self) -> SocketAddr {
         self.amqp_addr
@@ -233,3 +265,8 @@ impl ServerOptions {
         self.idle_timeout
     }
 }
+
+/// Why a certificate or key cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("tls: {0}")]
+pub struct TlsError(String);

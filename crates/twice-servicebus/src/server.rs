@@ -103,8 +103,10 @@ impl<B: Backend> Server<B> {
         let opts = &self.shared.options;
         let (name, key) =
             opts.keys.first().unwrap_or(("RootManageSharedAccessKey", "SAS_KEY_VALUE"));
+        // Over TLS the string names no emulator, so clients use TLS (on the given port).
+        let emulator = if opts.tls.is_some() { "" } else { "UseDevelopmentEmulator=true;" };
         format!(
-            "Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey={key};UseDevelopmentEmulator=true;",
+            "Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey={key};{emulator}",
             opts.hostname,
             self.amqp_addr().port()
         )
@@ -176,7 +178,29 @@ impl<B: Backend> Server<B> {
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
                     let admission = crate::connection::Admission { handshake, slots: slots.clone() };
-                    tasks.spawn(crate::connection::serve(stream, shared, stop, admission));
+                    match shared.options.tls.clone() {
+                        None => {
+                            tasks.spawn(crate::connection::serve(stream, shared, stop, admission));
+                        }
+                        Some(tls) => {
+                            tasks.spawn(async move {
+                                // The TLS handshake holds the pending slot and is bounded like
+                                // the AMQP handshake after it.
+                                let accept = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
+                                let limit = shared.options.handshake_timeout;
+                                match tokio::time::timeout(limit, accept).await {
+                                    Ok(Ok(tls)) => {
+                                        crate::connection::serve(tls, shared, stop, admission)
+                                            .await;
+                                    }
+                                    Ok(Err(e)) => {
+                                        tracing::debug!(error = %e, "tls handshake failed");
+                                    }
+                                    Err(_) => tracing::debug!("tls handshake timed out"),
+                                }
+                            });
+                        }
+                    }
                     // Reap finished tasks so the set does not grow.
                     while tasks.try_join_next().is_some() {}
                 }

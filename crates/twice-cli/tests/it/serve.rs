@@ -289,3 +289,78 @@ fn serve_keeps_its_connections_within_the_descriptor_limit() {
     assert!(connections + pending < 200, "{line}");
     assert!(connections >= 1 && pending >= 1, "{line}");
 }
+
+/// `--tls-cert/--tls-key`: amqps with a certificate made here; a client that trusts its CA
+/// sends and receives, and the printed connection string asks for TLS.
+#[test]
+fn serve_speaks_amqps_with_a_certificate() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "twice test CA");
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let (cert_path, key_path, config) =
+        (dir.path().join("cert.pem"), dir.path().join("key.pem"), dir.path().join("Config.json"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    std::fs::write(&config, CONFIG).unwrap();
+    let serve = Serve::start(&[
+        "--in-memory",
+        "--no-http",
+        "--config",
+        config.to_str().unwrap(),
+        "--tls-cert",
+        cert_path.to_str().unwrap(),
+        "--tls-key",
+        key_path.to_str().unwrap(),
+    ]);
+    let cs = serve
+        .lines
+        .iter()
+        .find_map(|l| l.strip_prefix("connection string: "))
+        .expect("connection string")
+        .to_owned();
+    assert!(!cs.contains("UseDevelopmentEmulator"), "{cs}");
+    assert!(serve.lines.iter().any(|l| l.contains("amqps")), "{:?}", serve.lines);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let tls = twice_servicebus_client::TlsOptions::with_ca_pem(ca.pem().as_bytes()).unwrap();
+        let options = twice_servicebus_client::ClientOptions::from_connection_string(&cs)
+            .unwrap()
+            .tls(Some(tls));
+        let client = twice_servicebus_client::ServiceBusClient::new(options);
+        client.sender("orders").send_message(twice::Message::new("over tls")).await.unwrap();
+        let receiver = client.receiver("orders", twice_servicebus_client::ReceiverOptions::new());
+        let d = receiver
+            .receive_messages(1, std::time::Duration::from_secs(10))
+            .await
+            .unwrap()
+            .pop()
+            .expect("a message");
+        assert_eq!(&d.message().body()[..], b"over tls");
+        receiver.complete_message(&d).await.unwrap();
+    });
+}
+
+#[test]
+fn serve_refuses_a_tls_key_that_does_not_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, "not a certificate").unwrap();
+    std::fs::write(&key, "not a key").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["serve", "--in-memory", "--no-http", "--amqp", "127.0.0.1:0"])
+        .args(["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TLS certificate"), "{err}");
+}

@@ -1,0 +1,971 @@
+//! Receivers: peek-lock or receive-and-delete on a queue or subscription, and session
+//! receivers; settlement, lock renewal and deferred messages.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use twice::{
+    DeadLetterReason, EntityInfo, LockToken, Properties, ReceivedMessage, SequenceNumber,
+    SessionId, Timestamp, TransportError,
+};
+use twice_amqp::codec::{Array, Value, code};
+use twice_amqp::mapping;
+use twice_amqp::performative::{AmqpError, Outcome, ROLE_RECEIVER, desc, described_list};
+
+use crate::client::{Conn, Inner, Management, ServiceBusClient};
+use crate::engine::{Engine, Incoming, LinkEvent, LinkSpec};
+use crate::error::{Error, condition};
+
+/// How messages are taken from the entity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiveMode {
+    /// Each message is locked for this receiver until it is settled or the lock expires.
+    #[default]
+    PeekLock,
+    /// Each message is removed as it is sent: at most once, no settlement.
+    ReceiveAndDelete,
+}
+
+/// Options of a receiver.
+#[derive(Clone, Debug)]
+pub struct ReceiverOptions {
+    mode: ReceiveMode,
+    prefetch: u32,
+    entity: Option<EntityInfo>,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        Self { mode: ReceiveMode::PeekLock, prefetch: 2, entity: None }
+    }
+}
+
+impl ReceiverOptions {
+    /// Peek-lock with the credit of one concurrent call.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Peek-lock (default) or receive-and-delete.
+    #[must_use]
+    pub fn mode(mut self, mode: ReceiveMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Sizes the link credit for a processor with this many concurrent calls: twice as many
+    /// messages as calls are in flight or buffered, so a finished call finds the next message
+    /// waiting without locking many more than can be worked on.
+    #[must_use]
+    pub fn max_concurrent_calls(mut self, calls: usize) -> Self {
+        self.prefetch = u32::try_from(calls.max(1).saturating_mul(2)).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// The link credit directly: how many messages may be delivered ahead of `receive` calls
+    /// (at least 1).
+    #[must_use]
+    pub fn prefetch(mut self, n: u32) -> Self {
+        self.prefetch = n.max(1);
+        self
+    }
+
+    /// What the processor should know about the entity (lock duration, max delivery count,
+    /// duplicate detection window). AMQP does not carry these; without this the Service Bus
+    /// defaults are assumed.
+    #[must_use]
+    pub fn entity_info(mut self, info: EntityInfo) -> Self {
+        self.entity = Some(info);
+        self
+    }
+
+    /// The credit.
+    pub fn get_prefetch(&self) -> u32 {
+        self.prefetch
+    }
+}
+
+/// How a delivery is settled.
+#[derive(Clone, Debug)]
+enum Via {
+    /// On the link it came on, while that link lives.
+    Link { engine: Engine, handle: u32, id: u64, delivery_id: u32 },
+    /// Through `$management` with its lock token (deferred messages).
+    Management,
+    /// Received without a lock.
+    Unlocked,
+}
+
+/// A received message and what is needed to settle it.
+#[derive(Debug)]
+pub struct ServiceBusDelivery {
+    message: ReceivedMessage,
+    via: Via,
+    /// Set once a settlement of this delivery went out: a delivery is settled at most once on
+    /// its link, and the service does not answer a second disposition.
+    settled: std::sync::atomic::AtomicBool,
+}
+
+impl twice::Delivery for ServiceBusDelivery {
+    fn message(&self) -> &ReceivedMessage {
+        &self.message
+    }
+}
+
+impl ServiceBusDelivery {
+    /// The message.
+    pub fn message(&self) -> &ReceivedMessage {
+        &self.message
+    }
+
+    /// The lock token, for a locked delivery.
+    pub fn lock_token(&self) -> Option<LockToken> {
+        self.message.lock_token
+    }
+}
+
+/// A settlement, as an AMQP outcome and as a `$management` disposition.
+enum Settle {
+    Complete,
+    Abandon(Properties),
+    DeadLetter(DeadLetterReason),
+    Defer,
+    Release,
+}
+
+impl Settle {
+    fn outcome(&self) -> Outcome {
+        match self {
+            Settle::Complete => Outcome::Accepted,
+            Settle::Release => Outcome::Released,
+            Settle::Abandon(props) => Outcome::Modified {
+                delivery_failed: true,
+                undeliverable_here: false,
+                message_annotations: (!props.is_empty()).then(|| properties_map(props)),
+            },
+            Settle::Defer => Outcome::Modified {
+                delivery_failed: true,
+                undeliverable_here: true,
+                message_annotations: None,
+            },
+            Settle::DeadLetter(r) => Outcome::Rejected(Some(AmqpError {
+                condition: "com.microsoft:dead-letter".into(),
+                description: Some(r.description.clone()),
+                info: Some(Value::Map(vec![
+                    (Value::symbol("DeadLetterReason"), Value::string(r.reason.clone())),
+                    (
+                        Value::symbol("DeadLetterErrorDescription"),
+                        Value::string(r.description.clone()),
+                    ),
+                ])),
+            })),
+        }
+    }
+
+    fn management(&self) -> Vec<(&'static str, Value)> {
+        match self {
+            Settle::Complete => vec![("disposition-status", Value::string("completed"))],
+            // A lock through `$management` cannot be released without counting; abandon is
+            // the nearest.
+            Settle::Release => vec![("disposition-status", Value::string("abandoned"))],
+            Settle::Abandon(props) => vec![
+                ("disposition-status", Value::string("abandoned")),
+                ("properties-to-modify", properties_map(props)),
+            ],
+            // The service spells it this way.
+            Settle::Defer => vec![("disposition-status", Value::string("defered"))],
+            Settle::DeadLetter(r) => vec![
+                ("disposition-status", Value::string("suspended")),
+                ("deadletter-reason", Value::string(r.reason.clone())),
+                ("deadletter-description", Value::string(r.description.clone())),
+            ],
+        }
+    }
+}
+
+fn properties_map(props: &Properties) -> Value {
+    Value::Map(
+        props
+            .iter()
+            .map(|(k, v)| (Value::string(k.clone()), mapping::from_twice_value(v)))
+            .collect(),
+    )
+}
+
+fn uuid_array(tokens: &[LockToken]) -> Value {
+    Value::Array(Array::new(code::UUID, tokens.iter().map(|t| Value::Uuid(*t.as_uuid())).collect()))
+}
+
+/// The link a receiver reads from.
+#[derive(Debug)]
+struct RecvLink {
+    conn: Arc<Conn>,
+    handle: u32,
+    id: u64,
+    events: mpsc::UnboundedReceiver<LinkEvent>,
+}
+
+/// What the pieces of a receiver share.
+#[derive(Debug)]
+struct Shared {
+    client: Arc<Inner>,
+    entity: String,
+    options: ReceiverOptions,
+    info: EntityInfo,
+    mgmt: Management,
+}
+
+/// A receiver on a queue, a subscription (`topic/Subscriptions/name`) or a dead-letter queue
+/// (`queue/$DeadLetterQueue`). It implements [`twice::Transport`], so a [`twice::Processor`]
+/// can run on it. After a connection loss the next `receive` reconnects and attaches again;
+/// messages received on the lost link can no longer be settled (their settlement fails with
+/// lock-lost, and the service delivers them again when their lock expires).
+#[derive(Debug)]
+pub struct Receiver {
+    shared: Arc<Shared>,
+    link: tokio::sync::Mutex<Option<RecvLink>>,
+}
+
+impl ServiceBusClient {
+    /// A receiver on `entity`. Nothing is attached until the first `receive`.
+    pub fn receiver(&self, entity: &str, options: ReceiverOptions) -> Receiver {
+        let info = options.entity.clone().unwrap_or_else(|| EntityInfo::new(entity));
+        Receiver {
+            shared: Arc::new(Shared {
+                client: self.inner.clone(),
+                entity: entity.to_owned(),
+                options,
+                info,
+                mgmt: Management::default(),
+            }),
+            link: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// A receiver that locks sessions of a session-enabled `entity`.
+    pub fn session_receiver(&self, entity: &str, options: ReceiverOptions) -> SessionClient {
+        SessionClient { receiver: self.receiver(entity, options) }
+    }
+}
+
+fn source(address: &str, filter: Option<Value>) -> Value {
+    let mut fields = vec![Value::string(address)];
+    if let Some(f) = filter {
+        fields.extend([
+            Value::Null,
+            Value::Null,
+            Value::Null,
+            Value::Null,
+            Value::Null,
+            Value::Null,
+            f,
+        ]);
+    }
+    described_list(desc::SOURCE, fields)
+}
+
+/// Attaches a receiver link on `entity`, with a session filter when `session` is `Some`
+/// (`Some(None)`: the next available session, waiting up to `wait`).
+async fn attach_receiver(
+    shared: &Shared,
+    conn: &Arc<Conn>,
+    session: Option<Option<&SessionId>>,
+    wait: Option<Duration>,
+) -> Result<(RecvLink, crate::engine::Link), Error> {
+    conn.authorize(&shared.client, &shared.entity).await?;
+    let filter = session.map(|sid| {
+        Value::Map(vec![(
+            Value::symbol("com.microsoft:session-filter"),
+            sid.map_or(Value::Null, |s| Value::string(s.as_str())),
+        )])
+    });
+    let properties = wait.map(|w| {
+        Value::Map(vec![(
+            Value::symbol("com.microsoft:timeout"),
+            Value::Uint(u32::try_from(w.as_millis()).unwrap_or(u32::MAX)),
+        )])
+    });
+    let (snd, rcv) = match shared.options.mode {
+        ReceiveMode::PeekLock => (Some(0), Some(1)),
+        ReceiveMode::ReceiveAndDelete => (Some(1), Some(0)),
+    };
+    let name = format!("{}-receiver-{}", shared.entity, uuid::Uuid::new_v4().simple());
+    let mut link = conn
+        .engine
+        .attach(LinkSpec {
+            name: name.clone(),
+            role: ROLE_RECEIVER,
+            snd_settle_mode: snd,
+            rcv_settle_mode: rcv,
+            source: Some(source(&shared.entity, filter)),
+            target: Some(described_list(desc::TARGET, vec![Value::string(name)])),
+            properties,
+            initial_credit: shared.options.prefetch,
+            auto_credit: false,
+        })
+        .await?;
+    let events = link.events.take().ok_or(Error::ConnectionLost)?;
+    Ok((RecvLink { conn: conn.clone(), handle: link.handle, id: link.id, events }, link))
+}
+
+impl Shared {
+    /// Turns a transfer into a delivery; a payload that is not a message is abandoned (it
+    /// comes back, and is dead-lettered by the delivery limit) rather than dropped.
+    fn delivery(&self, link: &RecvLink, d: Incoming) -> Option<ServiceBusDelivery> {
+        match mapping::decode_received(&d.payload) {
+            Ok(mut message) => {
+                let via = if d.settled {
+                    Via::Unlocked
+                } else {
+                    if let Some(t) = mapping::lock_token_of_tag(&d.tag) {
+                        message.lock_token = Some(t);
+                    }
+                    Via::Link {
+                        engine: link.conn.engine.clone(),
+                        handle: link.handle,
+                        id: link.id,
+                        delivery_id: d.delivery_id,
+                    }
+                };
+                if d.settled {
+                    message.lock_token = None;
+                    message.locked_until = None;
+                }
+                Some(ServiceBusDelivery { message, via, settled: Default::default() })
+            }
+            Err(e) => {
+                tracing::warn!(entity = %self.entity, error = %e, "abandoning a delivery that is not a message");
+                if !d.settled {
+                    let engine = link.conn.engine.clone();
+                    let (handle, id) = (link.handle, link.id);
+                    let outcome = Settle::Abandon(Properties::new()).outcome();
+                    tokio::spawn(async move {
+                        let _ = engine.dispose(handle, id, d.delivery_id, outcome).await;
+                    });
+                }
+                None
+            }
+        }
+    }
+
+    /// Reads up to `max` deliveries from `link`, waiting up to `max_wait` for the first.
+    /// `Err(None)` means the link is gone without an error worth reporting.
+    async fn read(
+        &self,
+        link: &mut RecvLink,
+        max: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
+        let mut out = Vec::new();
+        let mut taken = 0u32;
+        let first = match tokio::time::timeout(max_wait, link.events.recv()).await {
+            Err(_) => return Ok(out),
+            Ok(ev) => ev,
+        };
+        let mut next = first;
+        loop {
+            match next {
+                Some(LinkEvent::Delivery(d)) => {
+                    taken += 1;
+                    out.extend(self.delivery(link, d));
+                }
+                Some(LinkEvent::Detached(e)) => {
+                    if out.is_empty() {
+                        return Err(e.as_ref().map(Error::from_amqp));
+                    }
+                    break;
+                }
+                None if out.is_empty() => return Err(None),
+                None => break,
+            }
+            if out.len() >= max.max(1) {
+                break;
+            }
+            next = match link.events.try_recv() {
+                Ok(ev) => Some(ev),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+            };
+        }
+        // Keep the credit where it was: one more for every message taken off the link.
+        if taken > 0 {
+            link.conn.engine.flow(link.handle, link.id, taken);
+        }
+        Ok(out)
+    }
+
+    async fn settle(
+        &self,
+        d: &ServiceBusDelivery,
+        how: Settle,
+        session: Option<&SessionHold>,
+    ) -> Result<(), Error> {
+        match &d.via {
+            Via::Unlocked => Err(Error::Invalid("the message was received without a lock".into())),
+            Via::Link { engine, handle, id, delivery_id } => {
+                if d.settled.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                    return Err(lost(false));
+                }
+                let timeout = self.client.options.get_operation_timeout();
+                let dispose = engine.dispose(*handle, *id, *delivery_id, how.outcome());
+                let echo = tokio::time::timeout(timeout, dispose)
+                    .await
+                    .unwrap_or(Err(Error::Timeout))
+                    .map_err(|e| match e {
+                        // The link died with the connection: its locks are gone.
+                        Error::ConnectionLost => lost(session.is_some()),
+                        e => e,
+                    })?;
+                match echo {
+                    Outcome::Rejected(Some(e)) if e.condition != "com.microsoft:dead-letter" => {
+                        Err(Error::from_amqp(&e))
+                    }
+                    _ => Ok(()),
+                }
+            }
+            Via::Management => {
+                let lock =
+                    d.message.lock_token.ok_or_else(|| Error::Invalid("no lock token".into()))?;
+                let mut body = how.management();
+                body.push(("lock-tokens", uuid_array(&[lock])));
+                self.management(session, "com.microsoft:update-disposition", body).await.map(|_| ())
+            }
+        }
+    }
+
+    async fn management(
+        &self,
+        session: Option<&SessionHold>,
+        operation: &str,
+        mut body: Vec<(&str, Value)>,
+    ) -> Result<Value, Error> {
+        match session {
+            Some(s) => {
+                if s.conn.engine.is_closed() {
+                    return Err(lost(true));
+                }
+                body.push(("session-id", Value::string(s.session_id.as_str())));
+                self.mgmt.call(&self.client, &s.conn, &self.entity, operation, body).await
+            }
+            None => {
+                let conn = self.client.connection().await?;
+                self.mgmt.call(&self.client, &conn, &self.entity, operation, body).await
+            }
+        }
+    }
+
+    async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, Error> {
+        let lock =
+            d.message.lock_token.ok_or_else(|| Error::Invalid("the message has no lock".into()))?;
+        if let Via::Link { engine, .. } = &d.via {
+            if engine.is_closed() {
+                return Err(lost(false));
+            }
+        }
+        let body = vec![("lock-tokens", uuid_array(&[lock]))];
+        let reply = self.management(None, "com.microsoft:renew-lock", body).await?;
+        match reply.get("expirations").and_then(Value::as_seq).and_then(|s| s.first()) {
+            Some(Value::Timestamp(t)) => Ok(Timestamp::from_millis(*t)),
+            _ => Err(Error::Invalid("renew-lock reply without an expiration".into())),
+        }
+    }
+
+    async fn receive_deferred(
+        &self,
+        session: Option<&SessionHold>,
+        seqs: &[SequenceNumber],
+    ) -> Result<Vec<ServiceBusDelivery>, Error> {
+        let mode = match self.options.mode {
+            ReceiveMode::PeekLock => 1,
+            ReceiveMode::ReceiveAndDelete => 0,
+        };
+        let body = vec![
+            ("sequence-numbers", Value::long_array(seqs.iter().map(|s| s.get()))),
+            ("receiver-settle-mode", Value::Uint(mode)),
+        ];
+        let reply =
+            self.management(session, "com.microsoft:receive-by-sequence-number", body).await?;
+        let mut out = Vec::new();
+        for item in reply.get("messages").and_then(Value::as_seq).unwrap_or(&[]) {
+            let Some(raw) = item.get("message").and_then(Value::as_binary) else { continue };
+            let mut message =
+                mapping::decode_received(raw).map_err(|e| Error::Invalid(e.to_string()))?;
+            if let Some(Value::Uuid(u)) = item.get("lock-token") {
+                message.lock_token = Some(LockToken::from_uuid(*u));
+            }
+            let via = if message.lock_token.is_some() { Via::Management } else { Via::Unlocked };
+            out.push(ServiceBusDelivery { message, via, settled: Default::default() });
+        }
+        Ok(out)
+    }
+}
+
+fn lost(session: bool) -> Error {
+    let condition =
+        if session { condition::SESSION_LOCK_LOST } else { condition::MESSAGE_LOCK_LOST };
+    Error::Amqp {
+        condition: condition.into(),
+        description: Some("the link the message came on is gone".into()),
+    }
+}
+
+impl Receiver {
+    /// The entity path.
+    pub fn entity_path(&self) -> &str {
+        &self.shared.entity
+    }
+
+    /// Receives up to `max_messages`, waiting up to `max_wait` for the first. Connects and
+    /// attaches as needed; after a lost link it attaches again within the same wait.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe once attached: messages not yet returned stay buffered for the next call.
+    /// A drop during an attach leaves that link unused until the connection closes.
+    pub async fn receive_messages(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, Error> {
+        let clock = self.shared.client.options.clock.clone();
+        let deadline = clock.now().saturating_add(max_wait);
+        let mut guard = self.link.lock().await;
+        loop {
+            let alive = guard.as_ref().is_some_and(|l| !l.conn.engine.is_closed());
+            if !alive {
+                let conn = self.shared.client.connection().await?;
+                let (link, _) = attach_receiver(&self.shared, &conn, None, None).await?;
+                *guard = Some(link);
+            }
+            let Some(link) = guard.as_mut() else { continue };
+            let left = deadline.duration_since(clock.now());
+            match self.shared.read(link, max_messages, left).await {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    *guard = None;
+                    match e {
+                        Some(e) if !e.is_transient() => return Err(e),
+                        _ if clock.now() >= deadline => return Ok(Vec::new()),
+                        _ => {
+                            tracing::debug!(entity = %self.shared.entity, "receiver link lost; attaching again")
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Completes a message.
+    pub async fn complete_message(&self, d: &ServiceBusDelivery) -> Result<(), Error> {
+        self.shared.settle(d, Settle::Complete, None).await
+    }
+
+    /// Abandons a message, merging `properties` into its application properties.
+    pub async fn abandon_message(
+        &self,
+        d: &ServiceBusDelivery,
+        properties: Properties,
+    ) -> Result<(), Error> {
+        self.shared.settle(d, Settle::Abandon(properties), None).await
+    }
+
+    /// Moves a message to the dead-letter queue with a reason and description.
+    pub async fn dead_letter_message(
+        &self,
+        d: &ServiceBusDelivery,
+        reason: DeadLetterReason,
+    ) -> Result<(), Error> {
+        self.shared.settle(d, Settle::DeadLetter(reason), None).await
+    }
+
+    /// Defers a message: it stays, receivable only by sequence number.
+    pub async fn defer_message(&self, d: &ServiceBusDelivery) -> Result<(), Error> {
+        self.shared.settle(d, Settle::Defer, None).await
+    }
+
+    /// Renews a message's lock through `$management`; returns the new locked-until time.
+    pub async fn renew_message_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, Error> {
+        self.shared.renew_lock(d).await
+    }
+
+    /// Receives deferred messages by sequence number (through `$management`).
+    pub async fn receive_deferred_messages(
+        &self,
+        seqs: &[SequenceNumber],
+    ) -> Result<Vec<ServiceBusDelivery>, Error> {
+        self.shared.receive_deferred(None, seqs).await
+    }
+
+    /// Detaches the link; buffered messages go back when their locks expire.
+    pub async fn close(&self) {
+        if let Some(l) = self.link.lock().await.take() {
+            l.conn.engine.detach(l.handle, l.id);
+        }
+    }
+}
+
+impl twice::Transport for Receiver {
+    type Delivery = ServiceBusDelivery;
+
+    fn entity(&self) -> &EntityInfo {
+        &self.shared.info
+    }
+
+    async fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
+        Ok(self.receive_messages(max_messages, max_wait).await?)
+    }
+
+    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.complete_message(d).await?)
+    }
+
+    async fn abandon(
+        &self,
+        d: &ServiceBusDelivery,
+        properties: Properties,
+    ) -> Result<(), TransportError> {
+        Ok(self.abandon_message(d, properties).await?)
+    }
+
+    async fn dead_letter(
+        &self,
+        d: &ServiceBusDelivery,
+        reason: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        Ok(self.dead_letter_message(d, reason).await?)
+    }
+
+    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.defer_message(d).await?)
+    }
+
+    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.shared.settle(d, Settle::Release, None).await?)
+    }
+
+    async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
+        Ok(self.renew_message_lock(d).await?)
+    }
+}
+
+/// The connection and id of a locked session.
+#[derive(Debug)]
+struct SessionHold {
+    conn: Arc<Conn>,
+    session_id: SessionId,
+}
+
+/// Accepts sessions of a session-enabled entity; implements [`twice::SessionTransport`].
+#[derive(Debug)]
+pub struct SessionClient {
+    receiver: Receiver,
+}
+
+/// A locked session: its messages in order, its state and its lock. The lock belongs to the
+/// link and the connection it came on; after a connection loss every call fails with
+/// session-lock-lost and the session must be accepted again.
+#[derive(Debug)]
+pub struct SessionReceiver {
+    shared: Arc<Shared>,
+    hold: SessionHold,
+    link: tokio::sync::Mutex<RecvLink>,
+    locked_until: Mutex<Timestamp>,
+}
+
+/// `com.microsoft:locked-until-utc` is .NET ticks (100 ns since 0001-01-01).
+fn ticks_to_timestamp(ticks: i64) -> Timestamp {
+    Timestamp::from_millis(ticks.saturating_sub(621_355_968_000_000_000) / 10_000)
+}
+
+impl SessionClient {
+    /// The entity path.
+    pub fn entity_path(&self) -> &str {
+        &self.receiver.shared.entity
+    }
+
+    async fn accept(
+        &self,
+        sid: Option<&SessionId>,
+        wait: Option<Duration>,
+    ) -> Result<Option<SessionReceiver>, Error> {
+        let shared = &self.receiver.shared;
+        let conn = shared.client.connection().await?;
+        let (link, remote) = match attach_receiver(shared, &conn, Some(sid), wait).await {
+            Ok(l) => l,
+            Err(e) if sid.is_none() && e.is_timeout() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let filter =
+            twice_amqp::performative::Terminus::parse(remote.remote.source.as_ref(), true).filter;
+        let granted = filter
+            .as_ref()
+            .and_then(|f| f.get("com.microsoft:session-filter"))
+            .and_then(|v| v.undescribed().as_str().map(SessionId::new))
+            .or_else(|| sid.cloned())
+            .ok_or_else(|| Error::Invalid("the service named no session".into()))?;
+        let locked_until = remote
+            .remote
+            .properties
+            .as_ref()
+            .and_then(|p| p.get("com.microsoft:locked-until-utc"))
+            .and_then(|v| match v {
+                Value::Timestamp(t) => Some(Timestamp::from_millis(*t)),
+                other => other.as_i64().map(ticks_to_timestamp),
+            })
+            .unwrap_or_else(|| shared.client.options.clock.now());
+        Ok(Some(SessionReceiver {
+            shared: shared.clone(),
+            hold: SessionHold { conn, session_id: granted },
+            link: tokio::sync::Mutex::new(link),
+            locked_until: Mutex::new(locked_until),
+        }))
+    }
+
+    /// Locks the next session with messages, waiting up to `max_wait`; `None` if none came.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a session locked after the future is dropped stays locked until its
+    /// lock expires.
+    pub async fn accept_next_session(
+        &self,
+        max_wait: Duration,
+    ) -> Result<Option<SessionReceiver>, Error> {
+        self.accept(None, Some(max_wait)).await
+    }
+
+    /// Locks the named session; fails with `com.microsoft:session-cannot-be-locked` if another
+    /// receiver holds it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`SessionClient::accept_next_session`].
+    pub async fn accept_session(&self, session_id: &SessionId) -> Result<SessionReceiver, Error> {
+        self.accept(Some(session_id), None)
+            .await?
+            .ok_or_else(|| Error::Invalid("the session was not granted".into()))
+    }
+}
+
+impl SessionReceiver {
+    /// The session id.
+    pub fn session_id(&self) -> &SessionId {
+        &self.hold.session_id
+    }
+
+    /// Until when the session lock holds, as of the accept or the last renewal.
+    pub fn session_locked_until(&self) -> Timestamp {
+        *self.locked_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Receives up to `max_messages` of the session's messages, in order.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: messages not yet returned stay buffered.
+    pub async fn receive_messages(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, Error> {
+        let mut link = self.link.lock().await;
+        match self.shared.read(&mut link, max_messages, max_wait).await {
+            Ok(v) => Ok(v),
+            Err(Some(e)) => Err(e),
+            Err(None) => Err(lost(true)),
+        }
+    }
+
+    async fn settle(&self, d: &ServiceBusDelivery, how: Settle) -> Result<(), Error> {
+        self.shared.settle(d, how, Some(&self.hold)).await.map_err(|e| {
+            // A message of a session whose link died has lost its session lock.
+            if e.is_lock_lost() && self.hold.conn.engine.is_closed() { lost(true) } else { e }
+        })
+    }
+
+    /// Renews the session lock; returns the new locked-until time.
+    pub async fn renew_lock(&self) -> Result<Timestamp, Error> {
+        let reply = self
+            .shared
+            .management(Some(&self.hold), "com.microsoft:renew-session-lock", vec![])
+            .await?;
+        let Some(Value::Timestamp(t)) = reply.get("expiration") else {
+            return Err(Error::Invalid("renew-session-lock reply without an expiration".into()));
+        };
+        let until = Timestamp::from_millis(*t);
+        *self.locked_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = until;
+        Ok(until)
+    }
+
+    /// The session state.
+    pub async fn session_state(&self) -> Result<Option<Bytes>, Error> {
+        let reply = self
+            .shared
+            .management(Some(&self.hold), "com.microsoft:get-session-state", vec![])
+            .await?;
+        Ok(reply.get("session-state").and_then(Value::as_binary).cloned())
+    }
+
+    /// Sets (or with `None` clears) the session state.
+    pub async fn set_session_state(&self, state: Option<Bytes>) -> Result<(), Error> {
+        let body = vec![("session-state", state.map_or(Value::Null, Value::Binary))];
+        self.shared
+            .management(Some(&self.hold), "com.microsoft:set-session-state", body)
+            .await
+            .map(|_| ())
+    }
+
+    /// Receives deferred messages of this session by sequence number.
+    pub async fn receive_deferred_messages(
+        &self,
+        seqs: &[SequenceNumber],
+    ) -> Result<Vec<ServiceBusDelivery>, Error> {
+        self.shared.receive_deferred(Some(&self.hold), seqs).await
+    }
+
+    /// Completes a message of this session.
+    pub async fn complete_message(&self, d: &ServiceBusDelivery) -> Result<(), Error> {
+        self.settle(d, Settle::Complete).await
+    }
+
+    /// Releases the session: detaches its link, so its lock ends and unsettled messages come
+    /// back.
+    pub async fn close_session(&self) {
+        let l = self.link.lock().await;
+        l.conn.engine.detach(l.handle, l.id);
+    }
+}
+
+impl twice::SessionTransport for SessionClient {
+    type Session = SessionReceiver;
+
+    async fn accept_next_session(
+        &self,
+        max_wait: Duration,
+    ) -> Result<Option<SessionReceiver>, TransportError> {
+        Ok(SessionClient::accept_next_session(self, max_wait).await?)
+    }
+
+    async fn accept_session(
+        &self,
+        session_id: &SessionId,
+    ) -> Result<SessionReceiver, TransportError> {
+        Ok(SessionClient::accept_session(self, session_id).await?)
+    }
+}
+
+impl twice::Transport for SessionClient {
+    type Delivery = ServiceBusDelivery;
+
+    fn entity(&self) -> &EntityInfo {
+        &self.receiver.shared.info
+    }
+
+    async fn receive(
+        &self,
+        _max: usize,
+        _wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
+        Err(TransportError::Unsupported("receive without a session on a session entity"))
+    }
+
+    // Settling through the entity (not the session) is what the receiver does; a message of a
+    // session is settled through its `SessionReceiver`.
+    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        twice::Transport::complete(&self.receiver, d).await
+    }
+
+    async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
+        twice::Transport::abandon(&self.receiver, d, p).await
+    }
+
+    async fn dead_letter(
+        &self,
+        d: &ServiceBusDelivery,
+        r: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        twice::Transport::dead_letter(&self.receiver, d, r).await
+    }
+
+    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        twice::Transport::defer(&self.receiver, d).await
+    }
+
+    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        twice::Transport::release(&self.receiver, d).await
+    }
+
+    async fn renew_lock(&self, _d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
+        Err(TransportError::Unsupported(
+            "renew a message lock of a session (renew the session lock)",
+        ))
+    }
+}
+
+impl twice::SessionReceiver for SessionReceiver {
+    type Delivery = ServiceBusDelivery;
+
+    fn session_id(&self) -> &SessionId {
+        &self.hold.session_id
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        self.session_locked_until()
+    }
+
+    async fn receive(
+        &self,
+        max_messages: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
+        Ok(self.receive_messages(max_messages, max_wait).await?)
+    }
+
+    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.settle(d, Settle::Complete).await?)
+    }
+
+    async fn abandon(
+        &self,
+        d: &ServiceBusDelivery,
+        properties: Properties,
+    ) -> Result<(), TransportError> {
+        Ok(self.settle(d, Settle::Abandon(properties)).await?)
+    }
+
+    async fn dead_letter(
+        &self,
+        d: &ServiceBusDelivery,
+        reason: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        Ok(self.settle(d, Settle::DeadLetter(reason)).await?)
+    }
+
+    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.settle(d, Settle::Defer).await?)
+    }
+
+    async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {
+        Ok(self.renew_lock().await?)
+    }
+
+    async fn get_state(&self) -> Result<Option<Bytes>, TransportError> {
+        Ok(self.session_state().await?)
+    }
+
+    async fn set_state(&self, state: Option<Bytes>) -> Result<(), TransportError> {
+        Ok(self.set_session_state(state).await?)
+    }
+
+    async fn close(self) -> Result<(), TransportError> {
+        self.close_session().await;
+        Ok(())
+    }
+}

@@ -1,0 +1,86 @@
+//! TLS (amqps) with rustls: the webpki roots for Azure, or a custom CA (a private namespace
+//! proxy, `twice serve --tls-cert` in tests).
+
+use std::fmt;
+use std::sync::Arc;
+
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::net::TcpStream;
+
+use crate::client::ClientOptions;
+use crate::engine::Engine;
+use crate::error::Error;
+
+/// Which certificates the client trusts.
+#[derive(Clone)]
+pub struct TlsOptions {
+    roots: Arc<RootCertStore>,
+    server_name: Option<String>,
+}
+
+impl fmt::Debug for TlsOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsOptions")
+            .field("roots", &self.roots.len())
+            .field("server_name", &self.server_name)
+            .finish()
+    }
+}
+
+impl TlsOptions {
+    /// The Mozilla root certificates compiled into the client (`webpki-roots`), which include
+    /// the roots Azure Service Bus certificates chain to.
+    pub fn webpki_roots() -> Self {
+        let roots = RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        Self { roots: Arc::new(roots), server_name: None }
+    }
+
+    /// Trust only the CA certificates in this PEM text.
+    pub fn with_ca_pem(pem: &[u8]) -> Result<Self, Error> {
+        let mut roots = RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(pem) {
+            let cert = cert.map_err(|e| Error::Tls(format!("bad CA certificate: {e}")))?;
+            roots.add(cert).map_err(|e| Error::Tls(format!("unusable CA certificate: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(Error::Tls("no certificate in the CA file".into()));
+        }
+        Ok(Self { roots: Arc::new(roots), server_name: None })
+    }
+
+    /// The name to check the server's certificate against, when it differs from the host
+    /// connected to (default: the host).
+    #[must_use]
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = Some(name.into());
+        self
+    }
+}
+
+/// Opens TCP (and TLS if configured) to the namespace and starts an AMQP connection on it.
+pub(crate) async fn connect(o: &ClientOptions) -> Result<Engine, Error> {
+    let addr = format!("{}:{}", o.host(), o.port());
+    let tcp = TcpStream::connect((o.host(), o.port()))
+        .await
+        .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
+    // Settlements and requests are small frames; waiting to batch them only adds latency.
+    tcp.set_nodelay(true).map_err(|source| Error::Connect { addr, source })?;
+    let Some(tls) = o.tls_options() else {
+        return Engine::start(tcp, o.host()).await;
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Tls(e.to_string()))?
+        .with_root_certificates(tls.roots.clone())
+        .with_no_client_auth();
+    let name = tls.server_name.clone().unwrap_or_else(|| o.host().to_owned());
+    let name = ServerName::try_from(name).map_err(|e| Error::Tls(e.to_string()))?;
+    let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| Error::Tls(e.to_string()))?;
+    Engine::start(stream, o.host()).await
+}

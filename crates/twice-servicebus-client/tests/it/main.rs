@@ -1,0 +1,6 @@
+//! The Service Bus client against `twice serve`.
+
+mod client;
+mod harness;
+mod processor;
+mod tls;

@@ -1,0 +1,72 @@
+//! amqps: `twice serve` with a certificate made in the test, and the client trusting its CA.
+
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use twice::Message;
+use twice_servicebus::ServerOptions;
+use twice_servicebus_client::{
+    ClientOptions, Error, ReceiverOptions, ServiceBusClient, TlsOptions,
+};
+
+use crate::harness::Serve;
+
+/// A CA, and a certificate for `localhost` signed by it: (CA PEM, certificate PEM, key PEM).
+fn certificates() -> (String, String, String) {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "twice test CA");
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    (ca.pem(), leaf.pem(), leaf_key.serialize_pem())
+}
+
+async fn tls_server() -> (Serve, String) {
+    let (ca, cert, key) = certificates();
+    let options = ServerOptions::new().tls_pem(cert.as_bytes(), key.as_bytes()).unwrap();
+    (Serve::start_with(options).await, ca)
+}
+
+#[tokio::test]
+async fn the_client_sends_and_receives_over_tls() {
+    let (s, ca) = tls_server().await;
+    // Without the emulator flag, the connection string means TLS.
+    assert!(!s.connection_string.contains("UseDevelopmentEmulator"));
+    let options = ClientOptions::from_connection_string(&s.connection_string)
+        .unwrap()
+        .tls(Some(TlsOptions::with_ca_pem(ca.as_bytes()).unwrap()));
+    let client = ServiceBusClient::new(options);
+    client.sender("q").send_message(Message::new("sealed")).await.unwrap();
+    let receiver = client.receiver("q", ReceiverOptions::new());
+    let d = receiver.receive_messages(1, Duration::from_secs(5)).await.unwrap().pop().unwrap();
+    assert_eq!(&d.message().body()[..], b"sealed");
+    receiver.complete_message(&d).await.unwrap();
+}
+
+#[tokio::test]
+async fn an_untrusted_certificate_and_plain_amqp_are_refused() {
+    let (s, _ca) = tls_server().await;
+    // The webpki roots (what Azure needs) do not include the test CA.
+    let options = ClientOptions::from_connection_string(&s.connection_string)
+        .unwrap()
+        .operation_timeout(Duration::from_secs(10));
+    let err = ServiceBusClient::new(options).connect().await.unwrap_err();
+    assert!(matches!(err, Error::Tls(_)), "{err}");
+    // A plain AMQP client gets an error, not a hang.
+    let plain = ClientOptions::from_connection_string(&s.connection_string)
+        .unwrap()
+        .tls(None)
+        .operation_timeout(Duration::from_secs(10));
+    let err = ServiceBusClient::new(plain).connect().await.unwrap_err();
+    assert!(matches!(err, Error::Handshake(_)), "{err}");
+}
+
+#[test]
+fn a_ca_file_without_certificates_is_an_error() {
+    assert!(matches!(TlsOptions::with_ca_pem(b"not a certificate"), Err(Error::Tls(_))));
+}
