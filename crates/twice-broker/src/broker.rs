@@ -179,8 +179,9 @@ impl Broker {
     /// Opens a broker: replays its data directory (in durable mode), applies the configured
     /// entities, and starts the task that owns the broker's state, on a thread of its own.
     ///
-    /// Fails with [`Error::DirectoryInUse`] when another broker has the directory open, and
-    /// with [`Error::CorruptLog`] when acknowledged data is damaged.
+    /// Fails with [`Error::DirectoryInUse`] when another broker has the directory open, with
+    /// [`Error::CorruptLog`] when acknowledged data is damaged, and with
+    /// [`Error::MissingSegment`] when a segment file between others is gone.
     ///
     /// # Cancel safety
     ///

@@ -124,9 +124,10 @@ pub enum Error {
     /// The broker is shut down.
     #[error("the broker is closed")]
     Closed,
-    /// A log record is damaged where a crash cannot have torn it (its checksum fails, or it is
-    /// cut short, before other valid records): acknowledged data is damaged, so the broker
-    /// refuses to open rather than skip it.
+    /// A log record is damaged where a crash cannot have torn it (in a closed segment, or in a
+    /// commit of the newest one that a later commit shows was durable): acknowledged data is
+    /// damaged, so the broker refuses to open rather than skip it. `twice data check` shows the
+    /// damage; `twice data repair --truncate-at SEGMENT:OFFSET` cuts the log there.
     #[error("corrupt log record in segment {segment} at byte offset {offset}")]
     CorruptLog {
         /// The segment id (the number in the segment's file name).
