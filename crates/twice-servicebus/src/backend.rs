@@ -168,6 +168,9 @@ pub enum BackendError {
     /// The request is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// The entity is full (`MaxSizeInMegabytes`): the send changed nothing.
+    #[error("{0}")]
+    QuotaExceeded(String),
     /// An entity or rule of that name exists.
     #[error("the messaging entity '{0}' already exists")]
     AlreadyExists(String),

@@ -39,6 +39,7 @@ fn map_err(e: Error) -> BackendError {
         Error::SessionCannotBeLocked(s) => BackendError::SessionCannotBeLocked(s),
         Error::EntityNotFound(p) => BackendError::EntityNotFound(p),
         Error::EntityAlreadyExists(p) => BackendError::AlreadyExists(p),
+        e @ Error::QuotaExceeded { .. } => BackendError::QuotaExceeded(e.to_string()),
         Error::MessageNotFound(n) => {
             BackendError::MessageNotFound(format!("no message with sequence number {n}"))
         }
@@ -74,28 +75,40 @@ fn split_subscription(path: &str) -> Result<(&str, &str), BackendError> {
 
 /// Completes many locks in one broker command (one durable write); when that fails (it is all
 /// or nothing), one by one, so each lock gets its own answer.
-async fn complete_many(broker: &Broker, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {
-    if locks.len() > 1 && broker.complete_many(&locks).await.is_ok() {
+/// Completes locks taken from `entity`: a lock token of another entity settles nothing there
+/// (a client holding a token of one queue cannot settle through another queue's link).
+async fn complete_many(
+    broker: &Broker,
+    entity: &str,
+    locks: Vec<LockToken>,
+) -> Vec<Result<(), BackendError>> {
+    if locks.len() > 1 && broker.complete_in(entity, &locks).await.is_ok() {
         return locks.iter().map(|_| Ok(())).collect();
     }
     let mut out = Vec::with_capacity(locks.len());
     for lock in locks {
-        out.push(broker.complete(lock).await.map_err(map_err));
+        out.push(broker.complete_in(entity, &[lock]).await.map_err(map_err));
     }
     out
 }
 
-async fn settle(broker: &Broker, lock: LockToken, how: Settlement) -> Result<(), BackendError> {
+/// Settles a lock taken from `entity` (see [`complete_many`]).
+async fn settle(
+    broker: &Broker,
+    entity: &str,
+    lock: LockToken,
+    how: Settlement,
+) -> Result<(), BackendError> {
     match how {
-        Settlement::Complete => broker.complete(lock).await,
-        Settlement::Abandon(p) => broker.abandon(lock, p).await,
-        Settlement::Defer(p) => broker.defer(lock, p).await,
+        Settlement::Complete => broker.complete_in(entity, &[lock]).await,
+        Settlement::Abandon(p) => broker.abandon_in(entity, lock, p).await,
+        Settlement::Defer(p) => broker.defer_in(entity, lock, p).await,
         Settlement::DeadLetter { reason, description, properties } => {
             let why =
                 DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
-            broker.dead_letter(lock, why, properties).await
+            broker.dead_letter_in(entity, lock, why, properties).await
         }
-        Settlement::Release => broker.release(lock).await,
+        Settlement::Release => broker.release_in(entity, lock).await,
     }
     .map_err(map_err)
 }
@@ -211,23 +224,23 @@ impl Backend for Broker {
 
     async fn settle(
         &self,
-        _entity: &str,
+        entity: &str,
         lock: LockToken,
         how: Settlement,
     ) -> Result<(), BackendError> {
-        settle(self, lock, how).await
+        settle(self, entity, lock, how).await
     }
 
     async fn complete_many(
         &self,
-        _entity: &str,
+        entity: &str,
         locks: Vec<LockToken>,
     ) -> Vec<Result<(), BackendError>> {
-        complete_many(self, locks).await
+        complete_many(self, entity, locks).await
     }
 
-    async fn renew_lock(&self, _entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
-        Broker::renew_lock(self, lock).await.map_err(map_err)
+    async fn renew_lock(&self, entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
+        Broker::renew_lock_in(self, entity, lock).await.map_err(map_err)
     }
 
     async fn peek(
@@ -256,6 +269,7 @@ impl Backend for Broker {
         };
         Ok(accepted.map(|s| BrokerSession {
             broker: self.clone(),
+            entity: entity.to_owned(),
             id: s.session_id().clone(),
             locked_until: std::sync::atomic::AtomicI64::new(s.locked_until().as_millis()),
             inner: RwLock::new(Some(s)),
@@ -352,6 +366,8 @@ impl Backend for Broker {
 #[derive(Debug)]
 pub struct BrokerSession {
     broker: Broker,
+    /// The queue or subscription the session belongs to: its settlements are scoped to it.
+    entity: String,
     id: SessionId,
     locked_until: std::sync::atomic::AtomicI64,
     // The broker's session is consumed by `close`; a lock lets `close(&self)` take it while
@@ -396,14 +412,14 @@ impl BackendSession for BrokerSession {
         if self.inner.read().await.is_none() {
             return Err(BackendError::SessionLockLost);
         }
-        settle(&self.broker, lock, how).await
+        settle(&self.broker, &self.entity, lock, how).await
     }
 
     async fn complete_many(&self, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {
         if self.inner.read().await.is_none() {
             return locks.iter().map(|_| Err(BackendError::SessionLockLost)).collect();
         }
-        complete_many(&self.broker, locks).await
+        complete_many(&self.broker, &self.entity, locks).await
     }
 
     async fn check_lock(&self) -> Result<(), BackendError> {

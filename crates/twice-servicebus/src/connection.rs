@@ -89,6 +89,8 @@ pub(crate) fn backend_error(e: &BackendError) -> AmqpError {
         BackendError::MessageNotFound(_) => cond::MESSAGE_NOT_FOUND,
         BackendError::Invalid(_) => cond::ARGUMENT,
         BackendError::AlreadyExists(_) => cond::ALREADY_EXISTS,
+        // The condition the SDKs turn into their quota-exceeded error.
+        BackendError::QuotaExceeded(_) => cond::RESOURCE_LIMIT,
         BackendError::MessageSizeExceeded(_) => cond::MESSAGE_SIZE,
         BackendError::Unsupported(_) => cond::NOT_IMPLEMENTED,
         BackendError::Unavailable(_) => cond::INTERNAL,
