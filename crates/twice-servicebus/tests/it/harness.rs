@@ -31,6 +31,7 @@ pub fn standard_config() -> Config {
         r#"{"Name":"dupq","Properties":{"RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT1M"}}"#
             .to_owned(),
     );
+    queues.push(r#"{"Name":"quotaq","Properties":{"MaxSizeInMegabytes":1}}"#.to_owned());
     let json = format!(
         r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}},{{"Name":"topic3","Subscriptions":[{{"Name":"sql"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,
         queues.join(",")

@@ -245,6 +245,26 @@ test("SQL rules filter, their actions change a copy, and a taken name is refused
   await receiver.close();
 });
 
+test("a full queue refuses sends with QuotaExceeded and takes them again once drained", async () => {
+  const sender = client.createSender("quotaq");
+  const big = "x".repeat(200 * 1024);
+  let sent = 0;
+  await assert.rejects(
+    (async () => {
+      for (; sent < 10; sent++) await sender.sendMessages({ body: big });
+    })(),
+    (e) => e.code === "QuotaExceeded",
+  );
+  assert.ok(sent >= 4 && sent <= 5, `sent ${sent} before the 1 MB quota`);
+  const receiver = client.createReceiver("quotaq", { receiveMode: "receiveAndDelete" });
+  const got = await receiveAll(receiver, sent);
+  assert.equal(got.length, sent);
+  await sender.sendMessages({ body: big });
+  await sender.close();
+  assert.equal((await receiveAll(receiver, 1)).length, 1);
+  await receiver.close();
+});
+
 test("unknown entity is MessagingEntityNotFound", async () => {
   const sender = client.createSender("no-such-queue");
   await assert.rejects(sender.sendMessages({ body: "x" }), (e) => e.code === "MessagingEntityNotFound");
