@@ -186,7 +186,7 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
                 .next_block()
                 .map_err(|e| storage_error(scan_error(dir, id)(ScanError::Io(e))))?
             {
-                Scanned::Block { offset, body, records } => {
+                Scanned::Block { offset, body, records, .. } => {
                     report.commits += 1;
                     report.records += records.len() as u64;
                     if !replaying {

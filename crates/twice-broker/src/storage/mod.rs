@@ -375,6 +375,8 @@ impl Log {
             segments: segments.iter().map(|(&id, s)| (id, s.file.clone())).collect(),
             last_end: active_len,
             current: None,
+            previous: None,
+            gap: None,
         };
         let durable = DurableWatch { rx: shared.durable.subscribe(), shared: shared.clone() };
         let mut log = Log {
@@ -836,6 +838,13 @@ pub(crate) struct Replay {
     /// The valid length of the newest segment, as found by [`Log::open`].
     last_end: u64,
     current: Option<ReplaySegment>,
+    /// The segment replayed before the current one: its id, its end, and the number of its
+    /// last commit (or the one before its first, when it holds none).
+    previous: Option<(u64, u64, u64)>,
+    /// Commits missing between two segments: the segment they should have ended, its end, and
+    /// the first missing commit number. They are refused once a later block proves one of them
+    /// was durable.
+    gap: Option<(u64, u64, u64)>,
 }
 
 #[derive(Debug)]
@@ -863,16 +872,24 @@ impl Replay {
                     ScanError::Storage(e) => e,
                     ScanError::Io(e) => StorageError::Io { path: path.clone(), source: e },
                 })?;
+                self.note_gap(scan.header.first_seq);
                 self.current = Some(ReplaySegment { scan, records: VecDeque::new() });
                 continue;
             };
             let id = cur.scan.id;
+            let first_of_segment = cur.scan.last_seq().is_none();
             let next = cur.scan.next_block().map_err(|e| StorageError::Io {
                 path: self.dir.join(format::segment_file_name(id)),
                 source: e,
             })?;
+            let seq = cur.scan.last_seq().unwrap_or(0);
             match next {
-                Scanned::Block { offset, body, records, .. } => {
+                Scanned::Block { offset, body, records, watermark } => {
+                    if first_of_segment {
+                        self.note_gap(seq);
+                    }
+                    self.check_gap(watermark)?;
+                    let Some(cur) = self.current.as_mut() else { return Ok(None) };
                     let body_at = offset + BLOCK_LEN;
                     cur.records.extend(records.into_iter().map(|(at, len)| {
                         let start = at + usize::try_from(FRAME_LEN).unwrap_or(8);
@@ -883,7 +900,12 @@ impl Replay {
                         }
                     }));
                 }
-                Scanned::End => self.current = None,
+                Scanned::End => {
+                    let last = cur.scan.last_seq();
+                    let floor = cur.scan.header.first_seq.saturating_sub(1);
+                    self.previous = Some((id, cur.scan.end(), last.unwrap_or(floor)));
+                    self.current = None;
+                }
                 Scanned::Damaged { at, .. } => {
                     // Stop here for good: a replay that went on would skip acknowledged data.
                     self.segments.clear();
@@ -892,6 +914,34 @@ impl Replay {
                 }
             }
         }
+    }
+}
+
+impl Replay {
+    /// Notes the commits missing before a segment whose first commit is `seq` (or can be no
+    /// lower than `seq`): commits are numbered across the whole log and each one writes to the
+    /// active segment, so a gap means the segment before lost its last blocks. That is either
+    /// a cut at a block boundary (damage, which its own scan cannot see) or commits that never
+    /// became durable before a power loss (a torn tail, harmless): [`Replay::check_gap`] tells
+    /// them apart.
+    fn note_gap(&mut self, seq: u64) {
+        let Some((before, end, last)) = self.previous else { return };
+        if self.gap.is_none() && seq > last.saturating_add(1) {
+            self.gap = Some((before, end, last.saturating_add(1)));
+        }
+    }
+
+    /// Refuses the log once a block written after a gap says a missing commit was durable
+    /// (its watermark covers it): acknowledged data is gone, and replay must not skip it.
+    fn check_gap(&mut self, watermark: u64) -> Result<(), StorageError> {
+        let Some((segment, offset, missing)) = self.gap else { return Ok(()) };
+        if watermark < missing {
+            return Ok(());
+        }
+        tracing::error!(segment, offset, "log segment lost commits that were durable");
+        self.segments.clear();
+        self.current = None;
+        Err(StorageError::Corrupt { segment, offset })
     }
 }
 

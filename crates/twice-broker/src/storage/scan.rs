@@ -34,6 +34,8 @@ pub(crate) enum Scanned {
         /// Its body; the records are `(offset in body, payload length)`.
         body: Bytes,
         records: Vec<(usize, u32)>,
+        /// Every commit up to this number was durable when the block was written.
+        watermark: u64,
     },
     /// The end of the segment, right after a complete block (or the header).
     End,
@@ -60,6 +62,11 @@ impl SegmentScan {
         let header = SegmentHeader::decode(id, &h)?;
         let reader = BufReader::with_capacity(1 << 20, AtReader { file, pos: HEADER_LEN });
         Ok(SegmentScan { id, header, reader, pos: HEADER_LEN, end, prev: None })
+    }
+
+    /// Where the scan stops: the end of the segment's valid bytes.
+    pub(crate) fn end(&self) -> u64 {
+        self.end
     }
 
     /// The commit number of the last complete block read.
@@ -105,7 +112,8 @@ impl SegmentScan {
             Ok(records) => {
                 self.prev = Some(block.seq);
                 self.pos = offset + BLOCK_LEN + block.body_len;
-                Ok(Scanned::Block { offset, body: Bytes::from(body), records })
+                let watermark = block.watermark;
+                Ok(Scanned::Block { offset, body: Bytes::from(body), records, watermark })
             }
             Err(bad) => Ok(Scanned::Damaged {
                 block: offset,
