@@ -164,9 +164,12 @@ impl Fixture for Pg {
     }
     async fn lock_waiters(&self) -> Option<i64> {
         Some(
+            // An insert that meets an uncommitted row with its key waits for a share lock on
+            // the inserting transaction's id.
             self.count(
-                "SELECT COUNT(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE a.datname = current_database() AND l.locktype = 'transactionid' \
+                 AND NOT l.granted",
             )
             .await,
         )
