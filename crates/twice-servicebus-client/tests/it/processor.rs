@@ -21,6 +21,21 @@ struct OrderPlaced {
 
 const ORDERS: i64 = 20;
 
+/// The seed's shipping handler: one row per order, in the transaction that claimed the message.
+fn ship<'a>(
+    _ctx: Context<'a>,
+    order: OrderPlaced,
+    tx: &'a mut sqlx::Transaction<'static, sqlx::Postgres>,
+) -> futures::future::BoxFuture<'a, Result<Outcome, twice::HandlerError>> {
+    Box::pin(async move {
+        sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+            .bind(order.order_id)
+            .execute(&mut **tx)
+            .await?;
+        Ok(Outcome::Complete)
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_processor_ships_each_order_once_over_the_client_with_a_postgres_inbox() {
     let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
@@ -36,19 +51,7 @@ async fn the_processor_ships_each_order_once_over_the_client_with_a_postgres_inb
         SqlxInbox::new(pool.clone(), InboxOptions::new().business_key("shipments_order_id"))
             .await
             .unwrap();
-    let handler = json_fn(
-        |_ctx: Context<'_>,
-         order: OrderPlaced,
-         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>| {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
-                    .bind(order.order_id)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(Outcome::Complete)
-            })
-        },
-    );
+    let handler = json_fn(ship);
 
     let s = Serve::start().await;
     let client = s.client();
@@ -196,19 +199,7 @@ async fn the_processor_ships_each_order_once_across_a_broker_restart() {
     // No unique index: a second shipment of an order would show as a second row.
     sqlx::query("CREATE TABLE shipments (order_id BIGINT NOT NULL)").execute(&pool).await.unwrap();
     let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new()).await.unwrap();
-    let handler = json_fn(
-        |_ctx: Context<'_>,
-         order: OrderPlaced,
-         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>| {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
-                    .bind(order.order_id)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(Outcome::Complete)
-            })
-        },
-    );
+    let handler = json_fn(ship);
     let mut s = Serve::start().await;
     let client = s.client();
     let sender = StableIdSender::new(client.sender("q"));
