@@ -743,6 +743,9 @@ async fn two_copies<H: Harness, I: Inbox>(h: &H, inbox: &Arc<I>) -> Option<Strin
     let id = unique("twin");
     for _ in 0..2 {
         send(&e, Message::new(r#"{"sleep_ms":300}"#).with_message_id(id.as_str()), S).await;
+        // Further apart than the shortest duplicate window a broker that cannot turn detection
+        // off accepts (JetStream: 100 ms).
+        twice::SharedClock::system().sleep(Duration::from_millis(250)).await;
     }
     let p = start(Arc::clone(e.transport()), inbox, options(&unique("kit")));
     p.wait(S, |p| p.snapshot().completed >= 2).await;
