@@ -147,11 +147,21 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("opening the SQLite database {}", naive_path.display()))?;
         run_on::<Sqlite>(&args, &plan, &workdir, pool, naive_pool, tables, "sqlite").await?
     } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
-        let pool = Pool::<Postgres>::connect(&store).await.context("connecting to PostgreSQL")?;
+        // Both handlers share the pool: the processor needs a connection per concurrent call
+        // (it refuses to start with fewer), the naive handler as many again.
+        let pool = sqlx::pool::PoolOptions::<Postgres>::new()
+            .max_connections(u32::try_from(args.concurrency).unwrap_or(16) * 2 + 4)
+            .connect(&store)
+            .await
+            .context("connecting to PostgreSQL")?;
         run_on::<Postgres>(&args, &plan, &workdir, pool.clone(), pool, tables, "postgres").await?
     } else if store.starts_with("mysql://") || store.starts_with("mariadb://") {
         let url = store.replacen("mariadb://", "mysql://", 1);
-        let pool = Pool::<MySql>::connect(&url).await.context("connecting to MariaDB/MySQL")?;
+        let pool = sqlx::pool::PoolOptions::<MySql>::new()
+            .max_connections(u32::try_from(args.concurrency).unwrap_or(16) * 2 + 4)
+            .connect(&url)
+            .await
+            .context("connecting to MariaDB/MySQL")?;
         run_on::<MySql>(&args, &plan, &workdir, pool.clone(), pool, tables, "mysql").await?
     } else {
         bail!("unknown store {store:?}: use postgres://…, mysql://… or sqlite:PATH");
@@ -419,6 +429,15 @@ where
             clock.sleep(Duration::from_millis(300)).await;
             if naive_queue.unsettled().await? + twice_queue.unsettled().await? == 0 {
                 break;
+            }
+        }
+        if twice_task.is_finished() {
+            // The processor runs until the stop signal: ended before it, it failed (for
+            // example a pool too small for its concurrency). Say why instead of waiting.
+            match (&mut twice_task).await {
+                Ok(Err(e)) => bail!("the twice processor stopped: {e}"),
+                Err(e) if e.is_panic() => bail!("the twice processor panicked"),
+                _ => bail!("the twice processor stopped before the run ended"),
             }
         }
         if sender.is_finished() && !sent {
