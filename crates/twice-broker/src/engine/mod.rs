@@ -58,7 +58,9 @@
 //!   resubmitting give a new number in the receiving entity.
 //! - A message matching several rules of one subscription is copied to it once.
 //! - Scheduled messages stay in the queue or topic they were sent to until their time (so
-//!   they are cancelled by that entity's sequence number), then are forwarded or fanned out.
+//!   they are cancelled by that entity's sequence number), then take a new sequence number,
+//!   as in Service Bus, and are forwarded or fanned out: a scheduled message queues behind
+//!   every message sent before its time.
 //!   `schedule` is not subject to duplicate detection (it must return a number per message);
 //!   a `send` with a future `scheduled_enqueue_time` is.
 //! - A locked message whose time to live passes stays with its receiver, who may still

@@ -269,11 +269,20 @@ impl Model {
     }
 
     fn advance(&mut self, now: Timestamp) {
-        // Scheduled messages whose time came become active first, as in the engine.
-        for m in &mut self.msgs {
-            if m.state == MState::Scheduled && m.at.is_some_and(|at| at <= now) {
-                m.state = MState::Active;
-            }
+        // Scheduled messages whose time came become active first, as in the engine, in the
+        // order of their time, each with a new sequence number.
+        let mut due: Vec<usize> = (0..self.msgs.len())
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.state == MState::Scheduled && m.at.is_some_and(|at| at <= now)
+            })
+            .collect();
+        due.sort_by_key(|&i| (self.msgs[i].at, self.msgs[i].seq));
+        for i in due {
+            let seq = self.alloc(self.msgs[i].ent);
+            let m = &mut self.msgs[i];
+            m.state = MState::Active;
+            m.seq = seq;
         }
         for i in 0..self.msgs.len() {
             if let MState::Locked { until, .. } | MState::DeferredLocked { until, .. } =
