@@ -182,6 +182,27 @@ def test_schedule_and_cancel(client, advance):
         assert sorted(got) == [b"s3", b"s4"]
 
 
+def test_scheduled_message_takes_a_new_number_when_due(client, advance):
+    # As in Service Bus: a scheduled message queues behind what was sent before its time.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with client.get_queue_sender("q21") as s:
+        [scheduled] = s.schedule_messages(ServiceBusMessage(b"later"), now + datetime.timedelta(minutes=10))
+        s.send_messages(ServiceBusMessage(b"before"))
+    # The server's clock started with the wall clock and stood still since: a minute more
+    # than the schedule covers the seconds that passed.
+    advance(11 * 60 * 1000)
+    with client.get_queue_receiver("q21", max_wait_time=5) as r:
+        got = []
+        for _ in range(5):
+            for m in r.receive_messages(max_message_count=5, max_wait_time=2):
+                got.append((body(m), m.sequence_number))
+                r.complete_message(m)
+            if len(got) == 2:
+                break
+    assert [b for b, _ in got] == [b"before", b"later"]
+    assert got[1][1] > got[0][1] > scheduled
+
+
 def test_receive_and_delete(client):
     with client.get_queue_sender("q9") as s:
         s.send_messages([ServiceBusMessage(b"d1"), ServiceBusMessage(b"d2")])
