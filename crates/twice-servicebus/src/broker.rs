@@ -12,6 +12,7 @@ use twice_broker::config::{CorrelationFilter, EntityDefinition, Filter};
 use twice_broker::sql::{SqlAction, SqlFilter};
 use twice_broker::{Broker, Error};
 
+use crate::address::is_transfer_dead_letter;
 use crate::backend::{
     Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,
     Settlement,
@@ -195,6 +196,11 @@ impl Backend for Broker {
         max: usize,
         max_wait: Duration,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            // Nothing ever arrives: wait as a receive of an empty queue does.
+            tokio::time::sleep(max_wait).await;
+            return Ok(Vec::new());
+        }
         self.receive_with(entity, broker_mode(mode), max, max_wait).await.map_err(map_err)
     }
 
@@ -204,6 +210,9 @@ impl Backend for Broker {
         mode: ReceiveMode,
         sequence_numbers: Vec<SequenceNumber>,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if let (true, Some(s)) = (is_transfer_dead_letter(entity), sequence_numbers.first()) {
+            return Err(BackendError::MessageNotFound(s.get().to_string()));
+        }
         let got =
             Broker::receive_deferred(self, entity, &sequence_numbers).await.map_err(map_err)?;
         take_deferred(self, mode, got).await
@@ -211,22 +220,31 @@ impl Backend for Broker {
 
     async fn settle(
         &self,
-        _entity: &str,
+        entity: &str,
         lock: LockToken,
         how: Settlement,
     ) -> Result<(), BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Err(BackendError::LockLost);
+        }
         settle(self, lock, how).await
     }
 
     async fn complete_many(
         &self,
-        _entity: &str,
+        entity: &str,
         locks: Vec<LockToken>,
     ) -> Vec<Result<(), BackendError>> {
+        if is_transfer_dead_letter(entity) {
+            return locks.iter().map(|_| Err(BackendError::LockLost)).collect();
+        }
         complete_many(self, locks).await
     }
 
-    async fn renew_lock(&self, _entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
+    async fn renew_lock(&self, entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Err(BackendError::LockLost);
+        }
         Broker::renew_lock(self, lock).await.map_err(map_err)
     }
 
@@ -237,6 +255,9 @@ impl Backend for Broker {
         from: SequenceNumber,
         max: usize,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Ok(Vec::new());
+        }
         match session {
             Some(s) => self.peek_session(entity, &s, from, max).await,
             None => Broker::peek(self, entity, from, max).await,
