@@ -614,9 +614,7 @@ impl Engine {
         seq: i64,
     ) -> Result<(), Error> {
         match self.meta(six, seq) {
-            Some(m) if m.expires <= now && matches!(m.state, St::Available | St::Deferred) => {
-                self.expire(now, six, seq)
-            }
+            Some(m) if m.expires <= now && m.state == St::Available => self.expire(now, six, seq),
             _ => Ok(()),
         }
     }

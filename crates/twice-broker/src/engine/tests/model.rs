@@ -231,11 +231,18 @@ impl Model {
         m.state = MState::Active;
     }
 
+    /// An available message past its time to live expires; a deferred one waits for a
+    /// receive to try it ([`Model::expire`]).
     fn expire_if_due(&mut self, i: usize, now: Timestamp) {
-        let m = &mut self.msgs[i];
-        if m.dlq || !m.expired(now) || !matches!(m.state, MState::Active | MState::Deferred) {
+        let m = &self.msgs[i];
+        if m.dlq || !m.expired(now) || m.state != MState::Active {
             return;
         }
+        self.expire(i);
+    }
+
+    fn expire(&mut self, i: usize) {
+        let m = &mut self.msgs[i];
         match m.ent {
             // Queue q dead-letters expired messages; queue s drops them.
             Ent::Q => self.dead_letter(i),
@@ -771,6 +778,13 @@ impl Sim {
             {
                 let got = got.unwrap_or_else(|err| self.fail(&format!("receive deferred: {err}")));
                 self.take(r, vec![i], &got, ReceiveMode::PeekLock, None);
+            }
+            Some(i) if self.model.msgs[i].state == MState::Deferred => {
+                // Past its time to live: the receive expires it and finds nothing.
+                self.model.expire(i);
+                if !matches!(got, Err(Error::MessageNotFound(s)) if s == seq) {
+                    self.fail(&format!("receive expired deferred {seq}: {got:?}"));
+                }
             }
             _ => {
                 if !matches!(got, Err(Error::MessageNotFound(s)) if s == seq) {
