@@ -15,7 +15,7 @@ use twice_servicebus::{Server, ServerOptions};
 
 /// The entities every SDK suite may use, in the official emulator's `Config.json` form.
 pub fn standard_config() -> Config {
-    let mut queues: Vec<String> = (1..=22)
+    let mut queues: Vec<String> = (1..=23)
         .map(|i| {
             format!(
                 r#"{{"Name":"q{i}","Properties":{{"LockDuration":"PT1M","MaxDeliveryCount":10}}}}"#

@@ -9,11 +9,13 @@ from azure.servicebus import (
     NEXT_AVAILABLE_SESSION,
     ServiceBusClient,
     ServiceBusMessage,
+    ServiceBusMessageState,
     ServiceBusReceiveMode,
     ServiceBusSubQueue,
 )
 from azure.servicebus.exceptions import (
     MessageLockLostError,
+    MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
     OperationTimeoutError,
@@ -368,6 +370,25 @@ def test_ttl_expiry(client, advance):
     advance(31 * 1000)
     with client.get_queue_receiver("q13", max_wait_time=1) as r:
         assert r.receive_messages(max_message_count=1, max_wait_time=1) == []
+
+
+def test_expired_deferred_message_waits_for_a_receive(client, advance):
+    # As in Service Bus: a deferred message past its time to live stays deferred until a
+    # receive by its sequence number tries it; then it expires and is not found.
+    with client.get_queue_sender("q23") as s:
+        s.send_messages(ServiceBusMessage(b"deferred", time_to_live=datetime.timedelta(seconds=30)))
+    with client.get_queue_receiver("q23", max_wait_time=5) as r:
+        [m] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        seq = m.sequence_number
+        r.defer_message(m)
+    advance(31 * 1000)
+    with client.get_queue_receiver("q23", max_wait_time=1) as r:
+        [p] = r.peek_messages(max_message_count=5, sequence_number=seq)
+        assert p.sequence_number == seq
+        assert p.state == ServiceBusMessageState.DEFERRED
+        with pytest.raises(MessageNotFoundError):
+            r.receive_deferred_messages([seq])
+        assert r.peek_messages(max_message_count=5, sequence_number=seq) == []
 
 
 def test_unknown_entity(client):
