@@ -121,6 +121,19 @@ async fn take_deferred(
     Ok(out)
 }
 
+/// Schedules messages that share one time; a message without a time is sent as it is.
+async fn schedule_batch(
+    broker: &Broker,
+    entity: &str,
+    messages: Vec<Message>,
+    at: Option<Timestamp>,
+) -> Result<Vec<SequenceNumber>, BackendError> {
+    match at {
+        Some(at) => Broker::schedule(broker, entity, messages, at).await.map_err(map_err),
+        None => Backend::send(broker, entity, messages).await,
+    }
+}
+
 impl Backend for Broker {
     type Session = BrokerSession;
 
@@ -179,6 +192,31 @@ impl Backend for Broker {
         let outcomes = self.send_batch(entity, messages).await.map_err(map_err)?;
         // A duplicate has no number of its own; it is reported as 0, which no message has.
         Ok(outcomes.iter().map(|o| o.sequence_number().unwrap_or(SequenceNumber::new(0))).collect())
+    }
+
+    async fn schedule(
+        &self,
+        entity: &str,
+        messages: Vec<Message>,
+    ) -> Result<Vec<SequenceNumber>, BackendError> {
+        // The broker schedules a batch for one time: consecutive messages with the same time
+        // go together, so the usual call (one time for all) is one command.
+        let mut out = Vec::with_capacity(messages.len());
+        let mut batch: Vec<Message> = Vec::new();
+        let mut batch_at = None;
+        for m in messages {
+            if m.scheduled_enqueue_time != batch_at && !batch.is_empty() {
+                out.extend(
+                    schedule_batch(self, entity, std::mem::take(&mut batch), batch_at).await?,
+                );
+            }
+            batch_at = m.scheduled_enqueue_time;
+            batch.push(m);
+        }
+        if !batch.is_empty() {
+            out.extend(schedule_batch(self, entity, batch, batch_at).await?);
+        }
+        Ok(out)
     }
 
     async fn cancel_scheduled(

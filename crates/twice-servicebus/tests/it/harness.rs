@@ -27,10 +27,11 @@ pub fn standard_config() -> Config {
             r#"{{"Name":"sessq{i}","Properties":{{"RequiresSession":true,"LockDuration":"PT1M"}}}}"#
         )
     }));
-    queues.push(
-        r#"{"Name":"dupq","Properties":{"RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT1M"}}"#
-            .to_owned(),
-    );
+    queues.extend(["dupq", "dupq2"].map(|name| {
+        format!(
+            r#"{{"Name":"{name}","Properties":{{"RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT1M"}}}}"#
+        )
+    }));
     let json = format!(
         r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}},{{"Name":"topic3","Subscriptions":[{{"Name":"sql"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,
         queues.join(",")

@@ -186,40 +186,44 @@ def test_schedule_and_cancel(client, advance):
 
 def test_scheduled_message_takes_a_new_number_when_due(client, advance):
     # As in Service Bus: a scheduled message queues behind what was sent before its time.
-    now = datetime.datetime.now(datetime.timezone.utc)
+    # The server's clock stands still between advances and earlier tests moved it: a probe's
+    # enqueued time tells where it is.
     with client.get_queue_sender("q21") as s:
-        [scheduled] = s.schedule_messages(ServiceBusMessage(b"later"), now + datetime.timedelta(minutes=10))
-        s.send_messages(ServiceBusMessage(b"before"))
-    # The server's clock started with the wall clock and stood still since: a minute more
-    # than the schedule covers the seconds that passed.
-    advance(11 * 60 * 1000)
+        s.send_messages(ServiceBusMessage(b"probe"))
     with client.get_queue_receiver("q21", max_wait_time=5) as r:
-        got = []
-        for _ in range(5):
-            for m in r.receive_messages(max_message_count=5, max_wait_time=2):
-                got.append((body(m), m.sequence_number))
-                r.complete_message(m)
-            if len(got) == 2:
-                break
+        [probe] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        server_now = probe.enqueued_time_utc
+        r.complete_message(probe)
+    with client.get_queue_sender("q21") as s:
+        [scheduled] = s.schedule_messages(ServiceBusMessage(b"later"), server_now + datetime.timedelta(minutes=10))
+        s.send_messages(ServiceBusMessage(b"before"))
+    advance(10 * 60 * 1000)
+    try:
+        with client.get_queue_receiver("q21", max_wait_time=5) as r:
+            got = []
+            for _ in range(5):
+                for m in r.receive_messages(max_message_count=5, max_wait_time=2):
+                    got.append((body(m), m.sequence_number))
+                    r.complete_message(m)
+                if len(got) == 2:
+                    break
+    finally:
+        advance(-10 * 60 * 1000)
     assert [b for b, _ in got] == [b"before", b"later"]
     assert got[1][1] > got[0][1] > scheduled
 
 
-def test_transfer_dead_letter_queue_attaches_and_is_empty(client):
-    # twice does not forward across namespaces, so nothing is ever dead-lettered in transfer;
-    # the queue exists, as in Service Bus, and holds none of the dead-letter queue's messages.
-    with client.get_queue_sender("q22") as s:
-        s.send_messages(ServiceBusMessage(b"poison"))
-    with client.get_queue_receiver("q22", max_wait_time=5) as r:
-        [m] = r.receive_messages(max_message_count=1, max_wait_time=5)
-        r.dead_letter_message(m, reason="bad")
-    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.TRANSFER_DEAD_LETTER, max_wait_time=1) as t:
-        assert t.peek_messages(max_message_count=10) == []
-        assert t.receive_messages(max_message_count=10, max_wait_time=1) == []
-    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.DEAD_LETTER, max_wait_time=5) as d:
-        [m] = d.receive_messages(max_message_count=1, max_wait_time=5)
-        assert body(m) == b"poison"
-        d.complete_message(m)
+def test_scheduling_a_message_id_twice_returns_two_real_numbers(client):
+    # Scheduling answers with a number for every message, even on a duplicate-detecting queue
+    # (the number cancels it), as Service Bus does.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with client.get_queue_sender("dupq2") as s:
+        at = now + datetime.timedelta(days=1)
+        first = s.schedule_messages(ServiceBusMessage(b"a", message_id="same"), at)
+        second = s.schedule_messages(ServiceBusMessage(b"b", message_id="same"), at)
+        assert len(first) == 1 and len(second) == 1
+        assert first[0] > 0 and second[0] > 0 and first[0] != second[0]
+        s.cancel_scheduled_messages(first + second)
 
 
 def test_receive_and_delete(client):
