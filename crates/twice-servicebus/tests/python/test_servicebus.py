@@ -226,6 +226,23 @@ def test_scheduling_a_message_id_twice_returns_two_real_numbers(client):
         s.cancel_scheduled_messages(first + second)
 
 
+def test_transfer_dead_letter_queue_attaches_and_is_empty(client):
+    # twice does not forward across namespaces, so nothing is ever dead-lettered in transfer;
+    # the queue exists, as in Service Bus, and holds none of the dead-letter queue's messages.
+    with client.get_queue_sender("q22") as s:
+        s.send_messages(ServiceBusMessage(b"poison"))
+    with client.get_queue_receiver("q22", max_wait_time=5) as r:
+        [m] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        r.dead_letter_message(m, reason="bad")
+    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.TRANSFER_DEAD_LETTER, max_wait_time=1) as t:
+        assert t.peek_messages(max_message_count=10) == []
+        assert t.receive_messages(max_message_count=10, max_wait_time=1) == []
+    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.DEAD_LETTER, max_wait_time=5) as d:
+        [m] = d.receive_messages(max_message_count=1, max_wait_time=5)
+        assert body(m) == b"poison"
+        d.complete_message(m)
+
+
 def test_receive_and_delete(client):
     with client.get_queue_sender("q9") as s:
         s.send_messages([ServiceBusMessage(b"d1"), ServiceBusMessage(b"d2")])
