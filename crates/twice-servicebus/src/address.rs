@@ -46,6 +46,13 @@ pub fn dead_letter_parent(path: &str) -> Option<&str> {
     path.strip_suffix("/$deadletterqueue").map(|p| p.strip_suffix("/$transfer").unwrap_or(p))
 }
 
+/// Whether a normalised path is a transfer dead-letter queue (`<entity>/$transfer/$deadletterqueue`).
+/// twice forwards only within its one namespace, where a transfer never fails, so this queue
+/// exists for every queue and subscription and is always empty.
+pub fn is_transfer_dead_letter(path: &str) -> bool {
+    path.ends_with("/$transfer/$deadletterqueue")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +83,8 @@ mod tests {
         assert_eq!(dead_letter_parent("q1/$deadletterqueue"), Some("q1"));
         assert_eq!(dead_letter_parent("q1/$transfer/$deadletterqueue"), Some("q1"));
         assert_eq!(dead_letter_parent("q1"), None);
+        assert!(is_transfer_dead_letter("q1/$transfer/$deadletterqueue"));
+        assert!(is_transfer_dead_letter("t/subscriptions/s/$transfer/$deadletterqueue"));
+        assert!(!is_transfer_dead_letter("q1/$deadletterqueue"));
     }
 }

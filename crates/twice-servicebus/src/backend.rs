@@ -291,6 +291,17 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         messages: Vec<Message>,
     ) -> impl Future<Output = Result<Vec<SequenceNumber>, BackendError>> + Send;
 
+    /// Schedules messages (each carries its `scheduled_enqueue_time`); returns a sequence
+    /// number for every one, since the number is what cancels it: scheduling is not subject to
+    /// duplicate detection. The default sends them.
+    fn schedule(
+        &self,
+        entity: &str,
+        messages: Vec<Message>,
+    ) -> impl Future<Output = Result<Vec<SequenceNumber>, BackendError>> + Send {
+        self.send(entity, messages)
+    }
+
     /// Cancels scheduled messages.
     fn cancel_scheduled(
         &self,

@@ -12,6 +12,7 @@ use twice_broker::config::{CorrelationFilter, EntityDefinition, Filter};
 use twice_broker::sql::{SqlAction, SqlFilter};
 use twice_broker::{Broker, Error};
 
+use crate::address::is_transfer_dead_letter;
 use crate::backend::{
     Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,
     Settlement,
@@ -133,6 +134,19 @@ async fn take_deferred(
     Ok(out)
 }
 
+/// Schedules messages that share one time; a message without a time is sent as it is.
+async fn schedule_batch(
+    broker: &Broker,
+    entity: &str,
+    messages: Vec<Message>,
+    at: Option<Timestamp>,
+) -> Result<Vec<SequenceNumber>, BackendError> {
+    match at {
+        Some(at) => Broker::schedule(broker, entity, messages, at).await.map_err(map_err),
+        None => Backend::send(broker, entity, messages).await,
+    }
+}
+
 impl Backend for Broker {
     type Session = BrokerSession;
 
@@ -193,6 +207,31 @@ impl Backend for Broker {
         Ok(outcomes.iter().map(|o| o.sequence_number().unwrap_or(SequenceNumber::new(0))).collect())
     }
 
+    async fn schedule(
+        &self,
+        entity: &str,
+        messages: Vec<Message>,
+    ) -> Result<Vec<SequenceNumber>, BackendError> {
+        // The broker schedules a batch for one time: consecutive messages with the same time
+        // go together, so the usual call (one time for all) is one command.
+        let mut out = Vec::with_capacity(messages.len());
+        let mut batch: Vec<Message> = Vec::new();
+        let mut batch_at = None;
+        for m in messages {
+            if m.scheduled_enqueue_time != batch_at && !batch.is_empty() {
+                out.extend(
+                    schedule_batch(self, entity, std::mem::take(&mut batch), batch_at).await?,
+                );
+            }
+            batch_at = m.scheduled_enqueue_time;
+            batch.push(m);
+        }
+        if !batch.is_empty() {
+            out.extend(schedule_batch(self, entity, batch, batch_at).await?);
+        }
+        Ok(out)
+    }
+
     async fn cancel_scheduled(
         &self,
         entity: &str,
@@ -208,6 +247,11 @@ impl Backend for Broker {
         max: usize,
         max_wait: Duration,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            // Nothing ever arrives: wait as a receive of an empty queue does.
+            tokio::time::sleep(max_wait).await;
+            return Ok(Vec::new());
+        }
         self.receive_with(entity, broker_mode(mode), max, max_wait).await.map_err(map_err)
     }
 
@@ -217,6 +261,9 @@ impl Backend for Broker {
         mode: ReceiveMode,
         sequence_numbers: Vec<SequenceNumber>,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if let (true, Some(s)) = (is_transfer_dead_letter(entity), sequence_numbers.first()) {
+            return Err(BackendError::MessageNotFound(s.get().to_string()));
+        }
         let got =
             Broker::receive_deferred(self, entity, &sequence_numbers).await.map_err(map_err)?;
         take_deferred(self, mode, got).await
@@ -228,6 +275,9 @@ impl Backend for Broker {
         lock: LockToken,
         how: Settlement,
     ) -> Result<(), BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Err(BackendError::LockLost);
+        }
         settle(self, entity, lock, how).await
     }
 
@@ -236,10 +286,16 @@ impl Backend for Broker {
         entity: &str,
         locks: Vec<LockToken>,
     ) -> Vec<Result<(), BackendError>> {
+        if is_transfer_dead_letter(entity) {
+            return locks.iter().map(|_| Err(BackendError::LockLost)).collect();
+        }
         complete_many(self, entity, locks).await
     }
 
     async fn renew_lock(&self, entity: &str, lock: LockToken) -> Result<Timestamp, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Err(BackendError::LockLost);
+        }
         Broker::renew_lock_in(self, entity, lock).await.map_err(map_err)
     }
 
@@ -250,6 +306,9 @@ impl Backend for Broker {
         from: SequenceNumber,
         max: usize,
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
+        if is_transfer_dead_letter(entity) {
+            return Ok(Vec::new());
+        }
         match session {
             Some(s) => self.peek_session(entity, &s, from, max).await,
             None => Broker::peek(self, entity, from, max).await,

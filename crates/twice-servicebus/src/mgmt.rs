@@ -406,7 +406,7 @@ async fn run<B: Backend>(
                 messages.push(m);
             }
             let n = u64::try_from(messages.len()).unwrap_or(0);
-            let seqs = backend.send(entity, messages).await.map_err(|e| Status::backend(&e))?;
+            let seqs = backend.schedule(entity, messages).await.map_err(|e| Status::backend(&e))?;
             ctx.metrics.add(entity, Counter::Send, n);
             Ok(Status::ok(Value::Map(vec![(
                 Value::string("sequence-numbers"),

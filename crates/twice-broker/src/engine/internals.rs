@@ -614,9 +614,7 @@ impl Engine {
         seq: i64,
     ) -> Result<(), Error> {
         match self.meta(six, seq) {
-            Some(m) if m.expires <= now && matches!(m.state, St::Available | St::Deferred) => {
-                self.expire(now, six, seq)
-            }
+            Some(m) if m.expires <= now && m.state == St::Available => self.expire(now, six, seq),
             _ => Ok(()),
         }
     }
@@ -761,7 +759,9 @@ impl Engine {
     }
 
     /// A scheduled message reached its time: it becomes available, or is routed (a topic's
-    /// to its subscriptions, a forwarding queue's to its target).
+    /// to its subscriptions, a forwarding queue's to its target). Either way it takes a new
+    /// sequence number, as in Service Bus, so it queues behind every message sent before this
+    /// moment rather than ahead of them.
     pub(super) fn activate(&mut self, now: Timestamp, six: StoreIx, seq: i64) -> Result<(), Error> {
         let Some(m) = self.meta(six, seq) else { return Ok(()) };
         if m.state != St::Scheduled {
@@ -770,16 +770,20 @@ impl Engine {
         let key = self.key(six)?;
         let Some(e) = self.ent(six.slot()) else { return Ok(()) };
         let routes = e.is_topic() || self.forward_target(e.forward_to()).is_some();
+        let mut router = Router::new(now);
+        let new_seq = router.alloc(self, six.slot());
         if !routes {
-            let dc = m.delivery_count;
-            self.emit(Record::Updated {
+            let to = vec![Placement {
                 store: key,
-                sequence: seq,
-                delivery_count: dc,
+                sequence: new_seq,
+                enqueued: m.enqueued,
+                expires: (m.expires != Timestamp::MAX).then_some(m.expires),
+                delivery_count: m.delivery_count,
                 state: PlacedState::Active,
-                properties: None,
-            })?;
-            return self.expire_if_due(now, six, seq);
+                extra: m.extra.as_deref().cloned().map(Box::new),
+            }];
+            self.emit(Record::Moved { from: key, sequence: seq, to })?;
+            return self.expire_if_due(now, six, new_seq);
         }
         let message = self.aux.bodies.message(m.body);
         let item = Item {
@@ -790,9 +794,8 @@ impl Engine {
             extra: m.extra.as_deref().cloned(),
             enqueued: None,
         };
-        let mut router = Router::new(now);
         let mut to = Vec::new();
-        self.land(&mut router, six.slot(), seq, 0, &item, &mut to);
+        self.land(&mut router, six.slot(), new_seq, 0, &item, &mut to);
         self.emit(Record::Moved { from: key, sequence: seq, to })
     }
 

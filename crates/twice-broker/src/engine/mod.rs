@@ -58,11 +58,15 @@
 //!   resubmitting give a new number in the receiving entity.
 //! - A message matching several rules of one subscription is copied to it once.
 //! - Scheduled messages stay in the queue or topic they were sent to until their time (so
-//!   they are cancelled by that entity's sequence number), then are forwarded or fanned out.
+//!   they are cancelled by that entity's sequence number), then take a new sequence number,
+//!   as in Service Bus, and are forwarded or fanned out: a scheduled message queues behind
+//!   every message sent before its time.
 //!   `schedule` is not subject to duplicate detection (it must return a number per message);
 //!   a `send` with a future `scheduled_enqueue_time` is.
 //! - A locked message whose time to live passes stays with its receiver, who may still
 //!   complete it; it expires when its lock ends.
+//! - A deferred message whose time to live passes stays deferred until a receive by its
+//!   sequence number tries it; that receive expires it and finds no message.
 //! - Releasing a session (or losing its lock) counts a delivery for each message still locked
 //!   in it, as an abandon would. Renewing the lock of a session message renews the session.
 //!   Accept-next takes the free session whose oldest available message is oldest.
@@ -743,6 +747,28 @@ impl Engine {
             }
             (None, None) => None,
         };
+        // A deferred message's time to live is checked only now, when a receive tries it (as
+        // in Service Bus): one that passed it expires, and is not found.
+        let expired: Vec<i64> = sequence_numbers
+            .iter()
+            .map(|s| s.get())
+            .filter(|&seq| {
+                store.msgs.get(seq).is_some_and(|m| {
+                    m.state == St::Deferred
+                        && m.expires <= now
+                        && held.is_none_or(|(_, sid)| m.session == sid)
+                })
+            })
+            .collect();
+        if !expired.is_empty() && !six.is_dlq() {
+            for &seq in &expired {
+                self.expire(now, six, seq)?;
+            }
+            self.pump(now);
+            return Err(Error::MessageNotFound(expired[0]));
+        }
+        let store =
+            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
         let mut seqs = Vec::with_capacity(sequence_numbers.len());
         for s in sequence_numbers {
             let seq = s.get();
@@ -763,7 +789,8 @@ impl Engine {
     }
 
     /// Browses messages from a sequence number on, without locking: available, locked,
-    /// deferred and scheduled ones (not expired ones). On a session entity, `session` limits
+    /// deferred and scheduled ones (not expired ones, except deferred ones, which expire only
+    /// when a receive tries them). On a session entity, `session` limits
     /// it to one session (that filter scans the store).
     pub(crate) fn peek(
         &self,
@@ -787,7 +814,10 @@ impl Engine {
         Ok(store
             .msgs
             .range_from(from.get())
-            .filter(|(_, m)| m.expires > now && sid.is_none_or(|sid| m.session == sid))
+            .filter(|(_, m)| {
+                (m.expires > now || m.state == St::Deferred)
+                    && sid.is_none_or(|sid| m.session == sid)
+            })
             .take(max)
             .map(|(seq, m)| self.delivery(seq, m, None))
             .collect())

@@ -44,7 +44,7 @@ impl Router {
     }
 
     /// The next sequence number of the queue or topic in `owner`.
-    fn alloc(&mut self, engine: &Engine, owner: u32) -> i64 {
+    pub(super) fn alloc(&mut self, engine: &Engine, owner: u32) -> i64 {
         if let Some((_, n)) = self.next.iter_mut().find(|(s, _)| *s == owner) {
             let seq = *n;
             *n += 1;

@@ -686,7 +686,7 @@ pub(super) fn detach(store: &mut Store, aux: &mut Aux, six: StoreIx, seq: i64, m
             aux.sched_timers.remove(&(meta.enqueued, six, seq));
         }
     }
-    if meta.expires != Timestamp::MAX && matches!(meta.state, St::Available | St::Deferred) {
+    if meta.expires != Timestamp::MAX && meta.state == St::Available {
         aux.ttl_timers.remove(&(meta.expires, six, seq));
     }
     if meta.pinned {
@@ -726,7 +726,7 @@ pub(super) fn attach(
             aux.sched_timers.insert((meta.enqueued, six, seq));
         }
     }
-    if meta.expires != Timestamp::MAX && matches!(meta.state, St::Available | St::Deferred) {
+    if meta.expires != Timestamp::MAX && meta.state == St::Available {
         aux.ttl_timers.insert((meta.expires, six, seq));
     }
     if store_pins || meta.state == St::Scheduled {

@@ -15,7 +15,7 @@ use twice_servicebus::{Server, ServerOptions};
 
 /// The entities every SDK suite may use, in the official emulator's `Config.json` form.
 pub fn standard_config() -> Config {
-    let mut queues: Vec<String> = (1..=20)
+    let mut queues: Vec<String> = (1..=23)
         .map(|i| {
             format!(
                 r#"{{"Name":"q{i}","Properties":{{"LockDuration":"PT1M","MaxDeliveryCount":10}}}}"#
@@ -27,10 +27,11 @@ pub fn standard_config() -> Config {
             r#"{{"Name":"sessq{i}","Properties":{{"RequiresSession":true,"LockDuration":"PT1M"}}}}"#
         )
     }));
-    queues.push(
-        r#"{"Name":"dupq","Properties":{"RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT1M"}}"#
-            .to_owned(),
-    );
+    queues.extend(["dupq", "dupq2"].map(|name| {
+        format!(
+            r#"{{"Name":"{name}","Properties":{{"RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT1M"}}}}"#
+        )
+    }));
     queues.push(r#"{"Name":"quotaq","Properties":{"MaxSizeInMegabytes":1}}"#.to_owned());
     let json = format!(
         r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}},{{"Name":"topic3","Subscriptions":[{{"Name":"sql"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,

@@ -9,11 +9,13 @@ from azure.servicebus import (
     NEXT_AVAILABLE_SESSION,
     ServiceBusClient,
     ServiceBusMessage,
+    ServiceBusMessageState,
     ServiceBusReceiveMode,
     ServiceBusSubQueue,
 )
 from azure.servicebus.exceptions import (
     MessageLockLostError,
+    MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
     OperationTimeoutError,
@@ -182,6 +184,65 @@ def test_schedule_and_cancel(client, advance):
         assert sorted(got) == [b"s3", b"s4"]
 
 
+def test_scheduled_message_takes_a_new_number_when_due(client, advance):
+    # As in Service Bus: a scheduled message queues behind what was sent before its time.
+    # The server's clock stands still between advances and earlier tests moved it: a probe's
+    # enqueued time tells where it is.
+    with client.get_queue_sender("q21") as s:
+        s.send_messages(ServiceBusMessage(b"probe"))
+    with client.get_queue_receiver("q21", max_wait_time=5) as r:
+        [probe] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        server_now = probe.enqueued_time_utc
+        r.complete_message(probe)
+    with client.get_queue_sender("q21") as s:
+        [scheduled] = s.schedule_messages(ServiceBusMessage(b"later"), server_now + datetime.timedelta(minutes=10))
+        s.send_messages(ServiceBusMessage(b"before"))
+    advance(10 * 60 * 1000)
+    try:
+        with client.get_queue_receiver("q21", max_wait_time=5) as r:
+            got = []
+            for _ in range(5):
+                for m in r.receive_messages(max_message_count=5, max_wait_time=2):
+                    got.append((body(m), m.sequence_number))
+                    r.complete_message(m)
+                if len(got) == 2:
+                    break
+    finally:
+        advance(-10 * 60 * 1000)
+    assert [b for b, _ in got] == [b"before", b"later"]
+    assert got[1][1] > got[0][1] > scheduled
+
+
+def test_scheduling_a_message_id_twice_returns_two_real_numbers(client):
+    # Scheduling answers with a number for every message, even on a duplicate-detecting queue
+    # (the number cancels it), as Service Bus does.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with client.get_queue_sender("dupq2") as s:
+        at = now + datetime.timedelta(days=1)
+        first = s.schedule_messages(ServiceBusMessage(b"a", message_id="same"), at)
+        second = s.schedule_messages(ServiceBusMessage(b"b", message_id="same"), at)
+        assert len(first) == 1 and len(second) == 1
+        assert first[0] > 0 and second[0] > 0 and first[0] != second[0]
+        s.cancel_scheduled_messages(first + second)
+
+
+def test_transfer_dead_letter_queue_attaches_and_is_empty(client):
+    # twice does not forward across namespaces, so nothing is ever dead-lettered in transfer;
+    # the queue exists, as in Service Bus, and holds none of the dead-letter queue's messages.
+    with client.get_queue_sender("q22") as s:
+        s.send_messages(ServiceBusMessage(b"poison"))
+    with client.get_queue_receiver("q22", max_wait_time=5) as r:
+        [m] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        r.dead_letter_message(m, reason="bad")
+    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.TRANSFER_DEAD_LETTER, max_wait_time=1) as t:
+        assert t.peek_messages(max_message_count=10) == []
+        assert t.receive_messages(max_message_count=10, max_wait_time=1) == []
+    with client.get_queue_receiver("q22", sub_queue=ServiceBusSubQueue.DEAD_LETTER, max_wait_time=5) as d:
+        [m] = d.receive_messages(max_message_count=1, max_wait_time=5)
+        assert body(m) == b"poison"
+        d.complete_message(m)
+
+
 def test_receive_and_delete(client):
     with client.get_queue_sender("q9") as s:
         s.send_messages([ServiceBusMessage(b"d1"), ServiceBusMessage(b"d2")])
@@ -330,6 +391,25 @@ def test_ttl_expiry(client, advance):
     advance(31 * 1000)
     with client.get_queue_receiver("q13", max_wait_time=1) as r:
         assert r.receive_messages(max_message_count=1, max_wait_time=1) == []
+
+
+def test_expired_deferred_message_waits_for_a_receive(client, advance):
+    # As in Service Bus: a deferred message past its time to live stays deferred until a
+    # receive by its sequence number tries it; then it expires and is not found.
+    with client.get_queue_sender("q23") as s:
+        s.send_messages(ServiceBusMessage(b"deferred", time_to_live=datetime.timedelta(seconds=30)))
+    with client.get_queue_receiver("q23", max_wait_time=5) as r:
+        [m] = r.receive_messages(max_message_count=1, max_wait_time=5)
+        seq = m.sequence_number
+        r.defer_message(m)
+    advance(31 * 1000)
+    with client.get_queue_receiver("q23", max_wait_time=1) as r:
+        [p] = r.peek_messages(max_message_count=5, sequence_number=seq)
+        assert p.sequence_number == seq
+        assert p.state == ServiceBusMessageState.DEFERRED
+        with pytest.raises(MessageNotFoundError):
+            r.receive_deferred_messages([seq])
+        assert r.peek_messages(max_message_count=5, sequence_number=seq) == []
 
 
 def test_unknown_entity(client):

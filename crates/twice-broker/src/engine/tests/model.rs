@@ -231,11 +231,18 @@ impl Model {
         m.state = MState::Active;
     }
 
+    /// An available message past its time to live expires; a deferred one waits for a
+    /// receive to try it ([`Model::expire`]).
     fn expire_if_due(&mut self, i: usize, now: Timestamp) {
-        let m = &mut self.msgs[i];
-        if m.dlq || !m.expired(now) || !matches!(m.state, MState::Active | MState::Deferred) {
+        let m = &self.msgs[i];
+        if m.dlq || !m.expired(now) || m.state != MState::Active {
             return;
         }
+        self.expire(i);
+    }
+
+    fn expire(&mut self, i: usize) {
+        let m = &mut self.msgs[i];
         match m.ent {
             // Queue q dead-letters expired messages; queue s drops them.
             Ent::Q => self.dead_letter(i),
@@ -269,11 +276,20 @@ impl Model {
     }
 
     fn advance(&mut self, now: Timestamp) {
-        // Scheduled messages whose time came become active first, as in the engine.
-        for m in &mut self.msgs {
-            if m.state == MState::Scheduled && m.at.is_some_and(|at| at <= now) {
-                m.state = MState::Active;
-            }
+        // Scheduled messages whose time came become active first, as in the engine, in the
+        // order of their time, each with a new sequence number.
+        let mut due: Vec<usize> = (0..self.msgs.len())
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.state == MState::Scheduled && m.at.is_some_and(|at| at <= now)
+            })
+            .collect();
+        due.sort_by_key(|&i| (self.msgs[i].at, self.msgs[i].seq));
+        for i in due {
+            let seq = self.alloc(self.msgs[i].ent);
+            let m = &mut self.msgs[i];
+            m.state = MState::Active;
+            m.seq = seq;
         }
         for i in 0..self.msgs.len() {
             if let MState::Locked { until, .. } | MState::DeferredLocked { until, .. } =
@@ -762,6 +778,13 @@ impl Sim {
             {
                 let got = got.unwrap_or_else(|err| self.fail(&format!("receive deferred: {err}")));
                 self.take(r, vec![i], &got, ReceiveMode::PeekLock, None);
+            }
+            Some(i) if self.model.msgs[i].state == MState::Deferred => {
+                // Past its time to live: the receive expires it and finds nothing.
+                self.model.expire(i);
+                if !matches!(got, Err(Error::MessageNotFound(s)) if s == seq) {
+                    self.fail(&format!("receive expired deferred {seq}: {got:?}"));
+                }
             }
             _ => {
                 if !matches!(got, Err(Error::MessageNotFound(s)) if s == seq) {

@@ -516,9 +516,36 @@ fn schedule_and_cancel() {
         cancel q 1 => ok
         cancel q 1 => err MessageNotFound(1)
         deadline => +5s
-        recv q 10 => c#3 dc=1
-        recv q 10 => b#2 dc=1
+        recv q 10 => c#5 dc=1
+        recv q 10 => b#6 dc=1
         counts q => active=3 locked=3 deferred=0 scheduled=0 dlq=0
+        ",
+    );
+}
+
+/// As in Service Bus, a scheduled message takes a new sequence number when it becomes active,
+/// so it queues behind every message sent before that moment; the number survives a restart.
+#[test]
+fn scheduled_message_queues_behind_messages_sent_before_it_became_active() {
+    check(
+        r"
+        queue q
+        schedule q a +10s
+        send q b
+        advance 10s
+        send q c
+        peek q
+        restart
+        peek q
+        recv q 10
+        ",
+        r"
+        schedule q a +10s => 1
+        send q b => 2
+        send q c => 4
+        peek q => b#2 dc=1, a#3 dc=1, c#4 dc=1
+        peek q => b#2 dc=1, a#3 dc=1, c#4 dc=1
+        recv q 10 => b#2 dc=1, a#3 dc=1, c#4 dc=1
         ",
     );
 }
@@ -544,8 +571,8 @@ fn scheduled_message_to_a_topic_fans_out_when_due() {
         send t b at=+10s => 2
         peek t/Subscriptions/all => none
         counts t => active=0 locked=0 deferred=0 scheduled=2 dlq=0
-        peek t/Subscriptions/red => a#1 dc=1
-        peek t/Subscriptions/all => a#1 dc=1, b#2 dc=1
+        peek t/Subscriptions/red => a#3 dc=1
+        peek t/Subscriptions/all => a#3 dc=1, b#4 dc=1
         counts t => active=0 locked=0 deferred=0 scheduled=0 dlq=0
         ",
     );
@@ -1035,8 +1062,41 @@ fn a_locked_message_expires_when_its_lock_ends() {
     );
 }
 
+/// As in Service Bus, a deferred message whose time to live passed stays deferred (and in
+/// peeks and counts) until a receive by its sequence number tries it: that receive expires it
+/// (here: into the dead-letter queue) and finds no message.
 #[test]
-fn deferred_and_scheduled_messages_expire() {
+fn an_expired_deferred_message_stays_until_a_receive_tries_it() {
+    check(
+        r"
+        queue q dlq-exp
+        send q a ttl=10s
+        recv q
+        defer a
+        advance 1h
+        peek q
+        counts q
+        deferred q 1
+        counts q
+        peek q/$DeadLetterQueue
+        deferred q 1
+        ",
+        r#"
+        send q a ttl=10s => 1
+        recv q => a#1 dc=1 exp=+10s
+        defer a => ok
+        peek q => a#1 dc=1 deferred exp=+10s
+        counts q => active=0 locked=0 deferred=1 scheduled=0 dlq=0
+        deferred q 1 => err MessageNotFound(1)
+        counts q => active=0 locked=0 deferred=0 scheduled=0 dlq=1
+        peek q/$DeadLetterQueue => a#1 dc=1 dl="TTLExpiredException"
+        deferred q 1 => err MessageNotFound(1)
+        "#,
+    );
+}
+
+#[test]
+fn scheduled_messages_expire_and_deferred_ones_wait_for_a_receive() {
     check(
         r"
         queue q
@@ -1056,11 +1116,11 @@ fn deferred_and_scheduled_messages_expire() {
         send q a ttl=10s => 1
         recv q => a#1 dc=1 exp=+10s
         defer a => ok
-        peek q => none
+        peek q => a#1 dc=1 deferred exp=+10s
         schedule q b +10s ttl=5s => 2
-        peek q => b#2 dc=1 scheduled exp=+25s
-        peek q => b#2 dc=1 exp=+25s
-        peek q => none
+        peek q => a#1 dc=1 deferred exp=+10s, b#2 dc=1 scheduled exp=+25s
+        peek q => a#1 dc=1 deferred exp=+10s, b#3 dc=1 exp=+25s
+        peek q => a#1 dc=1 deferred exp=+10s
         ",
     );
 }
