@@ -56,7 +56,6 @@ where
 }
 on_all_stores!(an_aborted_transaction_is_never_completed_without_its_work);
 
-
 /// The database has no connection to spare (every pooled connection is busy elsewhere, a
 /// two-second blip): the processor waits with backoff and tries again, renewing the lock,
 /// instead of abandoning the message and spending one of its deliveries per failure.
