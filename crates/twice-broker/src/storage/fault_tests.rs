@@ -314,3 +314,37 @@ fn a_torn_group_whose_later_commits_survive_is_truncated_not_refused() {
     assert_eq!(got.len(), 1, "the acknowledged commit stays, the torn group goes");
     assert_eq!(got[0].payload, Bytes::from(vec![1u8; 700]));
 }
+
+#[test]
+fn a_torn_first_block_of_a_segment_is_not_taken_for_the_commit_that_rolled_it() {
+    let fs = FaultFs::new(Plan::default(), 11);
+    let (mut log, _) = Log::open(data_dir(), options(&fs, 1 << 20, 0)).unwrap();
+    // Commit 1 writes its record to segment 1 and starts segment 2, where it writes nothing.
+    log.append(Bytes::from(vec![1u8; 700])).unwrap();
+    assert_eq!(log.roll(), Some(2));
+    log.flush_blocking().unwrap();
+    // Commits 2 and 3 pile up in segment 2 and are written together; both know commit 1 was
+    // durable when they were made.
+    let gate = log.writer_gate();
+    let held = gate.hold();
+    let torn = log.append(Bytes::from(vec![2u8; 700])).unwrap();
+    log.commit().unwrap();
+    log.append(Bytes::from(vec![3u8; 700])).unwrap();
+    log.commit().unwrap();
+    fs.plan(Plan { kill_at: Some(2), ..Plan::default() });
+    drop(held);
+    assert!(log.durable().wait_blocking(log.last_commit()).is_err());
+    drop(log);
+    let after = fs.crash(Crash::Kill);
+    // Power is lost: the sectors of commit 2 never reached the disk, those of commit 3 did.
+    let path = data_dir().join(format::segment_file_name(2));
+    let mut data = after.read_file(&path).unwrap();
+    let first = usize::try_from(torn.offset - BLOCK_LEN).unwrap();
+    data[first..first + 512].fill(0);
+    after.write_file(&path, data);
+    let (_, replay) = Log::open(data_dir(), options(&after, 1 << 20, 0))
+        .expect("a torn commit that was never acknowledged is truncated");
+    let got = replay.collect::<Result<Vec<_>, _>>().unwrap();
+    assert_eq!(got.len(), 1, "the acknowledged commit stays, the torn group goes");
+    assert_eq!(got[0].payload, Bytes::from(vec![1u8; 700]));
+}

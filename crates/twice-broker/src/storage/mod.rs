@@ -508,6 +508,7 @@ impl Log {
     pub(crate) fn roll(&mut self) -> Option<u64> {
         self.prepare_spare();
         let spare = self.spare.take()?;
+        // The first commit number is settled by [`Log::commit`]; this one is a lower bound.
         let header = SegmentHeader { salt: new_salt(), first_seq: self.last_seq + 1 };
         self.active = spare.id;
         self.active_len = HEADER_LEN;
@@ -550,10 +551,21 @@ impl Log {
         let watermark = self.durable.current()?;
         let seq = self.last_seq + 1;
         let mut chunks = std::mem::take(&mut self.pending);
-        for c in chunks.iter_mut().filter(|c| c.has_block) {
+        for c in &mut chunks {
             let salt = self.segments.get(&c.segment).map_or(0, |s| s.salt);
-            let block = Block { body_len: c.body_len, seq, watermark };
-            c.block = Bytes::copy_from_slice(&block.encode(salt));
+            if let Some((_, header)) = c.create.as_mut() {
+                // The header names the first commit with a block in the segment exactly: this
+                // one if it wrote there, else the next. Recovery reads a damaged first block as
+                // that commit, and must not take it for the commit that only started the
+                // segment (which is durable, and would make a torn write look like damage).
+                let first_seq = if c.has_block { seq } else { seq + 1 };
+                *header =
+                    Bytes::copy_from_slice(&SegmentHeader { salt, first_seq }.encode(c.segment));
+            }
+            if c.has_block {
+                let block = Block { body_len: c.body_len, seq, watermark };
+                c.block = Bytes::copy_from_slice(&block.encode(salt));
+            }
         }
         self.send(Job::Commit { seq, chunks })?;
         self.last_seq = seq;
