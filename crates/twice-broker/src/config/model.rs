@@ -171,9 +171,8 @@ pub struct QueueProperties {
     /// (`ForwardDeadLetteredMessagesTo`).
     pub forward_dead_lettered_messages_to: Option<String>,
     /// The most the entity holds, in MiB (`MaxSizeInMegabytes`): a send that would take it
-    /// past this fails with [`Error::QuotaExceeded`]. Not kept in the log: after a restart an
-    /// entity created through the API has the default again (entities of a `Config.json` get
-    /// theirs from the file).
+    /// past this fails with [`Error::QuotaExceeded`]. Kept in the log by a record of its own
+    /// (the entity record's encoding predates it), so it survives restarts.
     #[serde(skip, default = "default_max_size_in_megabytes")]
     pub max_size_in_megabytes: u64,
 }
@@ -223,9 +222,8 @@ pub struct TopicProperties {
     /// The duplicate-detection window (`DuplicateDetectionHistoryTimeWindow`).
     pub duplicate_detection_history_time_window: Duration,
     /// The most the entity holds, in MiB (`MaxSizeInMegabytes`): a send that would take it
-    /// past this fails with [`Error::QuotaExceeded`]. Not kept in the log: after a restart an
-    /// entity created through the API has the default again (entities of a `Config.json` get
-    /// theirs from the file).
+    /// past this fails with [`Error::QuotaExceeded`]. Kept in the log by a record of its own
+    /// (the entity record's encoding predates it), so it survives restarts.
     #[serde(skip, default = "default_max_size_in_megabytes")]
     pub max_size_in_megabytes: u64,
 }

@@ -23,6 +23,18 @@ impl Engine {
             Record::Entity { id, definition, next_sequence } => {
                 self.apply_entity(*id, definition, *next_sequence)
             }
+            Record::EntityLimits { id, max_size_in_megabytes } => {
+                let slot = self.slot_of(*id)?;
+                let e = self.ent_mut(slot).ok_or_else(|| corrupt("limits of a deleted entity"))?;
+                match &mut e.kind {
+                    Kind::Queue(p) => p.max_size_in_megabytes = *max_size_in_megabytes,
+                    Kind::Topic { props, .. } => {
+                        props.max_size_in_megabytes = *max_size_in_megabytes
+                    }
+                    Kind::Subscription { .. } => return Err(corrupt("limits of a subscription")),
+                }
+                Ok(())
+            }
             Record::EntityDeleted { id } => {
                 if let Some(&slot) = self.by_id.get(id) {
                     self.delete_slot(slot);

@@ -84,7 +84,7 @@ impl Engine {
     pub(crate) fn checkpoint_records(&self) -> Vec<Record> {
         let mut out = Vec::new();
         for e in self.entities.iter().flatten() {
-            out.push(Record::entity(e.id, self.definition_of(e), e.next_seq));
+            out.extend(Record::entity_with_limits(e.id, self.definition_of(e), e.next_seq));
         }
         for e in self.entities.iter().flatten() {
             if let Some(ss) = &e.main.sessions {

@@ -96,6 +96,11 @@ impl Engine {
         Ok(())
     }
 
+    /// Emits records in order.
+    pub(super) fn emit_all(&mut self, recs: impl IntoIterator<Item = Record>) -> Result<(), Error> {
+        recs.into_iter().try_for_each(|rec| self.emit(rec))
+    }
+
     pub(super) fn definition_of(&self, e: &Entity) -> EntityDefinition {
         match &e.kind {
             Kind::Queue(p) => EntityDefinition::queue(e.path.clone(), p.clone()),

@@ -448,7 +448,7 @@ impl Engine {
             return Err(Error::EntityAlreadyExists(path));
         }
         let id = EntityId(self.next_entity_id);
-        self.emit(Record::entity(id, definition, 1))?;
+        self.emit_all(Record::entity_with_limits(id, definition, 1))?;
         self.resolve(&path)
     }
 
@@ -469,7 +469,7 @@ impl Engine {
         let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
         check_immutable(e, &definition)?;
         let (id, next_sequence) = (e.id, e.next_seq);
-        self.emit(Record::entity(id, definition, next_sequence))
+        self.emit_all(Record::entity_with_limits(id, definition, next_sequence))
     }
 
     /// Creates the entities that do not exist and updates those that do, all or nothing
@@ -500,11 +500,11 @@ impl Engine {
             match self.by_path.get(&path.to_ascii_lowercase()).and_then(|&s| self.ent(s)) {
                 Some(e) => {
                     let (id, next_sequence) = (e.id, e.next_seq);
-                    self.emit(Record::entity(id, d, next_sequence))?;
+                    self.emit_all(Record::entity_with_limits(id, d, next_sequence))?;
                 }
                 None => {
                     let id = EntityId(self.next_entity_id);
-                    self.emit(Record::entity(id, d, 1))?;
+                    self.emit_all(Record::entity_with_limits(id, d, 1))?;
                 }
             }
         }

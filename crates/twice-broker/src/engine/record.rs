@@ -259,6 +259,15 @@ pub(crate) enum Record {
         /// The ids.
         ids: Vec<(MessageId, Timestamp)>,
     },
+    /// The size limit of a queue or topic (`MaxSizeInMegabytes`), written right after each
+    /// [`Record::Entity`] of one. A record of its own, not a field of `Entity`, so that logs
+    /// written before the limit was kept still read (records are positional).
+    EntityLimits {
+        /// The queue or topic.
+        id: EntityId,
+        /// Its `MaxSizeInMegabytes`.
+        max_size_in_megabytes: u64,
+    },
 }
 
 impl Record {
@@ -274,6 +283,23 @@ impl Record {
             d => d,
         };
         Record::Entity { id, definition: Box::new(definition), next_sequence }
+    }
+
+    /// The records that state an entity: [`Record::entity`], then for a queue or topic its
+    /// [`Record::EntityLimits`].
+    pub(crate) fn entity_with_limits(
+        id: EntityId,
+        definition: EntityDefinition,
+        next_sequence: i64,
+    ) -> impl Iterator<Item = Record> {
+        let max_size_in_megabytes = match &definition {
+            EntityDefinition::Queue { properties, .. } => Some(properties.max_size_in_megabytes),
+            EntityDefinition::Topic { properties, .. } => Some(properties.max_size_in_megabytes),
+            EntityDefinition::Subscription { .. } => None,
+        };
+        let limits = max_size_in_megabytes
+            .map(|max_size_in_megabytes| Record::EntityLimits { id, max_size_in_megabytes });
+        std::iter::once(Record::entity(id, definition, next_sequence)).chain(limits)
     }
 
     /// The message this record carries, if it is a [`Record::Sent`] or [`Record::Snapshot`]:

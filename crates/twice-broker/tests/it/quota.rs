@@ -98,3 +98,56 @@ fn config_json_sets_the_quota() {
         other => panic!("a quota of 0 was accepted: {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn a_quota_set_through_the_api_survives_a_restart_and_old_segments_leaving() {
+    let dir = tempfile::tempdir().unwrap();
+    // Small segments: the log rolls many times, and the segments holding the creation and the
+    // update are compacted away; only the checkpoints restate the entities.
+    let options = || BrokerOptions::durable(dir.path()).with_segment_size(64 * 1024);
+    let broker = Broker::open(options()).await.unwrap();
+    broker
+        .create_queue("q", QueueProperties::default().with_max_size_in_megabytes(1))
+        .await
+        .unwrap();
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    broker.create_subscription("t", "s", SubscriptionProperties::default()).await.unwrap();
+    broker
+        .update_topic("t", TopicProperties::default().with_max_size_in_megabytes(1))
+        .await
+        .unwrap();
+    broker.shutdown().await;
+
+    let broker = Broker::open(options()).await.unwrap();
+    let (accepted, refused) = fill(&broker, "q").await;
+    assert!(refused.is_quota_exceeded(), "{refused}");
+    assert!((14..16).contains(&accepted), "{accepted} messages of 64 KiB in 1 MiB after a restart");
+    let (accepted, refused) = fill(&broker, "t").await;
+    assert!(refused.is_quota_exceeded(), "{refused}");
+    assert!((14..16).contains(&accepted), "{accepted} messages of 64 KiB in the topic's 1 MiB");
+    // Empty both, and push enough through the log to retire the segments written so far.
+    for path in ["q", "t/Subscriptions/s"] {
+        loop {
+            let got = broker.receive(path, 10, NOW).await.unwrap();
+            if got.is_empty() {
+                break;
+            }
+            for m in got {
+                broker.complete(m.lock_token.unwrap()).await.unwrap();
+            }
+        }
+    }
+    broker.create_queue("churn", QueueProperties::default()).await.unwrap();
+    for i in 0..64 {
+        broker.send("churn", big(1000 + i)).await.unwrap();
+        let got = broker.receive("churn", 1, NOW).await.unwrap();
+        broker.complete(got[0].lock_token.unwrap()).await.unwrap();
+    }
+    broker.shutdown().await;
+
+    let broker = Broker::open(options()).await.unwrap();
+    let (accepted, refused) = fill(&broker, "q").await;
+    assert!(refused.is_quota_exceeded(), "{refused}");
+    assert!((14..16).contains(&accepted), "{accepted} messages after compaction");
+    broker.shutdown().await;
+}
