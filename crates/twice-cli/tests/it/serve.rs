@@ -190,12 +190,7 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
 
     // One connection at most: a second is told why, in AMQP, instead of being reset.
     let serve = Serve::start(&["--in-memory", "--no-http", "--max-connections", "1"]);
-    let amqp = serve.lines[0]
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .expect("the AMQP address in the banner")
-        .trim_end_matches(',')
-        .to_owned();
+    let amqp = amqp_addr(&serve);
     let mut hello = frame::SASL_HEADER.to_vec();
     let init = SaslInit { mechanism: "ANONYMOUS".into(), initial_response: None, hostname: None };
     frame::write_frame(&mut hello, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
@@ -363,4 +358,65 @@ fn serve_refuses_a_tls_key_that_does_not_parse() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("TLS certificate"), "{err}");
+}
+
+/// The AMQP address in the banner.
+fn amqp_addr(serve: &Serve) -> String {
+    serve.lines[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .expect("the AMQP address in the banner")
+        .trim_end_matches(',')
+        .to_owned()
+}
+
+/// Whether the server at `addr` answers the SASL protocol header with its own (a connection
+/// it accepted and serves).
+fn answers_protocol_header(addr: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else { return false };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    if s.write_all(&frame::SASL_HEADER).is_err() {
+        return false;
+    }
+    let mut header = [0u8; 8];
+    s.read_exact(&mut header).is_ok() && header == frame::SASL_HEADER
+}
+
+/// Out of descriptors (here: idle clients of the HTTP port hold them all), accepting AMQP
+/// connections fails; the server backs off with one warning, not one per attempt, and serves
+/// again as soon as descriptors are free.
+#[test]
+fn serve_backs_off_quietly_when_descriptors_run_out_and_serves_again() {
+    let mut serve = Serve::start_with_descriptor_limit(128, &["--in-memory"]);
+    let amqp = amqp_addr(&serve);
+    let http = serve.http_addr();
+    assert!(answers_protocol_header(&amqp), "served before the descriptors run out");
+    // Idle HTTP clients: each holds one of the server's descriptors until its request times
+    // out. The kernel completes more connections than the server can accept.
+    let idle: Vec<TcpStream> = (0..160).filter_map(|_| TcpStream::connect(&http).ok()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Connections to the AMQP port wait in the backlog while every accept fails.
+    let waiting: Vec<TcpStream> = (0..5).filter_map(|_| TcpStream::connect(&amqp).ok()).collect();
+    let mut answer = [0u8; 8];
+    let mut first = waiting.first().expect("a connection in the backlog").try_clone().unwrap();
+    first.set_read_timeout(Some(std::time::Duration::from_millis(1500))).unwrap();
+    first.write_all(&frame::SASL_HEADER).unwrap();
+    assert!(first.read_exact(&mut answer).is_err(), "no connection is served without a descriptor");
+    drop(idle);
+    let deadline = twice::clock::Stopwatch::start();
+    while !answers_protocol_header(&amqp) {
+        assert!(
+            deadline.elapsed() < std::time::Duration::from_secs(10),
+            "the server serves again once descriptors are free"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    drop(waiting);
+    assert!(serve.child.id() > 0 && serve.child.try_wait().unwrap().is_none(), "still running");
+    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
+    let _ = serve.child.wait();
+    let err = stderr_of(&mut serve);
+    let failed = err.matches("accept failed").count();
+    assert_eq!(failed, 1, "one warning for the whole episode, not one per attempt:\n{err}");
+    assert_eq!(err.matches("accepting connections again").count(), 1, "{err}");
 }
