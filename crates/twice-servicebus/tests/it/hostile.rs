@@ -590,3 +590,68 @@ async fn a_key_with_only_the_send_claim_cannot_receive_or_manage() {
     assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"), "receiving is not");
     assert_eq!(server.broker.counts("q14").await.unwrap().active, 1);
 }
+
+/// Sends `count` messages of 250 KB on a new sender link to `q10` of a server whose broker
+/// stores nothing until `gate` opens; returns whether all of them were written to the socket
+/// within `wait`, and the client (with its writes done, once the gate is open).
+async fn flood_a_closed_gate(
+    max_bytes_in_flight: usize,
+    count: u32,
+    wait: Duration,
+) -> (bool, twice_broker::Broker, tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<Raw>) {
+    let broker = twice_broker::Broker::open(
+        twice_broker::BrokerOptions::in_memory().with_config(crate::harness::standard_config()),
+    )
+    .await
+    .unwrap();
+    let (gate, closed) = tokio::sync::watch::channel(false);
+    let backend = crate::gated::Gated { inner: broker.clone(), gate: closed };
+    let options = ServerOptions::new()
+        .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .http_addr(None)
+        .max_bytes_in_flight(max_bytes_in_flight);
+    let server = twice_servicebus::Server::bind(options, backend).await.unwrap();
+    let addr = server.amqp_addr();
+    tokio::spawn(server.run(std::future::pending()));
+    let mut c = Raw::open(addr, 65536).await;
+    c.attach("send", 0, false, "q10", 0).await;
+    let writing = tokio::spawn(async move {
+        for id in 0..count {
+            let m = twice::Message::new(vec![b'x'; 250_000]).with_message_id(id.to_string());
+            c.transfer(0, id, &encode_message(&m), 60_000).await;
+        }
+        c
+    });
+    let done = tokio::time::timeout(wait, async {
+        while !writing.is_finished() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .is_ok();
+    (done, broker, gate, writing)
+}
+
+#[tokio::test]
+async fn a_connection_stops_reading_once_its_bytes_in_flight_pass_the_bound() {
+    // 64 MB of sends, far more than the loopback socket buffers hold, while the broker stores
+    // nothing: the server stops reading past 1 MiB, so the client cannot write them all.
+    let (done, broker, gate, writing) =
+        flood_a_closed_gate(1 << 20, 256, Duration::from_secs(2)).await;
+    assert!(!done, "the server kept reading past its bound of bytes in flight");
+    // Once the broker stores again, reading resumes and every send is accepted.
+    gate.send(true).unwrap();
+    let mut c = tokio::time::timeout(Duration::from_secs(60), writing).await.unwrap().unwrap();
+    let mut accepted = 0;
+    while accepted < 256 {
+        if let Performative::Disposition(d) = c.next().await.0 {
+            accepted += d.last.unwrap_or(d.first) - d.first + 1;
+        }
+    }
+    assert_eq!(broker.counts("q10").await.unwrap().active, 256);
+
+    // The same flood with no bound is read whole into memory: what the bound prevents.
+    let (done, _broker, _gate, _writing) =
+        flood_a_closed_gate(usize::MAX, 256, Duration::from_secs(30)).await;
+    assert!(done, "without a bound the server reads everything while nothing is stored");
+}
