@@ -182,8 +182,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     } else {
         // A key of the user's own is a secret: it is not printed.
         let name = args.sas_keys.first().map_or("", |(name, _, _)| name.as_str());
+        // The emulator flag means plain AMQP to the SDKs; over TLS it must not be there.
+        let plain = if args.tls_cert.is_some() { "" } else { "UseDevelopmentEmulator=true;" };
         println!(
-            "connection string: Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;UseDevelopmentEmulator=true;",
+            "connection string: Endpoint=sb://{}:{};SharedAccessKeyName={name};SharedAccessKey=<the key of {name}>;{plain}",
             args.hostname,
             server.amqp_addr().port()
         );

@@ -342,6 +342,24 @@ fn serve_speaks_amqps_with_a_certificate() {
         assert_eq!(&d.message().body()[..], b"over tls");
         receiver.complete_message(&d).await.unwrap();
     });
+    // With a key of the user's own (not printed), the connection string asks for TLS too.
+    let own = Serve::start(&[
+        "--in-memory",
+        "--no-http",
+        "--sas-key",
+        "mine=b3duLWtleQ==",
+        "--tls-cert",
+        cert_path.to_str().unwrap(),
+        "--tls-key",
+        key_path.to_str().unwrap(),
+    ]);
+    let cs = own
+        .lines
+        .iter()
+        .find_map(|l| l.strip_prefix("connection string: "))
+        .expect("connection string");
+    assert!(cs.contains("SharedAccessKeyName=mine"), "{cs}");
+    assert!(!cs.contains("UseDevelopmentEmulator"), "{cs}");
 }
 
 #[test]

@@ -15,4 +15,5 @@ mod js_sdk;
 mod logs;
 mod python_sdk;
 mod rust_sdk;
+mod tls_sdks;
 mod wire;
