@@ -31,6 +31,26 @@ mod section {
 /// an `amqp-sequence`, or several `data` sections), so it goes back out as it came in.
 pub const RAW_BODY_PROPERTY: &str = "x-twice-amqp-body";
 
+/// The application property that carries, as one encoded AMQP map, the fields of a message
+/// that twice does not model: `user-id`, `content-encoding`, `creation-time`, the sender's own
+/// message annotations, application properties of types twice has no value for (the .NET
+/// SDK's `decimal`, `Uri`, `DateTimeOffset`, `TimeSpan`, which travel as described values),
+/// and the footer. They go back out as they came in; clients never see the property itself.
+pub const PASS_THROUGH_PROPERTY: &str = "x-twice-amqp-fields";
+
+/// Message annotations the broker sets on what it delivers: a sender's values for them are
+/// not kept.
+const BROKER_ANNOTATIONS: [&str; 8] = [
+    "x-opt-sequence-number",
+    "x-opt-enqueued-time",
+    "x-opt-locked-until",
+    "x-opt-lock-token",
+    "x-opt-message-state",
+    "x-opt-deadletter-source",
+    "x-opt-enqueue-sequence-number",
+    "x-opt-scheduled-enqueue-time",
+];
+
 /// The message format of a Service Bus batch: each `data` section holds a whole message.
 pub const BATCH_FORMAT: u32 = 0x8001_3700;
 
@@ -61,6 +81,8 @@ pub struct Sections {
     pub application_properties: Vec<(Value, Value)>,
     /// The body sections, raw.
     pub body: Vec<Value>,
+    /// `footer` entries.
+    pub footer: Vec<(Value, Value)>,
 }
 
 impl Sections {
@@ -79,7 +101,7 @@ impl Sections {
                 section::DELIVERY_ANNOTATIONS => {
                     s.delivery_annotations = map_entries(inner)?;
                 }
-                section::FOOTER => {}
+                section::FOOTER => s.footer = map_entries(inner)?,
                 section::MESSAGE_ANNOTATIONS => {
                     s.message_annotations = map_entries(inner)?;
                 }
@@ -122,10 +144,39 @@ impl Sections {
             m.scheduled_enqueue_time = Some(Timestamp::from_millis(*t));
         }
         m.partition_key = self.annotation("x-opt-partition-key").and_then(text);
+        let mut pass = PassThrough {
+            user_id: self.prop(1).cloned(),
+            content_encoding: self.prop(7).cloned(),
+            creation_time: self.prop(9).cloned(),
+            annotations: self
+                .message_annotations
+                .iter()
+                .filter(|(k, _)| {
+                    k.as_str().is_none_or(|k| {
+                        k != "x-opt-partition-key" && !BROKER_ANNOTATIONS.contains(&k)
+                    })
+                })
+                .cloned()
+                .collect(),
+            application_properties: Vec::new(),
+            footer: self.footer.clone(),
+        };
         for (k, v) in &self.application_properties {
-            if let (Some(k), Some(v)) = (k.as_str(), to_twice_value(v)) {
-                m.application_properties.insert(k.to_owned(), v);
+            let Some(key) = k.as_str() else { continue };
+            if key == PASS_THROUGH_PROPERTY || key == RAW_BODY_PROPERTY {
+                // Reserved: a sender cannot forge what the broker keeps for itself.
+                continue;
             }
+            match to_twice_value(v) {
+                Some(v) => {
+                    m.application_properties.insert(key.to_owned(), v);
+                }
+                None => pass.application_properties.push((k.clone(), v.clone())),
+            }
+        }
+        if let Some(encoded) = pass.encode() {
+            m.application_properties
+                .insert(PASS_THROUGH_PROPERTY.to_owned(), twice::Value::Binary(encoded));
         }
         match self.body.as_slice() {
             [] => {}
@@ -153,6 +204,76 @@ fn map_entries(v: &Value) -> Result<Vec<(Value, Value)>, MessageError> {
         Value::Map(m) => Ok(m.clone()),
         Value::Null => Ok(Vec::new()),
         _ => Err(MessageError::BadSection),
+    }
+}
+
+/// The AMQP fields twice keeps without modelling them (see [`PASS_THROUGH_PROPERTY`]).
+#[derive(Debug, Default, PartialEq)]
+struct PassThrough {
+    user_id: Option<Value>,
+    content_encoding: Option<Value>,
+    creation_time: Option<Value>,
+    annotations: Vec<(Value, Value)>,
+    application_properties: Vec<(Value, Value)>,
+    footer: Vec<(Value, Value)>,
+}
+
+impl PassThrough {
+    const KEYS: [&'static str; 6] = [
+        "user-id",
+        "content-encoding",
+        "creation-time",
+        "annotations",
+        "application-properties",
+        "footer",
+    ];
+
+    /// The fields a message carries in [`PASS_THROUGH_PROPERTY`], if any.
+    fn of(m: &Message) -> PassThrough {
+        let Some(twice::Value::Binary(b)) = m.application_properties.get(PASS_THROUGH_PROPERTY)
+        else {
+            return PassThrough::default();
+        };
+        let Ok(Value::Map(entries)) = Decoder::new(b).value() else {
+            return PassThrough::default();
+        };
+        let mut p = PassThrough::default();
+        for (k, v) in entries {
+            match (k.as_str(), v) {
+                (Some("user-id"), v) => p.user_id = Some(v),
+                (Some("content-encoding"), v) => p.content_encoding = Some(v),
+                (Some("creation-time"), v) => p.creation_time = Some(v),
+                (Some("annotations"), Value::Map(m)) => p.annotations = m,
+                (Some("application-properties"), Value::Map(m)) => p.application_properties = m,
+                (Some("footer"), Value::Map(m)) => p.footer = m,
+                _ => {}
+            }
+        }
+        p
+    }
+
+    /// The fields as one encoded map, or `None` when there are none.
+    fn encode(self) -> Option<Bytes> {
+        let values = [
+            self.user_id,
+            self.content_encoding,
+            self.creation_time,
+            (!self.annotations.is_empty()).then_some(Value::Map(self.annotations)),
+            (!self.application_properties.is_empty())
+                .then_some(Value::Map(self.application_properties)),
+            (!self.footer.is_empty()).then_some(Value::Map(self.footer)),
+        ];
+        let entries: Vec<(Value, Value)> = Self::KEYS
+            .iter()
+            .zip(values)
+            .filter_map(|(&k, v)| Some((Value::symbol(k), v?)))
+            .collect();
+        if entries.is_empty() {
+            return None;
+        }
+        let mut out = Vec::new();
+        Value::Map(entries).encode(&mut out);
+        Some(Bytes::from(out))
     }
 }
 
@@ -184,8 +305,25 @@ pub fn decode_received(payload: &[u8]) -> Result<ReceivedMessage, MessageError> 
         Some(Value::Timestamp(t)) => *t,
         _ => 0,
     };
+    let mut message = s.to_message();
+    // The creation time the broker fills in (the enqueued time) is no field of the sender's:
+    // it is not kept, so that a message nobody gave extra fields carries no extra property.
+    let mut pass = PassThrough::of(&message);
+    if pass.creation_time == Some(Value::Timestamp(enqueued)) {
+        pass.creation_time = None;
+        match pass.encode() {
+            Some(b) => {
+                message
+                    .application_properties
+                    .insert(PASS_THROUGH_PROPERTY.to_owned(), twice::Value::Binary(b));
+            }
+            None => {
+                message.application_properties.remove(PASS_THROUGH_PROPERTY);
+            }
+        }
+    }
     let mut r = ReceivedMessage::new(
-        s.to_message(),
+        message,
         twice::SequenceNumber::new(seq),
         Timestamp::from_millis(enqueued),
     );
@@ -322,9 +460,15 @@ pub enum Presentation {
 /// Encodes a received message as the SDKs expect it.
 pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
     let m = &r.message;
+    let pass = PassThrough::of(m);
     let mut out = Vec::with_capacity(m.body.len() + 256);
-    let ttl = m
-        .time_to_live
+    // The effective time to live, as Service Bus sends it: the message's own, else what its
+    // entity's default made of it (when it fits the header's milliseconds).
+    let effective = m.time_to_live.or_else(|| {
+        let ms = r.expires_at?.as_millis().checked_sub(r.enqueued_time.as_millis())?;
+        Some(Duration::from_millis(u64::try_from(ms).ok().filter(|&ms| ms > 0)?))
+    });
+    let ttl = effective
         .map_or(Value::Null, |d| Value::Uint(u32::try_from(d.as_millis()).unwrap_or(u32::MAX)));
     let wire_count = r.delivery_count.saturating_sub(1);
     described_list(
@@ -366,21 +510,24 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
         MessageState::Deferred => ma.push((Value::symbol("x-opt-message-state"), Value::Int(1))),
         MessageState::Scheduled => ma.push((Value::symbol("x-opt-message-state"), Value::Int(2))),
     }
+    ma.extend(pass.annotations);
     Value::described(section::MESSAGE_ANNOTATIONS, Value::Map(ma)).encode(&mut out);
     let s = |o: &Option<String>| o.clone().map_or(Value::Null, Value::String);
+    // The creation time is the sender's, else (as Service Bus sets it) the enqueued time.
+    let created = pass.creation_time.unwrap_or(Value::Timestamp(r.enqueued_time.as_millis()));
     described_list(
         section::PROPERTIES,
         vec![
             m.message_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
-            Value::Null,
+            pass.user_id.unwrap_or(Value::Null),
             s(&m.to),
             s(&m.subject),
             s(&m.reply_to),
             s(&m.correlation_id),
             m.content_type.clone().map_or(Value::Null, Value::Symbol),
-            Value::Null,
+            pass.content_encoding.unwrap_or(Value::Null),
             r.expires_at.map_or(Value::Null, |t| Value::Timestamp(t.as_millis())),
-            Value::Null,
+            created,
             m.session_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
             Value::Null,
             s(&m.reply_to_session_id),
@@ -392,9 +539,10 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
     let mut ap: Vec<(Value, Value)> = m
         .application_properties
         .iter()
-        .filter(|(k, _)| k.as_str() != RAW_BODY_PROPERTY)
+        .filter(|(k, _)| k.as_str() != RAW_BODY_PROPERTY && k.as_str() != PASS_THROUGH_PROPERTY)
         .map(|(k, v)| (Value::String(k.clone()), from_twice_value(v)))
         .collect();
+    ap.extend(pass.application_properties);
     let mut add = |key: &str, v: &Option<String>| {
         if let Some(v) = v {
             if !m.application_properties.contains_key(key) {
@@ -412,12 +560,16 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
     } else {
         Value::described(section::DATA, Value::Binary(m.body.clone())).encode(&mut out);
     }
+    if !pass.footer.is_empty() {
+        Value::described(section::FOOTER, Value::Map(pass.footer)).encode(&mut out);
+    }
     out
 }
 
 /// Encodes a message to send (used by tests and by the management reply for scheduled
 /// messages): properties, application properties, annotations, body.
 pub fn encode_message(m: &Message) -> Vec<u8> {
+    let pass = PassThrough::of(m);
     let mut out = Vec::new();
     if let Some(ttl) = m.time_to_live {
         let ttl = Value::Uint(u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX));
@@ -430,6 +582,7 @@ pub fn encode_message(m: &Message) -> Vec<u8> {
     if let Some(pk) = &m.partition_key {
         ma.push((Value::symbol("x-opt-partition-key"), Value::String(pk.clone())));
     }
+    ma.extend(pass.annotations);
     if !ma.is_empty() {
         Value::described(section::MESSAGE_ANNOTATIONS, Value::Map(ma)).encode(&mut out);
     }
@@ -438,30 +591,35 @@ pub fn encode_message(m: &Message) -> Vec<u8> {
         section::PROPERTIES,
         vec![
             m.message_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
-            Value::Null,
+            pass.user_id.unwrap_or(Value::Null),
             s(&m.to),
             s(&m.subject),
             s(&m.reply_to),
             s(&m.correlation_id),
             m.content_type.clone().map_or(Value::Null, Value::Symbol),
+            pass.content_encoding.unwrap_or(Value::Null),
             Value::Null,
-            Value::Null,
-            Value::Null,
+            pass.creation_time.unwrap_or(Value::Null),
             m.session_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
             Value::Null,
             s(&m.reply_to_session_id),
         ],
     )
     .encode(&mut out);
-    if !m.application_properties.is_empty() {
-        let ap = m
-            .application_properties
-            .iter()
-            .map(|(k, v)| (Value::String(k.clone()), from_twice_value(v)))
-            .collect();
+    let mut ap: Vec<(Value, Value)> = m
+        .application_properties
+        .iter()
+        .filter(|(k, _)| k.as_str() != PASS_THROUGH_PROPERTY)
+        .map(|(k, v)| (Value::String(k.clone()), from_twice_value(v)))
+        .collect();
+    ap.extend(pass.application_properties);
+    if !ap.is_empty() {
         Value::described(section::APPLICATION_PROPERTIES, Value::Map(ap)).encode(&mut out);
     }
     Value::described(section::DATA, Value::Binary(m.body.clone())).encode(&mut out);
+    if !pass.footer.is_empty() {
+        Value::described(section::FOOTER, Value::Map(pass.footer)).encode(&mut out);
+    }
     out
 }
 
@@ -550,8 +708,92 @@ mod tests {
         assert_eq!(back.state, MessageState::Deferred);
         assert_eq!(back.dead_letter_reason.as_deref(), Some("Poison"));
         assert_eq!(back.message.session_id, r.message.session_id);
+        assert!(
+            !back.message.application_properties.contains_key(PASS_THROUGH_PROPERTY),
+            "nothing but what was sent: {:?}",
+            back.message.application_properties
+        );
         assert_eq!(lock_token_of_tag(&token.as_uuid().to_bytes_le()), Some(token));
         assert_eq!(lock_token_of_tag(b"short"), None);
+    }
+
+    /// Application properties of the .NET SDK's own types travel as described values
+    /// (`com.microsoft:decimal`, `:uri`, `:datetime-offset`, `:timespan`); they come back as
+    /// they were sent, and a sender cannot forge the property that keeps them.
+    #[test]
+    fn dotnet_typed_properties_and_amqp_fields_round_trip() {
+        let dotnet =
+            |name: &str, v: Value| Value::Described(Box::new(Value::symbol(name)), Box::new(v));
+        let typed = vec![
+            (
+                Value::string("price"),
+                dotnet("com.microsoft:decimal", Value::Binary(Bytes::from_static(&[1, 2, 3]))),
+            ),
+            (
+                Value::string("link"),
+                dotnet("com.microsoft:uri", Value::string("https://example.com/")),
+            ),
+            (
+                Value::string("at"),
+                dotnet("com.microsoft:datetime-offset", Value::Long(638_000_000_000_000_000)),
+            ),
+            (Value::string("took"), dotnet("com.microsoft:timespan", Value::Long(10_000_000))),
+            (Value::string("plain"), Value::Int(7)),
+            (Value::string(PASS_THROUGH_PROPERTY), Value::Binary(Bytes::from_static(b"forged"))),
+        ];
+        let mut payload = Vec::new();
+        Value::described(
+            section::MESSAGE_ANNOTATIONS,
+            Value::Map(vec![
+                (Value::symbol("custom"), Value::string("kept")),
+                (Value::symbol("x-opt-sequence-number"), Value::Long(999)),
+            ]),
+        )
+        .encode(&mut payload);
+        described_list(
+            section::PROPERTIES,
+            vec![
+                Value::string("m"),
+                Value::Binary(Bytes::from_static(b"alice")),
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::symbol("gzip"),
+                Value::Null,
+                Value::Timestamp(1_700_000_000_000),
+            ],
+        )
+        .encode(&mut payload);
+        Value::described(section::APPLICATION_PROPERTIES, Value::Map(typed.clone()))
+            .encode(&mut payload);
+        Value::described(section::DATA, Value::Binary(Bytes::from_static(b"x")))
+            .encode(&mut payload);
+        Value::described(
+            section::FOOTER,
+            Value::Map(vec![(Value::symbol("f"), Value::string("v"))]),
+        )
+        .encode(&mut payload);
+        let m = Sections::parse(&payload).unwrap().to_message();
+        assert_eq!(m.application_properties.get("plain"), Some(&twice::Value::Int(7)));
+        let r = ReceivedMessage::new(m, SequenceNumber::new(5), Timestamp::from_millis(1000));
+        let back = Sections::parse(&encode_received(&r, Presentation::Unlocked)).unwrap();
+        let mut want: Vec<_> = typed[..5].to_vec();
+        want.sort_by_key(|(k, _)| k.as_str().map(str::to_owned));
+        let mut got = back.application_properties.clone();
+        got.sort_by_key(|(k, _)| k.as_str().map(str::to_owned));
+        assert_eq!(got, want, "typed values back as sent, the forged property gone");
+        assert_eq!(back.properties[1], Value::Binary(Bytes::from_static(b"alice")));
+        assert_eq!(back.properties[7], Value::symbol("gzip"));
+        assert_eq!(back.properties[9], Value::Timestamp(1_700_000_000_000));
+        assert_eq!(back.annotation("custom"), Some(&Value::string("kept")));
+        assert_eq!(back.annotation("x-opt-sequence-number"), Some(&Value::Long(5)));
+        assert_eq!(back.footer, vec![(Value::symbol("f"), Value::string("v"))]);
+        // And the same through a send of the message as twice holds it.
+        let again = Sections::parse(&encode_message(&r.message)).unwrap();
+        assert_eq!(again.footer, back.footer);
+        assert_eq!(again.properties[1], back.properties[1]);
     }
 
     #[test]

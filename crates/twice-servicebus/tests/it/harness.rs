@@ -33,6 +33,8 @@ pub fn standard_config() -> Config {
         )
     }));
     queues.push(r#"{"Name":"quotaq","Properties":{"MaxSizeInMegabytes":1}}"#.to_owned());
+    queues.push(r#"{"Name":"ttlq","Properties":{"DefaultMessageTimeToLive":"PT10M"}}"#.to_owned());
+    queues.push(r#"{"Name":"rawq","Properties":{}}"#.to_owned());
     let json = format!(
         r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{}],"Topics":[{{"Name":"topic1","Subscriptions":[{{"Name":"sub1"}},{{"Name":"sub2"}}]}},{{"Name":"topic2","Subscriptions":[{{"Name":"all"}},{{"Name":"filtered"}}]}},{{"Name":"topic3","Subscriptions":[{{"Name":"sql"}}]}}]}}],"Logging":{{"Type":"Console"}}}}}}"#,
         queues.join(",")

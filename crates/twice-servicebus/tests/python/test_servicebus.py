@@ -463,3 +463,48 @@ def test_http_side_port(client):
         # "Subscriptions".
         paths = {e["path"].lower() for e in json.loads(r.read())}
         assert "q16" in paths and "topic1/subscriptions/sub1" in paths
+
+
+def test_received_messages_carry_the_effective_ttl_and_creation_time(client):
+    # A message sent without a time to live lives as long as its queue's default says, and
+    # the SDK reads that from the message's header, as Service Bus sends it.
+    with client.get_queue_sender("ttlq") as s:
+        s.send_messages(ServiceBusMessage(b"no ttl of its own"))
+    with client.get_queue_receiver("ttlq", max_wait_time=5) as r:
+        m = r.receive_messages(max_message_count=1, max_wait_time=5)[0]
+        assert m.time_to_live == datetime.timedelta(minutes=10)
+        assert m.expires_at_utc == m.enqueued_time_utc + datetime.timedelta(minutes=10)
+        enqueued_ms = int(m.enqueued_time_utc.timestamp() * 1000)
+        assert m.raw_amqp_message.properties.creation_time == enqueued_ms
+        r.complete_message(m)
+
+
+def test_amqp_fields_the_broker_does_not_read_pass_through(client):
+    from azure.servicebus.amqp import AmqpAnnotatedMessage
+
+    sent = AmqpAnnotatedMessage(
+        data_body=b"raw",
+        properties={
+            "message_id": "pt1",
+            "user_id": b"alice",
+            "content_encoding": "gzip",
+            "creation_time": 1700000000000,
+        },
+        annotations={"custom-annotation": "kept", "x-opt-custom": 7},
+        footer={"footer-key": "signed"},
+        application_properties={"k": "v"},
+    )
+    with client.get_queue_sender("rawq") as s:
+        s.send_messages(sent)
+    with client.get_queue_receiver("rawq", max_wait_time=5) as r:
+        m = r.receive_messages(max_message_count=1, max_wait_time=5)[0]
+        raw = m.raw_amqp_message
+        assert raw.properties.user_id == b"alice"
+        assert raw.properties.content_encoding in (b"gzip", "gzip")
+        assert raw.properties.creation_time == 1700000000000
+        assert raw.annotations[b"custom-annotation"] in (b"kept", "kept")
+        assert raw.annotations[b"x-opt-custom"] == 7
+        assert raw.annotations[b"x-opt-sequence-number"] >= 1
+        assert raw.footer == {b"footer-key": b"signed"}
+        assert raw.application_properties == {b"k": b"v"}
+        r.complete_message(m)
