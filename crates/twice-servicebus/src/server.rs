@@ -1,4 +1,4 @@
-//! The listener: accepts AMQP connections within the limits, serves the HTTP side port, and
+//! The listener: accepts AMQP connections within the limits, runs the HTTP side port, and
 //! shuts down when told.
 
 use std::future::Future;
@@ -6,8 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use twice::SharedClock;
@@ -15,15 +14,7 @@ use twice::SharedClock;
 use crate::backend::Backend;
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
-
-/// What every connection shares.
-#[derive(Debug)]
-pub(crate) struct Shared<B> {
-    pub(crate) backend: B,
-    pub(crate) options: ServerOptions,
-    pub(crate) clock: SharedClock,
-    pub(crate) metrics: Arc<Metrics>,
-}
+use crate::shared::Shared;
 
 /// Why the server could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -134,7 +125,7 @@ impl<B: Backend> Server<B> {
             let mut stop = stop_rx.clone();
             tasks.spawn(async move {
                 tokio::select! {
-                    () = serve_http(http, shared) => {}
+                    () = crate::http::serve(http, shared) => {}
                     _ = stop.changed() => {}
                 }
             });
@@ -224,57 +215,4 @@ fn is_transient(e: &std::io::Error) -> bool {
             | std::io::ErrorKind::Interrupted
             | std::io::ErrorKind::WouldBlock
     ) || e.raw_os_error().is_some()
-}
-
-async fn serve_http<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _ =
-                tokio::time::timeout(Duration::from_secs(10), http_request(stream, &shared)).await;
-        });
-    }
-}
-
-async fn http_request<B: Backend>(
-    mut stream: TcpStream,
-    shared: &Shared<B>,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 || buf.len() > 16 * 1024 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let head = String::from_utf8_lossy(&buf);
-    let mut parts = head.split_whitespace();
-    let method = parts.next().unwrap_or("");
-    let path = parts.next().unwrap_or("").split('?').next().unwrap_or("");
-    let (status, content_type, body) = match (method, path) {
-        ("GET", "/health") => {
-            let (status, body) = crate::http::health(shared.backend.health());
-            (status, "application/json", body)
-        }
-        ("GET", "/metrics") => {
-            ("200 OK", "text/plain; version=0.0.4", crate::http::metrics_text(shared).await)
-        }
-        ("GET", "/entities") => {
-            ("200 OK", "application/json", crate::http::entities_json(shared).await)
-        }
-        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_owned()),
-        _ => ("405 Method Not Allowed", "text/plain", "method not allowed\n".to_owned()),
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
 }

@@ -41,7 +41,7 @@ use crate::performative::{
     ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
 use crate::sas::{Claim, Claims};
-use crate::server::Shared;
+use crate::shared::Shared;
 
 /// Credit granted to client senders, topped up when half is used.
 const SENDER_CREDIT: u32 = 1000;
