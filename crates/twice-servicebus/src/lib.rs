@@ -88,6 +88,7 @@
 pub mod address;
 pub mod backend;
 mod broker;
+mod conditions;
 mod connection;
 mod grants;
 mod http;

@@ -30,6 +30,7 @@ use uuid::Uuid;
 use crate::address::{self, Node};
 use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveMode, Settlement};
 use crate::codec::Value;
+use crate::conditions::{self as cond, backend_error, not_found, session_lock_lost, token_expired};
 use crate::frame::{self, Frame, FrameReader, ReadError};
 use crate::grants::{Grants, audience_is_ours, same_secret};
 use crate::ids::IdPool;
@@ -56,66 +57,6 @@ const SETTLE_BATCH: usize = 1024;
 /// The most messages a pump asks for in one receive, whatever the credit.
 const PUMP_BATCH: u64 = 512;
 
-/// AMQP and Service Bus error conditions twice sends.
-pub(crate) mod cond {
-    pub(crate) const DECODE_ERROR: &str = "amqp:decode-error";
-    pub(crate) const FRAME_TOO_LARGE: &str = "amqp:connection:framing-error";
-    pub(crate) const NOT_FOUND: &str = "amqp:not-found";
-    pub(crate) const NOT_ALLOWED: &str = "amqp:not-allowed";
-    pub(crate) const NOT_IMPLEMENTED: &str = "amqp:not-implemented";
-    pub(crate) const UNAUTHORIZED: &str = "amqp:unauthorized-access";
-    pub(crate) const RESOURCE_LIMIT: &str = "amqp:resource-limit-exceeded";
-    pub(crate) const INTERNAL: &str = "amqp:internal-error";
-    pub(crate) const MESSAGE_SIZE: &str = "amqp:link:message-size-exceeded";
-    pub(crate) const LOCK_LOST: &str = "com.microsoft:message-lock-lost";
-    pub(crate) const SESSION_LOCK_LOST: &str = "com.microsoft:session-lock-lost";
-    pub(crate) const SESSION_CANNOT_BE_LOCKED: &str = "com.microsoft:session-cannot-be-locked";
-    pub(crate) const TIMEOUT: &str = "com.microsoft:timeout";
-    pub(crate) const MESSAGE_NOT_FOUND: &str = "com.microsoft:message-not-found";
-    pub(crate) const ARGUMENT: &str = "com.microsoft:argument-error";
-    pub(crate) const ALREADY_EXISTS: &str = "com.microsoft:entity-already-exists";
-    pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
-    pub(crate) const UNATTACHED_HANDLE: &str = "amqp:session:unattached-handle";
-    pub(crate) const TRANSFER_LIMIT: &str = "amqp:link:transfer-limit-exceeded";
-}
-
-/// The AMQP error for a broker refusal.
-pub(crate) fn backend_error(e: &BackendError) -> AmqpError {
-    let c = match e {
-        BackendError::LockLost => cond::LOCK_LOST,
-        BackendError::SessionLockLost => cond::SESSION_LOCK_LOST,
-        BackendError::SessionCannotBeLocked(_) => cond::SESSION_CANNOT_BE_LOCKED,
-        BackendError::EntityNotFound(_) => cond::NOT_FOUND,
-        BackendError::MessageNotFound(_) => cond::MESSAGE_NOT_FOUND,
-        BackendError::Invalid(_) => cond::ARGUMENT,
-        BackendError::AlreadyExists(_) => cond::ALREADY_EXISTS,
-        // The condition the SDKs turn into their quota-exceeded error.
-        BackendError::QuotaExceeded(_) => cond::RESOURCE_LIMIT,
-        BackendError::MessageSizeExceeded(_) => cond::MESSAGE_SIZE,
-        BackendError::Unsupported(_) => cond::NOT_IMPLEMENTED,
-        BackendError::Unavailable(_) => cond::INTERNAL,
-    };
-    AmqpError::new(c, e.to_string())
-}
-
-/// The canonical not-found error (JS matches the description's wording).
-pub(crate) fn not_found(path: &str) -> AmqpError {
-    AmqpError::new(
-        cond::NOT_FOUND,
-        format!(
-            "The messaging entity '{path}' could not be found. To know more visit https://aka.ms/sbResourceMgrExceptions."
-        ),
-    )
-}
-
-/// The error a lost session lock detaches its link with.
-fn session_lock_lost() -> AmqpError {
-    AmqpError::new(
-        cond::SESSION_LOCK_LOST,
-        "The session lock has expired on the MessageSession. Accept a new MessageSession.",
-    )
-}
-
 /// The claim a link needs: sending to an entity, receiving from one, or (for a management
 /// node, checked per request) any.
 fn need_of<S>(l: &Link<S>) -> Option<Claim> {
@@ -124,14 +65,6 @@ fn need_of<S>(l: &Link<S>) -> Option<Claim> {
         Node::Entity(_) => Some(Claim::Send),
         Node::Management(_) | Node::Cbs => None,
     }
-}
-
-/// The error a link is detached with when its token expired and was not renewed.
-fn token_expired(path: &str) -> AmqpError {
-    AmqpError::new(
-        cond::UNAUTHORIZED,
-        format!("the token for '{path}' has expired: put a new token to $cbs"),
-    )
 }
 
 /// Why a connection ends.
@@ -704,7 +637,7 @@ pub(crate) async fn serve<B, IO>(
                     Ok(())
                 }
             }
-            _ = shutdown.changed() => Err(End::Close(Some(AmqpError::new("amqp:connection:forced", "the server is shutting down")))),
+            _ = shutdown.changed() => Err(End::Close(Some(AmqpError::new(cond::FORCED, "the server is shutting down")))),
         };
         if !conn.out.buf.is_empty() {
             // A client that stops reading is dropped rather than holding the connection (and
@@ -1167,7 +1100,7 @@ impl<B: Backend> Conn<B> {
             .attach
             .properties
             .as_ref()
-            .and_then(|p| p.get("com.microsoft:timeout"))
+            .and_then(|p| p.get(cond::TIMEOUT_PROPERTY))
             .and_then(Value::as_i64)
             .and_then(|ms| u64::try_from(ms).ok())
             .map_or(DEFAULT_SESSION_WAIT, Duration::from_millis);
@@ -1218,10 +1151,8 @@ impl<B: Backend> Conn<B> {
                 .as_millis()
                 .saturating_mul(10_000)
                 .saturating_add(621_355_968_000_000_000);
-            properties = Some(Value::Map(vec![(
-                Value::symbol("com.microsoft:locked-until-utc"),
-                Value::Long(ticks),
-            )]));
+            properties =
+                Some(Value::Map(vec![(Value::symbol(cond::LOCKED_UNTIL_UTC), Value::Long(ticks))]));
             l.session = Some(Arc::new(sess));
         }
         let reply = Attach {
