@@ -12,6 +12,8 @@ use tokio::task::JoinSet;
 use twice::SharedClock;
 
 use crate::backend::Backend;
+use crate::connection::{self, Admission};
+use crate::http;
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
 use crate::shared::Shared;
@@ -120,12 +122,12 @@ impl<B: Backend> Server<B> {
         let slots = Arc::new(Semaphore::new(self.shared.options.max_connections));
         let pending = Arc::new(Semaphore::new(self.shared.options.max_pending_connections));
         let mut tasks = JoinSet::new();
-        if let Some(http) = self.http {
+        if let Some(listener) = self.http {
             let shared = self.shared.clone();
             let mut stop = stop_rx.clone();
             tasks.spawn(async move {
                 tokio::select! {
-                    () = crate::http::serve(http, shared) => {}
+                    () = http::serve(listener, shared) => {}
                     _ = stop.changed() => {}
                 }
             });
@@ -168,10 +170,10 @@ impl<B: Backend> Server<B> {
                     let _ = stream.set_nodelay(true);
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
-                    let admission = crate::connection::Admission { handshake, slots: slots.clone() };
+                    let admission = Admission { handshake, slots: slots.clone() };
                     match shared.options.tls.clone() {
                         None => {
-                            tasks.spawn(crate::connection::serve(stream, shared, stop, admission));
+                            tasks.spawn(connection::serve(stream, shared, stop, admission));
                         }
                         Some(tls) => {
                             tasks.spawn(async move {
@@ -181,7 +183,7 @@ impl<B: Backend> Server<B> {
                                 let limit = shared.options.handshake_timeout;
                                 match tokio::time::timeout(limit, accept).await {
                                     Ok(Ok(tls)) => {
-                                        crate::connection::serve(tls, shared, stop, admission)
+                                        connection::serve(tls, shared, stop, admission)
                                             .await;
                                     }
                                     Ok(Err(e)) => {
