@@ -142,7 +142,7 @@ impl<B: Backend> Conn<B> {
                 },
                 Node::Cbs => {
                     let reply = self.on_cbs(&done.buf);
-                    self.settle_request(ch, &done);
+                    self.settle_received(ch, &done, &Outcome::Accepted);
                     if let Some(reply) = reply {
                         self.reply(link_id, reply);
                     }
@@ -151,7 +151,7 @@ impl<B: Backend> Conn<B> {
                 Node::Management(e) => {
                     // The request is settled at once; its reply follows from the link's
                     // request task, as a request/response peer expects.
-                    self.settle_request(ch, &done);
+                    self.settle_received(ch, &done, &Outcome::Accepted);
                     match mgmt::Request::parse(&done.buf) {
                         Ok(req)
                             if !self.authorized(
@@ -175,22 +175,12 @@ impl<B: Backend> Conn<B> {
                 }
             }
         };
-        let Some(s) = self.sessions.get_mut(&ch) else { return };
-        if !done.settled {
-            let d = Disposition {
-                role: ROLE_RECEIVER,
-                first: done.delivery_id,
-                last: None,
-                settled: true,
-                state: Some(outcome.to_value()),
-            };
-            self.out.send(s.local_channel, &Performative::Disposition(d));
-        }
+        self.settle_received(ch, &done, &outcome);
         self.top_up(ch, t.handle);
     }
 
-    /// Accepts a `$cbs` or `$management` request transfer.
-    fn settle_request(&mut self, ch: u16, p: &Partial) {
+    /// Settles a delivery the client sent with `outcome`, unless the client sent it settled.
+    fn settle_received(&mut self, ch: u16, p: &Partial, outcome: &Outcome) {
         let Some(s) = self.sessions.get_mut(&ch) else { return };
         if !p.settled {
             let d = Disposition {
@@ -198,7 +188,7 @@ impl<B: Backend> Conn<B> {
                 first: p.delivery_id,
                 last: None,
                 settled: true,
-                state: Some(Outcome::Accepted.to_value()),
+                state: Some(outcome.to_value()),
             };
             self.out.send(s.local_channel, &Performative::Disposition(d));
         }
