@@ -1,11 +1,17 @@
-//! The bodies of the HTTP side port: health, Prometheus text and the entity list.
+//! The HTTP side port: its listener, and the bodies it serves (health, Prometheus text and the
+//! entity list).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::backend::{Backend, EntityStats};
 use crate::metrics::EntityCounters;
-use crate::server::Shared;
+use crate::shared::Shared;
 
 fn label(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -100,6 +106,55 @@ pub(crate) async fn entities_json<B: Backend>(shared: &Shared<B>) -> String {
         })
         .collect();
     serde_json::Value::Array(list).to_string()
+}
+
+pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), http_request(stream, &shared)).await;
+        });
+    }
+}
+
+async fn http_request<B: Backend>(
+    mut stream: TcpStream,
+    shared: &Shared<B>,
+) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 || buf.len() > 16 * 1024 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut parts = head.split_whitespace();
+    let method = parts.next().unwrap_or("");
+    let path = parts.next().unwrap_or("").split('?').next().unwrap_or("");
+    let (status, content_type, body) = match (method, path) {
+        ("GET", "/health") => {
+            let (status, body) = health(shared.backend.health());
+            (status, "application/json", body)
+        }
+        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await),
+        ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_owned()),
+        _ => ("405 Method Not Allowed", "text/plain", "method not allowed\n".to_owned()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
 }
 
 #[cfg(test)]

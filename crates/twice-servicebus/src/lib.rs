@@ -88,6 +88,7 @@
 pub mod address;
 pub mod backend;
 mod broker;
+mod conditions;
 mod connection;
 mod grants;
 mod http;
@@ -96,6 +97,7 @@ pub mod metrics;
 mod mgmt;
 mod options;
 mod server;
+mod shared;
 
 // The AMQP layer lives in `twice-amqp`, shared with the client; re-exported so paths keep working.
 pub use twice_amqp::{codec, frame, mapping, performative, sas};

@@ -13,7 +13,7 @@ use crate::backend::{
     Backend, BackendError, BackendSession, ReceiveMode, Rule, RuleFilter, Settlement,
 };
 use crate::codec::{DecodeError, Decoder, Value};
-use crate::connection::{backend_error, cond};
+use crate::conditions::{self as cond, backend_error};
 use crate::mapping::{self, Presentation, Sections};
 use crate::metrics::{Counter, Metrics};
 use crate::performative::described_list;
@@ -146,19 +146,7 @@ impl Status {
             BackendError::Unavailable(_) => 503,
         };
         let err = backend_error(e);
-        let condition = match e {
-            BackendError::LockLost => cond::LOCK_LOST,
-            BackendError::SessionLockLost => cond::SESSION_LOCK_LOST,
-            BackendError::SessionCannotBeLocked(_) => cond::SESSION_CANNOT_BE_LOCKED,
-            BackendError::EntityNotFound(_) => cond::NOT_FOUND,
-            BackendError::MessageNotFound(_) => cond::MESSAGE_NOT_FOUND,
-            BackendError::Invalid(_) => cond::ARGUMENT,
-            BackendError::AlreadyExists(_) => cond::ALREADY_EXISTS,
-            BackendError::QuotaExceeded(_) => cond::RESOURCE_LIMIT,
-            BackendError::MessageSizeExceeded(_) => cond::MESSAGE_SIZE,
-            BackendError::Unsupported(_) => cond::NOT_IMPLEMENTED,
-            BackendError::Unavailable(_) => cond::INTERNAL,
-        };
+        let condition = cond::of_backend(e);
         Self {
             code,
             condition: Some(condition),

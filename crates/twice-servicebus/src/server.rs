@@ -1,4 +1,4 @@
-//! The listener: accepts AMQP connections within the limits, serves the HTTP side port, and
+//! The listener: accepts AMQP connections within the limits, runs the HTTP side port, and
 //! shuts down when told.
 
 use std::future::Future;
@@ -6,24 +6,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use twice::SharedClock;
 
 use crate::backend::Backend;
+use crate::connection::{self, Admission};
+use crate::http;
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
-
-/// What every connection shares.
-#[derive(Debug)]
-pub(crate) struct Shared<B> {
-    pub(crate) backend: B,
-    pub(crate) options: ServerOptions,
-    pub(crate) clock: SharedClock,
-    pub(crate) metrics: Arc<Metrics>,
-}
+use crate::shared::Shared;
 
 /// Why the server could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -129,12 +122,12 @@ impl<B: Backend> Server<B> {
         let slots = Arc::new(Semaphore::new(self.shared.options.max_connections));
         let pending = Arc::new(Semaphore::new(self.shared.options.max_pending_connections));
         let mut tasks = JoinSet::new();
-        if let Some(http) = self.http {
+        if let Some(listener) = self.http {
             let shared = self.shared.clone();
             let mut stop = stop_rx.clone();
             tasks.spawn(async move {
                 tokio::select! {
-                    () = serve_http(http, shared) => {}
+                    () = http::serve(listener, shared) => {}
                     _ = stop.changed() => {}
                 }
             });
@@ -177,10 +170,10 @@ impl<B: Backend> Server<B> {
                     let _ = stream.set_nodelay(true);
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
-                    let admission = crate::connection::Admission { handshake, slots: slots.clone() };
+                    let admission = Admission { handshake, slots: slots.clone() };
                     match shared.options.tls.clone() {
                         None => {
-                            tasks.spawn(crate::connection::serve(stream, shared, stop, admission));
+                            tasks.spawn(connection::serve(stream, shared, stop, admission));
                         }
                         Some(tls) => {
                             tasks.spawn(async move {
@@ -190,7 +183,7 @@ impl<B: Backend> Server<B> {
                                 let limit = shared.options.handshake_timeout;
                                 match tokio::time::timeout(limit, accept).await {
                                     Ok(Ok(tls)) => {
-                                        crate::connection::serve(tls, shared, stop, admission)
+                                        connection::serve(tls, shared, stop, admission)
                                             .await;
                                     }
                                     Ok(Err(e)) => {
@@ -224,57 +217,4 @@ fn is_transient(e: &std::io::Error) -> bool {
             | std::io::ErrorKind::Interrupted
             | std::io::ErrorKind::WouldBlock
     ) || e.raw_os_error().is_some()
-}
-
-async fn serve_http<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            let _ =
-                tokio::time::timeout(Duration::from_secs(10), http_request(stream, &shared)).await;
-        });
-    }
-}
-
-async fn http_request<B: Backend>(
-    mut stream: TcpStream,
-    shared: &Shared<B>,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 || buf.len() > 16 * 1024 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let head = String::from_utf8_lossy(&buf);
-    let mut parts = head.split_whitespace();
-    let method = parts.next().unwrap_or("");
-    let path = parts.next().unwrap_or("").split('?').next().unwrap_or("");
-    let (status, content_type, body) = match (method, path) {
-        ("GET", "/health") => {
-            let (status, body) = crate::http::health(shared.backend.health());
-            (status, "application/json", body)
-        }
-        ("GET", "/metrics") => {
-            ("200 OK", "text/plain; version=0.0.4", crate::http::metrics_text(shared).await)
-        }
-        ("GET", "/entities") => {
-            ("200 OK", "application/json", crate::http::entities_json(shared).await)
-        }
-        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_owned()),
-        _ => ("405 Method Not Allowed", "text/plain", "method not allowed\n".to_owned()),
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
 }
