@@ -75,6 +75,11 @@
 //!   transaction; `forget` a `DELETE .. WHERE .. AND owner = ? AND state = 0`. Tables made
 //!   before these columns gain them by migration (PostgreSQL and SQLite 2, MariaDB 3), their
 //!   rows done.
+//! - **Foreign-key violations** (PostgreSQL 23503, MariaDB 1451/1452, SQLite 787) are
+//!   unclassified on every store: the handler retry policy, then the broker's MaxDeliveryCount.
+//!   The row a handler refers to often comes with a later message, so a retry may pass. Other
+//!   integrity violations and data errors (PostgreSQL classes 22 and 23, MariaDB 1048, 1264,
+//!   1292, 1406, 4025, SQLite NOT NULL and CHECK) are permanent: dead-lettered at once.
 //! - **Pool size.** The processor refuses to start when the pool has fewer connections than
 //!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
 //!

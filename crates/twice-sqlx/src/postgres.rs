@@ -294,6 +294,9 @@ impl Inbox for SqlxInbox<Postgres> {
             {
                 ErrorClass::Transient
             }
+            // A foreign-key violation may be an ordering race (the row it refers to comes with
+            // a later message): retried, as on the other stores.
+            "23503" => ErrorClass::Unknown,
             // Data exceptions and other integrity violations: this message will never pass.
             c if c.starts_with("22") || c.starts_with("23") => ErrorClass::Permanent,
             _ => ErrorClass::Unknown,
