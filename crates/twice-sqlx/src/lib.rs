@@ -16,6 +16,8 @@
 //! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
 //! | `message_id`      | the message id                                                 |
 //! | `processed_at_ms` | when the claim was made, ms since the Unix epoch (indexed)     |
+//! | `state`           | dedup-only records: 0 claimed (work under way), 1 done; claims are 1 |
+//! | `owner`           | dedup-only records: the token of the attempt that made the record |
 //!
 //! The primary key is `(consumer, message_id)`. Migrations are embedded and run by
 //! `SqlxInbox::new` unless [`InboxOptions::migrate`] is off; applied versions are recorded in
@@ -66,6 +68,18 @@
 //!   (shutdown) and 55P03 (lock not available); MariaDB 1205 (lock wait timeout), 1213
 //!   (deadlock) and 1317 (interrupted); SQLite 5, 6 and 517 (busy, locked); and on every store
 //!   I/O errors, pool timeouts and lost connections. The processor retries those in process.
+//! - **Dedup-only records.** `record` inserts `(consumer, message_id)` with state 0 and the
+//!   attempt's owner token and commits at once; a conflicting row is read back: done → a
+//!   duplicate, claimed by the same owner → claimed, by another → in progress. `finish` is an
+//!   `UPDATE .. SET state = 1 WHERE .. AND owner = ? AND state = 0` inside the handler's
+//!   transaction; `forget` a `DELETE .. WHERE .. AND owner = ? AND state = 0`. Tables made
+//!   before these columns gain them by migration (PostgreSQL and SQLite 2, MariaDB 3), their
+//!   rows done.
+//! - **Foreign-key violations** (PostgreSQL 23503, MariaDB 1451/1452, SQLite 787) are
+//!   unclassified on every store: the handler retry policy, then the broker's MaxDeliveryCount.
+//!   The row a handler refers to often comes with a later message, so a retry may pass. Other
+//!   integrity violations and data errors (PostgreSQL classes 22 and 23, MariaDB 1048, 1264,
+//!   1292, 1406, 4025, SQLite NOT NULL and CHECK) are permanent: dead-lettered at once.
 //! - **Pool size.** The processor refuses to start when the pool has fewer connections than
 //!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
 //!
@@ -471,6 +485,10 @@ fn is_transient_sqlx(error: &sqlx::Error) -> bool {
             | sqlx::Error::WorkerCrashed
     )
 }
+
+/// The `state` of a dedup-only record still being worked on; claims and finished records are
+/// `1`, done.
+const STATE_CLAIMED: i64 = 0;
 
 fn millis(now: Timestamp) -> i64 {
     now.as_millis()

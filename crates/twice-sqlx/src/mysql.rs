@@ -54,6 +54,13 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
         &["ALTER TABLE {t} MODIFY consumer VARBINARY(1020) NOT NULL, \
            MODIFY message_id VARBINARY(1020) NOT NULL"],
     ),
+    // Dedup-only records: claimed (0) by an owner, or done (1). Claims and existing rows
+    // are done.
+    (
+        3,
+        &["ALTER TABLE {t} ADD COLUMN state TINYINT NOT NULL DEFAULT 1, \
+           ADD COLUMN owner VARBINARY(64) NULL"],
+    ),
 ];
 
 impl SqlxInbox<MySql> {
@@ -216,26 +223,88 @@ impl Inbox for SqlxInbox<MySql> {
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
+        owner: &'a str,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = crate::begin_detached(&self.pool, None).await?;
-        let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
-        tx.commit().await?;
-        Ok(claim)
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        // A record removed between the insert and the read is inserted again.
+        for _ in 0..3 {
+            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let inserted = sqlx::query(&format!(
+                "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
+                 VALUES (?, ?, ?, 0, ?)"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .bind(millis(now))
+            .bind(owner)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                tx.commit().await?;
+                return Ok(Claim::Claimed);
+            }
+            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
+                "SELECT processed_at_ms, CAST(state AS SIGNED), CAST(owner AS CHAR) FROM {t} \
+                 WHERE consumer = ? AND message_id = ? LOCK IN SHARE MODE"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            let Some((at, state, by)) = row else { continue };
+            let claimed_at = Some(Timestamp::from_millis(at));
+            return Ok(match state {
+                crate::STATE_CLAIMED if by.as_deref() == Some(owner) => Claim::Claimed,
+                crate::STATE_CLAIMED => Claim::InProgress { claimed_at },
+                _ => Claim::Duplicate { claimed_at },
+            });
+        }
+        Ok(Claim::InProgress { claimed_at: None })
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
+        let t = self.table();
+        let updated = sqlx::query(&format!(
+            "UPDATE {t} SET state = 1 WHERE consumer = ? AND message_id = ? \
+             AND owner = ? AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        Ok(updated == 1)
     }
 
     async fn forget<'a>(
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
-    ) -> Result<(), StoreError> {
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
         let t = self.table();
-        sqlx::query(&format!("DELETE FROM {t} WHERE consumer = ? AND message_id = ?"))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        let deleted = sqlx::query(&format!(
+            "DELETE FROM {t} WHERE consumer = ? AND message_id = ? AND owner = ? \
+             AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(deleted == 1)
     }
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {

@@ -21,18 +21,29 @@ use crate::{
 pub type PgInbox = SqlxInbox<Postgres>;
 
 /// The embedded migrations: (version, statements), `{t}` standing for the table name.
-const MIGRATIONS: &[(i64, &[&str])] = &[(
-    1,
-    &[
-        "CREATE TABLE IF NOT EXISTS {t} (
+const MIGRATIONS: &[(i64, &[&str])] = &[
+    (
+        1,
+        &[
+            "CREATE TABLE IF NOT EXISTS {t} (
             consumer TEXT NOT NULL,
             message_id TEXT NOT NULL,
             processed_at_ms BIGINT NOT NULL,
             CONSTRAINT {t}_pkey PRIMARY KEY (consumer, message_id)
         )",
-        "CREATE INDEX IF NOT EXISTS {t}_processed_at ON {t} (processed_at_ms)",
-    ],
-)];
+            "CREATE INDEX IF NOT EXISTS {t}_processed_at ON {t} (processed_at_ms)",
+        ],
+    ),
+    (
+        // Dedup-only records: claimed (0) by an owner, or done (1). Claims and existing rows
+        // are done.
+        2,
+        &[
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS state SMALLINT NOT NULL DEFAULT 1",
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS owner TEXT",
+        ],
+    ),
+];
 
 impl SqlxInbox<Postgres> {
     /// Runs the embedded migrations not yet applied, under an advisory lock so that instances
@@ -175,26 +186,88 @@ impl Inbox for SqlxInbox<Postgres> {
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
+        owner: &'a str,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = crate::begin_detached(&self.pool, None).await?;
-        let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
-        tx.commit().await?;
-        Ok(claim)
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        // A record removed between the insert and the read is inserted again.
+        for _ in 0..3 {
+            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let inserted = sqlx::query(&format!(
+                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
+                 VALUES ($1, $2, $3, 0, $4) ON CONFLICT (consumer, message_id) DO NOTHING"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .bind(millis(now))
+            .bind(owner)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                tx.commit().await?;
+                return Ok(Claim::Claimed);
+            }
+            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
+                "SELECT processed_at_ms, CAST(state AS BIGINT), owner FROM {t} \
+                 WHERE consumer = $1 AND message_id = $2"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            let Some((at, state, by)) = row else { continue };
+            let claimed_at = Some(Timestamp::from_millis(at));
+            return Ok(match state {
+                crate::STATE_CLAIMED if by.as_deref() == Some(owner) => Claim::Claimed,
+                crate::STATE_CLAIMED => Claim::InProgress { claimed_at },
+                _ => Claim::Duplicate { claimed_at },
+            });
+        }
+        Ok(Claim::InProgress { claimed_at: None })
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
+        let t = self.table();
+        let updated = sqlx::query(&format!(
+            "UPDATE {t} SET state = 1 WHERE consumer = $1 AND message_id = $2 \
+             AND owner = $3 AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        Ok(updated == 1)
     }
 
     async fn forget<'a>(
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
-    ) -> Result<(), StoreError> {
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
         let t = self.table();
-        sqlx::query(&format!("DELETE FROM {t} WHERE consumer = $1 AND message_id = $2"))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        let deleted = sqlx::query(&format!(
+            "DELETE FROM {t} WHERE consumer = $1 AND message_id = $2 AND owner = $3 \
+             AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(deleted == 1)
     }
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
@@ -221,6 +294,9 @@ impl Inbox for SqlxInbox<Postgres> {
             {
                 ErrorClass::Transient
             }
+            // A foreign-key violation may be an ordering race (the row it refers to comes with
+            // a later message): retried, as on the other stores.
+            "23503" => ErrorClass::Unknown,
             // Data exceptions and other integrity violations: this message will never pass.
             c if c.starts_with("22") || c.starts_with("23") => ErrorClass::Permanent,
             _ => ErrorClass::Unknown,

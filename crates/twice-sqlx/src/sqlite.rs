@@ -33,18 +33,29 @@ mod code {
     pub(super) const CONSTRAINT_CHECK: &str = "275";
 }
 
-const MIGRATIONS: &[(i64, &[&str])] = &[(
-    1,
-    &[
-        "CREATE TABLE IF NOT EXISTS {t} (
+const MIGRATIONS: &[(i64, &[&str])] = &[
+    (
+        1,
+        &[
+            "CREATE TABLE IF NOT EXISTS {t} (
             consumer TEXT NOT NULL,
             message_id TEXT NOT NULL,
             processed_at_ms INTEGER NOT NULL,
             PRIMARY KEY (consumer, message_id)
         ) WITHOUT ROWID",
-        "CREATE INDEX IF NOT EXISTS {t}_processed_at ON {t} (processed_at_ms)",
-    ],
-)];
+            "CREATE INDEX IF NOT EXISTS {t}_processed_at ON {t} (processed_at_ms)",
+        ],
+    ),
+    (
+        // Dedup-only records: claimed (0) by an owner, or done (1). Claims and existing rows
+        // are done.
+        2,
+        &[
+            "ALTER TABLE {t} ADD COLUMN state INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE {t} ADD COLUMN owner TEXT",
+        ],
+    ),
+];
 
 /// Connection options for an inbox database file: created if missing, WAL, `synchronous =
 /// NORMAL` (durable across a crash of the process; a power loss may lose the last
@@ -212,26 +223,88 @@ impl Inbox for SqlxInbox<Sqlite> {
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
+        owner: &'a str,
         now: Timestamp,
     ) -> Result<Claim, StoreError> {
-        let mut tx = begin_immediate(&self.pool).await?;
-        let claim = self.claim_in(&mut tx, consumer, message_id, now).await?;
-        tx.commit().await?;
-        Ok(claim)
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        // A record removed between the insert and the read is inserted again.
+        for _ in 0..3 {
+            let mut tx = begin_immediate(&self.pool).await?;
+            let inserted = sqlx::query(&format!(
+                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
+                 VALUES (?1, ?2, ?3, 0, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .bind(millis(now))
+            .bind(owner)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                tx.commit().await?;
+                return Ok(Claim::Claimed);
+            }
+            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
+                "SELECT processed_at_ms, CAST(state AS BIGINT), owner FROM {t} \
+                 WHERE consumer = ?1 AND message_id = ?2"
+            ))
+            .bind(consumer)
+            .bind(message_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            let Some((at, state, by)) = row else { continue };
+            let claimed_at = Some(Timestamp::from_millis(at));
+            return Ok(match state {
+                crate::STATE_CLAIMED if by.as_deref() == Some(owner) => Claim::Claimed,
+                crate::STATE_CLAIMED => Claim::InProgress { claimed_at },
+                _ => Claim::Duplicate { claimed_at },
+            });
+        }
+        Ok(Claim::InProgress { claimed_at: None })
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
+        let t = self.table();
+        let updated = sqlx::query(&format!(
+            "UPDATE {t} SET state = 1 WHERE consumer = ?1 AND message_id = ?2 \
+             AND owner = ?3 AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        Ok(updated == 1)
     }
 
     async fn forget<'a>(
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
-    ) -> Result<(), StoreError> {
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
         let t = self.table();
-        sqlx::query(&format!("DELETE FROM {t} WHERE consumer = ?1 AND message_id = ?2"))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        let deleted = sqlx::query(&format!(
+            "DELETE FROM {t} WHERE consumer = ?1 AND message_id = ?2 AND owner = ?3 \
+             AND state = 0"
+        ))
+        .bind(consumer)
+        .bind(message_id.as_str())
+        .bind(owner)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(deleted == 1)
     }
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {

@@ -24,6 +24,12 @@ pub enum Claim {
         /// When the winning copy claimed the id, if the store could read it.
         claimed_at: Option<Timestamp>,
     },
+    /// Dedup-only mode ([`Inbox::record`]): another attempt recorded the id and has not
+    /// finished; its work may be under way. Wait for its outcome.
+    InProgress {
+        /// When that attempt recorded the id, if the store could read it.
+        claimed_at: Option<Timestamp>,
+    },
 }
 
 /// A store of claimed message ids with transactions that a handler's work joins.
@@ -101,22 +107,47 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
     /// Rolls the transaction back.
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
-    /// Records `message_id` for `consumer` in a transaction of its own and commits it at once
-    /// (the dedup-only mode, [`Mode::DedupOnly`](crate::Mode::DedupOnly)).
+    /// Records `message_id` for `consumer` as claimed by `owner` (a token unique to one
+    /// processing of one delivery) in a transaction of its own, and commits it at once (the
+    /// dedup-only mode, [`Mode::DedupOnly`](crate::Mode::DedupOnly)).
+    ///
+    /// Returns [`Claim::Claimed`] when the id was not recorded, or is recorded as claimed by
+    /// this same `owner` (a retry of the same processing after a commit of unknown outcome);
+    /// [`Claim::Duplicate`] when it is recorded as done (by [`Inbox::finish`], or by a claim);
+    /// [`Claim::InProgress`] when another owner holds it claimed.
     fn record<'a>(
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
+        owner: &'a str,
         now: Timestamp,
     ) -> impl Future<Output = Result<Claim, Self::Error>> + Send + 'a;
 
-    /// Removes a record made by [`Inbox::record`], so that a message whose work failed is
-    /// processed again when it is redelivered.
+    /// Marks the record `owner` made with [`Inbox::record`] as done, inside `tx`, the
+    /// transaction of the handler's work, so that the mark commits with that work or not at
+    /// all. Returns whether the record was there, claimed by `owner`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn finish<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send + 'a;
+
+    /// Removes the record `owner` made with [`Inbox::record`] if it is still claimed by
+    /// `owner`, so that a message whose work failed is processed again when it is redelivered.
+    /// Never removes another owner's record, nor a done one. Returns whether a record was
+    /// removed.
     fn forget<'a>(
         &'a self,
         consumer: &'a str,
         message_id: &'a MessageId,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a;
+        owner: &'a str,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send + 'a;
 
     /// Classifies an error a handler raised with `?`: the violation of a registered business
     /// key, transient, permanent or unknown. Implementations look at error codes (SQLSTATE,

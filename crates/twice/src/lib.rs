@@ -72,11 +72,27 @@
 //!     async fn rollback(&self, _tx: Tx) -> Result<(), Self::Error> {
 //!         Ok(())
 //!     }
-//!     async fn record<'a>(&'a self, _: &'a str, _: &'a MessageId, _: Timestamp) -> Result<Claim, Self::Error> {
-//!         Ok(Claim::Claimed)
+//!     // The dedup-only mode's records; this store does not offer the mode.
+//!     async fn record<'a>(
+//!         &'a self,
+//!         _: &'a str,
+//!         _: &'a MessageId,
+//!         _owner: &'a str,
+//!         _: Timestamp,
+//!     ) -> Result<Claim, Self::Error> {
+//!         Err(std::io::Error::other("dedup-only mode is not supported"))
 //!     }
-//!     async fn forget<'a>(&'a self, _: &'a str, _: &'a MessageId) -> Result<(), Self::Error> {
-//!         Ok(())
+//!     async fn finish<'a>(
+//!         &'a self,
+//!         _: &'a mut Tx,
+//!         _: &'a str,
+//!         _: &'a MessageId,
+//!         _owner: &'a str,
+//!     ) -> Result<bool, Self::Error> {
+//!         Ok(false)
+//!     }
+//!     async fn forget<'a>(&'a self, _: &'a str, _: &'a MessageId, _owner: &'a str) -> Result<bool, Self::Error> {
+//!         Ok(false)
 //!     }
 //!     fn classify(&self, _: &(dyn std::error::Error + 'static)) -> ErrorClass {
 //!         ErrorClass::Unknown

@@ -74,10 +74,40 @@
 //! [`Mode::Claim`] (the default) does the above. [`Mode::NaturallyIdempotent`] skips the claim,
 //! for handlers whose work is an upsert that can run twice with the effect of once (seed
 //! strategy 1). [`Mode::DedupOnly`] records the id in a transaction of its own, commits it, and
-//! only then runs the handler (seed strategy 2), for work that cannot join a transaction: it is
-//! **at most once**, because a process that dies after the record and before the work is done
-//! leaves a record that makes every redelivery a duplicate. On a handler error or lost lock the
-//! record is removed again, so only a crash loses the message.
+//! only then runs the handler (seed strategy 2), for work that cannot join a transaction.
+//!
+//! ## Dedup-only records, interleaving by interleaving
+//!
+//! A record is *claimed* by an owner (a token unique to one processing of one delivery, kept
+//! across its in-process retries) or *done*. It is marked done inside the handler's
+//! transaction ([`Inbox::finish`]), so the mark commits with the handler's database work or not
+//! at all, and it is removed only by its owner and only while claimed ([`Inbox::forget`]).
+//!
+//! - *Two copies at once.* The second meets the first one's claimed record
+//!   ([`Claim::InProgress`]) and waits for its outcome in process, with the infrastructure
+//!   backoff and no delivery spent: done → the second completes as a duplicate; removed → the
+//!   second records the id and does the work. A copy never completes on a record in progress.
+//!   After [`RetryPolicy::infrastructure_retries`] waits it is abandoned and comes back.
+//!   (SQLite: the second copy's record already waits for the first copy's write lock.)
+//! - *The lock is lost while the record commits.* The record is not raced against the lock,
+//!   so it ends one way or the other; then the lock is checked, and a lost one removes the
+//!   record. The redelivery does the work.
+//! - *The handler fails, panics, or returns anything but `Complete`; the lock is lost while it
+//!   runs (the handler is stopped).* The transaction rolls back and the owner's record is
+//!   removed: the redelivery runs the handler again. For the handler's work outside the
+//!   database this is **at least once**: a handler stopped at an await after a call it cannot
+//!   take back is run again.
+//! - *The commit of the handler's work has an unknown outcome.* The record stays claimed by
+//!   the same owner, and the attempt is retried in process: its record finds the mark (the
+//!   commit happened: a duplicate) or its own claim (it did not: the work runs again).
+//! - *A crash after the record and before the commit* (or retries used up after an unknown
+//!   commit). The record stays claimed by an owner that is gone: every redelivery finds it in
+//!   progress, waits, and is abandoned, until the broker dead-letters the message at
+//!   MaxDeliveryCount. **At most once**: the work is never run twice, and the message is never
+//!   completed without it; an operator decides from the dead-letter queue (and removes the
+//!   record to have it processed again).
+//!
+//! The record's id shares the inbox key with claims: one consumer must not run both modes.
 //!
 //! # Counters and errors
 //!
@@ -107,7 +137,7 @@ use crate::handler::{Context, Handler};
 use crate::inbox::{Claim, Inbox};
 use crate::message::{Properties, ReceivedMessage};
 use crate::outcome::Outcome;
-use crate::retry::RetryPolicy;
+use crate::retry::{RetryPolicy, random_u64};
 use crate::transport::{DeadLetterReason, Delivery, EntityInfo, Transport, TransportError};
 
 /// How the processor protects a handler's work.
@@ -123,8 +153,10 @@ pub enum Mode {
     /// in a transaction that is committed before the message is completed.
     NaturallyIdempotent,
     /// Record the id in a transaction of its own and commit it before the handler runs, for
-    /// work that cannot join a transaction. At most once: a crash after the record loses the
-    /// message.
+    /// work that cannot join a transaction. A copy that meets a record still in progress waits
+    /// for its outcome; a failed attempt removes its own record. A crash after the record
+    /// leaves it in progress, and the message ends in the dead-letter queue, never run twice
+    /// and never completed without its work. See the [module docs](self) for each interleaving.
     DedupOnly,
 }
 
@@ -500,18 +532,14 @@ where
         }
         let verdict = {
             let mut lock_lost = std::pin::pin!(lock_lost);
-            match self.mode {
-                Mode::Claim | Mode::NaturallyIdempotent => {
-                    self.transactional(msg, received_at, lock, lock_lost.as_mut()).await
-                }
-                Mode::DedupOnly => self.dedup_only(msg, lock, lock_lost.as_mut()).await,
-            }
+            self.transactional(msg, received_at, lock, lock_lost.as_mut()).await
         };
         self.settle(settler, delivery, verdict).await;
     }
 
-    /// Claim (or not, in [`Mode::NaturallyIdempotent`]) and run the handler in one transaction;
-    /// retry the attempt as the [`RetryPolicy`] says.
+    /// Claim (or not, in [`Mode::NaturallyIdempotent`]; or record first, in
+    /// [`Mode::DedupOnly`]) and run the handler in one transaction; retry the attempt as the
+    /// [`RetryPolicy`] says.
     async fn transactional(
         &self,
         msg: &ReceivedMessage,
@@ -521,8 +549,17 @@ where
     ) -> Verdict {
         let mut infrastructure_failures = 0;
         let mut handler_failures = 0;
+        // Dedup-only: the owner of this processing's record, kept across its retries.
+        let owner = (self.mode == Mode::DedupOnly)
+            .then(|| format!("{:016x}{:016x}", random_u64(), random_u64()));
         loop {
-            match self.attempt(msg, received_at, lock, lock_lost.as_mut()).await {
+            let attempt = match &owner {
+                Some(owner) => {
+                    self.dedup_attempt(msg, received_at, lock, lock_lost.as_mut(), owner).await
+                }
+                None => self.attempt(msg, received_at, lock, lock_lost.as_mut()).await,
+            };
+            match attempt {
                 Attempt::Done(verdict) => return verdict,
                 Attempt::InfrastructureFailed => {
                     infrastructure_failures += 1;
@@ -601,13 +638,12 @@ where
             }
             Step::Duplicate(claimed_at) => {
                 self.rollback(tx, id).await;
-                // The winner claimed after this copy arrived: both were in flight together.
-                let concurrent = claimed_at.is_some_and(|at| at >= received_at);
-                Attempt::Done(Verdict::Complete(Some(if concurrent {
-                    Counter::DuplicateConcurrentCopy
-                } else {
-                    Counter::DuplicateAlreadyProcessed
-                })))
+                Attempt::Done(Verdict::Complete(Some(duplicate_counter(claimed_at, received_at))))
+            }
+            Step::InProgress => {
+                // Only a dedup-only record answers so; wait for its outcome.
+                self.rollback(tx, id).await;
+                Attempt::InfrastructureFailed
             }
             Step::Handled(Ok(Outcome::Complete)) => {
                 if !lock.held(self.clock.now()) {
@@ -626,30 +662,7 @@ where
                         }
                         Attempt::Done(Verdict::Complete(None))
                     }
-                    Err(e) => {
-                        let class = self.inbox.classify(&e);
-                        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
-                        match class {
-                            // A constraint checked at COMMIT (deferred) is the handler's work
-                            // failing, as if a statement had failed.
-                            ErrorClass::BusinessKeyDuplicate { constraint } => {
-                                tracing::debug!(message_id = %id, %constraint, "duplicate by business key at commit");
-                                Attempt::Done(Verdict::Complete(Some(
-                                    Counter::DuplicateBusinessKey,
-                                )))
-                            }
-                            ErrorClass::Permanent => {
-                                self.counters.inc(Counter::HandlerErrors);
-                                Attempt::Done(Verdict::DeadLetter(DeadLetterReason::new(
-                                    HANDLER_FAILED,
-                                    "the commit of the handler's work was refused",
-                                )))
-                            }
-                            // The commit may have happened anyway: the next attempt's claim
-                            // finds out, and completes as a duplicate if it did.
-                            _ => Attempt::InfrastructureFailed,
-                        }
-                    }
+                    Err(e) => self.commit_failed(msg, e),
                 }
             }
             Step::Handled(result) => {
@@ -683,6 +696,7 @@ where
             match claimed {
                 Ok(Claim::Claimed) => {}
                 Ok(Claim::Duplicate { claimed_at }) => return Step::Duplicate(claimed_at),
+                Ok(Claim::InProgress { .. }) => return Step::InProgress,
                 Err(e) => return Step::ClaimFailed(e),
             }
         }
@@ -698,57 +712,81 @@ where
         }
     }
 
-    /// Seed strategy 2: record, commit, then work.
-    async fn dedup_only(
+    /// One attempt in dedup-only mode: record the id (committed at once), then run the
+    /// handler in a transaction of its own that also marks the record done, and commit.
+    async fn dedup_attempt(
         &self,
         msg: &ReceivedMessage,
+        received_at: Timestamp,
         lock: &LockState,
-        mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
-    ) -> Verdict {
+        lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
+        owner: &str,
+    ) -> Attempt {
         let id = msg.message_id();
-        let recorded = tokio::select! {
-            biased;
-            () = &mut lock_lost => return Verdict::LockLost,
-            r = self.inbox.record(&self.consumer, id, self.clock.now()) => r,
-        };
+        // Not raced against the lock: a record given up midway may still commit after the
+        // attempt has ended, and then stay. A record is one insert and its commit; its waits
+        // are bounded by the pool's acquire timeout and the database's lock wait timeout. The
+        // lock is checked right after it.
+        let recorded = self.inbox.record(&self.consumer, id, owner, self.clock.now()).await;
         match recorded {
             Ok(Claim::Claimed) => {}
-            Ok(Claim::Duplicate { .. }) => {
-                return Verdict::Complete(Some(Counter::DuplicateAlreadyProcessed));
+            Ok(Claim::Duplicate { claimed_at }) => {
+                return Attempt::Done(Verdict::Complete(Some(duplicate_counter(
+                    claimed_at,
+                    received_at,
+                ))));
+            }
+            Ok(Claim::InProgress { .. }) => {
+                tracing::info!(
+                    message_id = %id,
+                    "another attempt recorded this id and has not finished; waiting for its outcome"
+                );
+                return Attempt::InfrastructureFailed;
             }
             Err(e) => {
+                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return Verdict::Abandon;
+                return if transient {
+                    Attempt::InfrastructureFailed
+                } else {
+                    Attempt::Done(Verdict::Abandon)
+                };
             }
         }
-        // From here on the id is recorded: anything but success removes the record again so
-        // the message is retried; only a crash leaves it (the at-most-once trade-off).
-        let verdict = self.transactional_without_claim(msg, lock, lock_lost).await;
-        if !matches!(verdict, Verdict::Complete(_)) {
-            if let Err(e) = self.inbox.forget(&self.consumer, id).await {
-                self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+        let attempt = self.dedup_work(msg, lock, lock_lost, owner).await;
+        if let Some(keep) = attempt.1 {
+            if !keep {
+                self.forget(id, owner).await;
             }
         }
-        verdict
+        attempt.0
     }
 
-    async fn transactional_without_claim(
+    /// The handler's part of a dedup-only attempt, after the record; also says whether the
+    /// record is to be removed (`Some(false)`), kept (`Some(true)`: done, or in doubt).
+    async fn dedup_work(
         &self,
         msg: &ReceivedMessage,
         lock: &LockState,
         mut lock_lost: std::pin::Pin<&mut (impl Future<Output = ()> + Send)>,
-    ) -> Verdict {
+        owner: &str,
+    ) -> (Attempt, Option<bool>) {
+        const FORGET: Option<bool> = Some(false);
+        const KEEP: Option<bool> = Some(true);
         let id = msg.message_id();
+        if !lock.held(self.clock.now()) {
+            return (Attempt::Done(Verdict::LockLost), FORGET);
+        }
         let begun = tokio::select! {
             biased;
-            () = &mut lock_lost => return Verdict::LockLost,
+            () = &mut lock_lost => return (Attempt::Done(Verdict::LockLost), FORGET),
             r = self.inbox.begin() => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
             Err(e) => {
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return Verdict::Abandon;
+                return (Attempt::InfrastructureFailed, FORGET);
             }
         };
         let raced = tokio::select! {
@@ -756,15 +794,39 @@ where
             () = &mut lock_lost => None,
             r = self.run_handler(msg, &mut tx) => Some(r),
         };
-        match raced {
-            None => {
-                self.rollback(tx, id).await;
-                Verdict::LockLost
-            }
-            Some(Step::Handled(Ok(Outcome::Complete))) if lock.held(self.clock.now()) => {
-                if self.check_committable(&mut tx, id).await.is_err() {
+        let Some(step) = raced else {
+            // The handler was stopped; its work in the transaction is rolled back.
+            self.rollback(tx, id).await;
+            return (Attempt::Done(Verdict::LockLost), FORGET);
+        };
+        match step {
+            Step::Handled(Ok(Outcome::Complete)) => {
+                if !lock.held(self.clock.now()) {
                     self.rollback(tx, id).await;
-                    return Verdict::Abandon;
+                    return (Attempt::Done(Verdict::LockLost), FORGET);
+                }
+                match self.inbox.finish(&mut tx, &self.consumer, id, owner).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(
+                        message_id = %id,
+                        "the dedup-only record was gone before the work committed (purged, or \
+                         removed by hand); the work commits without it"
+                    ),
+                    Err(e) => {
+                        let transient = self.inbox.classify(&e) == ErrorClass::Transient;
+                        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+                        self.rollback(tx, id).await;
+                        let attempt = if transient {
+                            Attempt::InfrastructureFailed
+                        } else {
+                            Attempt::HandlerFailed
+                        };
+                        return (attempt, FORGET);
+                    }
+                }
+                if let Err(failed) = self.check_committable(&mut tx, id).await {
+                    self.rollback(tx, id).await;
+                    return (failed, FORGET);
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
@@ -772,24 +834,22 @@ where
                         if let Some(hook) = &self.on_committed {
                             hook(msg);
                         }
-                        Verdict::Complete(None)
+                        (Attempt::Done(Verdict::Complete(None)), KEEP)
                     }
-                    Err(e) => {
-                        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
-                        // The record stays: the commit may have happened.
-                        Verdict::Complete(None)
-                    }
+                    Err(e) => match self.commit_failed(msg, e) {
+                        // In doubt: the record stays, claimed by this owner. The retry's record
+                        // finds it done (the commit happened: a duplicate) or still claimed by
+                        // this owner (it did not: claimed again).
+                        Attempt::InfrastructureFailed => (Attempt::InfrastructureFailed, KEEP),
+                        attempt => (attempt, FORGET),
+                    },
                 }
             }
-            Some(Step::Handled(Ok(Outcome::Complete))) => {
+            Step::Handled(result) => {
                 self.rollback(tx, id).await;
-                Verdict::LockLost
+                (self.attempt_of(msg, result), FORGET)
             }
-            Some(Step::Handled(result)) => {
-                self.rollback(tx, id).await;
-                self.verdict_of(msg, result)
-            }
-            Some(Step::Panicked(what)) => {
+            Step::Panicked(what) => {
                 self.rollback(tx, id).await;
                 self.counters.inc(Counter::HandlerPanics);
                 self.report(ProcessError::new(
@@ -797,9 +857,45 @@ where
                     Some(id),
                     format!("the handler panicked: {what}"),
                 ));
-                Verdict::Abandon
+                (Attempt::HandlerFailed, FORGET)
             }
-            Some(Step::ClaimFailed(_) | Step::Duplicate(_)) => Verdict::Abandon,
+            Step::ClaimFailed(_) | Step::Duplicate(_) | Step::InProgress => {
+                // Not produced without a claim.
+                self.rollback(tx, id).await;
+                (Attempt::Done(Verdict::Abandon), FORGET)
+            }
+        }
+    }
+
+    /// Removes this attempt's dedup-only record; a failure leaves it claimed, which the next
+    /// copy meets as in progress.
+    async fn forget(&self, id: &crate::ids::MessageId, owner: &str) {
+        if let Err(e) = self.inbox.forget(&self.consumer, id, owner).await {
+            self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
+        }
+    }
+
+    /// What a failed commit of the handler's work makes of the attempt. A constraint checked
+    /// at COMMIT (deferred) is the handler's work failing, classified as if a statement had
+    /// failed; any other failure may have committed anyway and is retried as the
+    /// infrastructure's.
+    fn commit_failed(&self, msg: &ReceivedMessage, e: I::Error) -> Attempt {
+        let id = msg.message_id();
+        let class = self.inbox.classify(&e);
+        self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+        match class {
+            ErrorClass::BusinessKeyDuplicate { constraint } => {
+                tracing::debug!(message_id = %id, %constraint, "duplicate by business key at commit");
+                Attempt::Done(Verdict::Complete(Some(Counter::DuplicateBusinessKey)))
+            }
+            ErrorClass::Permanent => {
+                self.counters.inc(Counter::HandlerErrors);
+                Attempt::Done(Verdict::DeadLetter(DeadLetterReason::new(
+                    HANDLER_FAILED,
+                    "the commit of the handler's work was refused",
+                )))
+            }
+            _ => Attempt::InfrastructureFailed,
         }
     }
 
@@ -946,8 +1042,19 @@ where
 enum Step<E> {
     ClaimFailed(E),
     Duplicate(Option<Timestamp>),
+    InProgress,
     Handled(Result<Outcome, HandlerError>),
     Panicked(String),
+}
+
+/// Which kind of duplicate a copy is, from when the winner claimed the id: after this copy
+/// arrived, both were in flight together.
+fn duplicate_counter(claimed_at: Option<Timestamp>, received_at: Timestamp) -> Counter {
+    if claimed_at.is_some_and(|at| at >= received_at) {
+        Counter::DuplicateConcurrentCopy
+    } else {
+        Counter::DuplicateAlreadyProcessed
+    }
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

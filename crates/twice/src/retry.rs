@@ -149,10 +149,16 @@ pub fn redelivery_count(message: &ReceivedMessage) -> u32 {
     }
 }
 
+/// 64 random bits, different from call to call (the standard library seeds each
+/// `RandomState` afresh).
+pub(crate) fn random_u64() -> u64 {
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}
+
 /// A number in [0, 1) that differs from call to call: jitter needs no more than this, so no
 /// random-number crate. The standard library seeds each `RandomState` afresh.
 fn random_fraction() -> f64 {
-    let bits = std::collections::hash_map::RandomState::new().build_hasher().finish() >> 11;
+    let bits = random_u64() >> 11;
     // 53 bits fit an f64 exactly.
     #[allow(clippy::cast_precision_loss)] // reason: 53-bit value, exact in an f64
     let fraction = bits as f64 / (1_u64 << 53) as f64;

@@ -163,3 +163,47 @@ where
     assert!(text.contains("3 connections, fewer than MaxConcurrentCalls 4"), "{}: {text}", F::NAME);
 }
 on_all_stores!(a_pool_smaller_than_max_concurrent_calls_is_refused);
+
+/// A handler's insert refers to a row that is not there yet (the message about the order
+/// overtook the one that creates it): the foreign-key violation is retried like any other
+/// unclassified error, on every store, and the redelivery after the parent arrived succeeds.
+/// It is not dead-lettered at once.
+async fn a_foreign_key_violation_is_retried_on_every_store<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    f.exec("CREATE TABLE orders (id BIGINT NOT NULL PRIMARY KEY)").await;
+    f.exec(
+        "CREATE TABLE shipments (order_id BIGINT NOT NULL, message_id VARCHAR(255) NOT NULL, \
+         FOREIGN KEY (order_id) REFERENCES orders (id))",
+    )
+    .await;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_fk")).await);
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let p = processor::<F>(&queue, inbox, Ship::new(), options(&clock)).await;
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-91-shipped", 91)).await;
+    until("the first delivery settled", || {
+        let s = counters.snapshot();
+        s.abandoned + s.dead_lettered >= 1
+    })
+    .await;
+    let first = counters.snapshot();
+    f.exec("INSERT INTO orders (id) VALUES (91)").await;
+    if first.dead_lettered == 0 {
+        until_async("completed", || async { queue.completed().await == 1 }).await;
+    }
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    assert!(
+        first.abandoned >= 1 && first.dead_lettered == 0,
+        "{}: a foreign-key violation is retried, not dead-lettered at once: {first:?}",
+        F::NAME
+    );
+    assert_eq!(shipments(&f).await, 1, "{}", F::NAME);
+    assert!(queue.dead_letters().await.is_empty());
+}
+on_all_stores!(a_foreign_key_violation_is_retried_on_every_store);

@@ -7,6 +7,7 @@
 mod support;
 
 mod crash;
+mod dedup;
 mod edges;
 mod processor;
 mod store;

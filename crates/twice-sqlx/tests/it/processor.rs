@@ -49,6 +49,9 @@ pub struct Ship<F> {
     pub swallow_error_once: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// While above zero, the handler fails transiently after writing and counts it down.
     pub fail_times: Option<Arc<AtomicUsize>>,
+    /// When set (and still true), the handler fails permanently after writing (and after the
+    /// gate), once.
+    pub fail_permanently_once: Option<Arc<std::sync::atomic::AtomicBool>>,
     _store: PhantomData<fn() -> F>,
 }
 
@@ -62,6 +65,7 @@ impl<F> Ship<F> {
             panic_once: None,
             swallow_error_once: None,
             fail_times: None,
+            fail_permanently_once: None,
             _store: PhantomData,
         }
     }
@@ -92,6 +96,12 @@ impl<F: Fixture> JsonHandler<OrderPlaced, Transaction<'static, F::DB>> for Ship<
         let fail_now = self.fail_times.as_ref().is_some_and(|n| {
             n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
         });
+        if self.fail_permanently_once.as_ref().is_some_and(|p| p.swap(false, Ordering::SeqCst)) {
+            return Err(HandlerError::permanent(
+                "Refused",
+                std::io::Error::other("downstream refused this attempt"),
+            ));
+        }
         if self.fail || fail_now {
             return Err(HandlerError::transient(std::io::Error::other("downstream unavailable")));
         }
@@ -629,7 +639,7 @@ where
     assert!(entered.try_recv().is_ok());
     let s = counters.snapshot();
     assert_eq!(calls.load(Ordering::SeqCst), 1, "{s:?}");
-    assert_eq!(s.duplicates_already_processed, 1, "{s:?}");
+    assert_eq!(s.duplicates_already_processed + s.duplicates_concurrent_copy, 1, "{s:?}");
     assert_eq!(inbox_rows(&f, "inbox_dedup_mode").await, 1);
     assert_eq!(shipments(&f).await, 1);
 }

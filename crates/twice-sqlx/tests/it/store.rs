@@ -124,7 +124,8 @@ where
     for i in 0..30_i64 {
         // 20 claims older than the retention, 10 within it.
         let at = if i < 20 { T0 } else { T0 + Duration::from_secs(7200) };
-        let claim = inbox.record("c", &MessageId::new(format!("m-{i}")), at).await.expect("record");
+        let id = MessageId::new(format!("m-{i}"));
+        let claim = inbox.record("c", &id, "owner", at).await.expect("record");
         assert_eq!(claim, Claim::Claimed);
     }
     let now = T0 + Duration::from_secs(3600 + 10);
@@ -154,21 +155,52 @@ where
 }
 on_all_stores!(migrations_run_once_and_can_be_skipped);
 
-async fn dedup_only_records_commit_at_once<F: Fixture>(f: F)
+async fn dedup_only_records_are_owned_and_finished_with_the_work<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
     let inbox = f.inbox(InboxOptions::new().table("inbox_dedup")).await;
     let id = MessageId::new("m-1");
-    assert_eq!(inbox.record("c", &id, T0).await.expect("record"), Claim::Claimed);
+    let later = T0 + Duration::from_secs(5);
+    assert_eq!(inbox.record("c", &id, "a", T0).await.expect("record"), Claim::Claimed);
+    // Another owner meets a record in progress; the same owner (a retry) holds it still.
     assert_eq!(
-        inbox.record("c", &id, T0 + Duration::from_secs(5)).await.expect("record"),
+        inbox.record("c", &id, "b", later).await.expect("record"),
+        Claim::InProgress { claimed_at: Some(T0) },
+        "{}",
+        F::NAME
+    );
+    assert_eq!(inbox.record("c", &id, "a", later).await.expect("record"), Claim::Claimed);
+    // Only the owner removes it.
+    assert!(!inbox.forget("c", &id, "b").await.expect("forget"), "{}", F::NAME);
+    assert_eq!(inbox_rows(&f, "inbox_dedup").await, 1);
+    assert!(inbox.forget("c", &id, "a").await.expect("forget"));
+    assert_eq!(inbox.record("c", &id, "b", T0).await.expect("record"), Claim::Claimed);
+    // Finished in a transaction that rolls back: still in progress.
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(inbox.finish(&mut tx, "c", &id, "b").await.expect("finish"));
+    inbox.rollback(tx).await.expect("rollback");
+    assert!(matches!(inbox.record("c", &id, "c", later).await, Ok(Claim::InProgress { .. })));
+    // Another owner cannot finish it; the owner's finish commits with the work.
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(!inbox.finish(&mut tx, "c", &id, "a").await.expect("finish"));
+    assert!(inbox.finish(&mut tx, "c", &id, "b").await.expect("finish"));
+    inbox.commit(tx).await.expect("commit");
+    assert_eq!(
+        inbox.record("c", &id, "c", later).await.expect("record"),
         Claim::Duplicate { claimed_at: Some(T0) }
     );
-    inbox.forget("c", &id).await.expect("forget");
-    assert_eq!(inbox.record("c", &id, T0).await.expect("record"), Claim::Claimed);
+    // A done record is never forgotten, not even by its owner.
+    assert!(!inbox.forget("c", &id, "b").await.expect("forget"));
+    assert_eq!(inbox_rows(&f, "inbox_dedup").await, 1);
+    // A claim made in claim mode is done.
+    let other = MessageId::new("m-2");
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(inbox.claim(&mut tx, "c", &other, T0).await.expect("claim"), Claim::Claimed);
+    inbox.commit(tx).await.expect("commit");
+    assert!(matches!(inbox.record("c", &other, "a", T0).await, Ok(Claim::Duplicate { .. })));
 }
-on_all_stores!(dedup_only_records_commit_at_once);
+on_all_stores!(dedup_only_records_are_owned_and_finished_with_the_work);
 
 #[test]
 fn invalid_table_names_are_refused() {
@@ -269,3 +301,31 @@ where
     assert_eq!(inbox_rows(&f, "inbox_spaces").await, 4);
 }
 on_all_stores!(ids_differing_by_trailing_spaces_are_distinct);
+
+/// A table made before dedup-only records had a state and an owner gains both; its rows are
+/// done, so a record of one of their ids is a duplicate, and nothing removes them.
+async fn existing_tables_gain_record_states_and_their_rows_are_done<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    drop(f.inbox(InboxOptions::new().table("inbox_old")).await);
+    // Back to the table as it was before the state and owner columns.
+    let version = if F::NAME == "mariadb" { 3 } else { 2 };
+    f.exec("ALTER TABLE inbox_old DROP COLUMN state").await;
+    f.exec("ALTER TABLE inbox_old DROP COLUMN owner").await;
+    f.exec(&format!("DELETE FROM inbox_old_migrations WHERE version = {version}")).await;
+    f.exec("INSERT INTO inbox_old (consumer, message_id, processed_at_ms) VALUES ('c', 'm', 1)")
+        .await;
+    let inbox = f.inbox(InboxOptions::new().table("inbox_old")).await;
+    let id = MessageId::new("m");
+    assert_eq!(
+        inbox.record("c", &id, "a", T0).await.expect("record"),
+        Claim::Duplicate { claimed_at: Some(Timestamp::from_millis(1)) },
+        "{}",
+        F::NAME
+    );
+    assert!(!inbox.forget("c", &id, "a").await.expect("forget"));
+    assert_eq!(inbox_rows(&f, "inbox_old").await, 1);
+    assert_eq!(inbox.record("c", &MessageId::new("n"), "a", T0).await.expect("r"), Claim::Claimed);
+}
+on_all_stores!(existing_tables_gain_record_states_and_their_rows_are_done);

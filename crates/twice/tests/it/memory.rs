@@ -19,6 +19,8 @@ type Key = (String, MessageId);
 struct State {
     committed: BTreeMap<Key, Timestamp>,
     pending: BTreeSet<Key>,
+    /// Dedup-only records claimed and not yet done: when, and by which owner.
+    recorded: BTreeMap<Key, (Timestamp, String)>,
     /// The work of committed transactions, in commit order.
     work: Vec<String>,
 }
@@ -70,6 +72,8 @@ pub struct MemoryTx {
     shared: Arc<Shared>,
     claim: Option<Key>,
     claimed_at: Timestamp,
+    /// A dedup-only record to mark done at commit, with its owner.
+    finish: Option<(Key, String)>,
     pub work: Vec<String>,
     /// Set by a handler to play a statement that failed and aborted the transaction (as on
     /// PostgreSQL): the commit then keeps nothing, and says nothing.
@@ -121,6 +125,7 @@ impl Inbox for MemoryInbox {
             shared: self.shared.clone(),
             claim: None,
             claimed_at: Timestamp::from_millis(0),
+            finish: None,
             work: Vec::new(),
             aborted: false,
         })
@@ -170,6 +175,13 @@ impl Inbox for MemoryInbox {
                 state.committed.insert(key, tx.claimed_at);
             }
             state.work.append(&mut tx.work);
+            if let Some((key, owner)) = tx.finish.take() {
+                if state.recorded.get(&key).is_some_and(|(_, o)| *o == owner) {
+                    if let Some((at, _)) = state.recorded.remove(&key) {
+                        state.committed.insert(key, at);
+                    }
+                }
+            }
         }
         self.shared.ended.notify_waiters();
         if take_one(&self.faults.commits_lost_after) {
@@ -187,6 +199,7 @@ impl Inbox for MemoryInbox {
         &'a self,
         consumer: &'a str,
         id: &'a MessageId,
+        owner: &'a str,
         now: Timestamp,
     ) -> Result<Claim, MemoryError> {
         let mut state = self.shared.lock();
@@ -194,13 +207,42 @@ impl Inbox for MemoryInbox {
         if let Some(at) = state.committed.get(&key) {
             return Ok(Claim::Duplicate { claimed_at: Some(*at) });
         }
-        state.committed.insert(key, now);
-        Ok(Claim::Claimed)
+        match state.recorded.get(&key) {
+            Some((_, o)) if o == owner => Ok(Claim::Claimed),
+            Some((at, _)) => Ok(Claim::InProgress { claimed_at: Some(*at) }),
+            None => {
+                state.recorded.insert(key, (now, owner.to_owned()));
+                Ok(Claim::Claimed)
+            }
+        }
     }
 
-    async fn forget<'a>(&'a self, consumer: &'a str, id: &'a MessageId) -> Result<(), MemoryError> {
-        self.shared.lock().committed.remove(&(consumer.to_owned(), id.clone()));
-        Ok(())
+    async fn finish<'a>(
+        &'a self,
+        tx: &'a mut MemoryTx,
+        consumer: &'a str,
+        id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, MemoryError> {
+        let key = (consumer.to_owned(), id.clone());
+        let held = self.shared.lock().recorded.get(&key).is_some_and(|(_, o)| o == owner);
+        tx.finish = Some((key, owner.to_owned()));
+        Ok(held)
+    }
+
+    async fn forget<'a>(
+        &'a self,
+        consumer: &'a str,
+        id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, MemoryError> {
+        let mut state = self.shared.lock();
+        let key = (consumer.to_owned(), id.clone());
+        if state.recorded.get(&key).is_some_and(|(_, o)| o == owner) {
+            state.recorded.remove(&key);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {

@@ -250,3 +250,75 @@ async fn a_store_with_fewer_connections_than_calls_is_refused() {
     let err = p.check().expect_err("refused");
     assert!(err.to_string().contains("2 connections, fewer than MaxConcurrentCalls 3"), "{err}");
 }
+
+/// Dedup-only mode, two copies at once: the first records the id and is still working when
+/// the second meets the record; then the first fails for good (dead-lettered) and removes its
+/// record. The second copy must not have been completed as a duplicate of work that never
+/// happened: it waits for the first copy's outcome, then does the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedup_only_a_copy_meeting_a_record_in_progress_waits_for_its_outcome() {
+    let run = Run::new(MemoryInbox::default());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let calls = run.calls.clone();
+    let handler = handler_fn({
+        let gate = gate.clone();
+        move |ctx: Context<'_>, tx: &mut MemoryTx| {
+            let call = calls.fetch_add(1, Ordering::SeqCst);
+            let gate = gate.clone();
+            let order = ctx.message_id().to_string();
+            Box::pin(async move {
+                tx.work.push(order);
+                if call == 0 {
+                    gate.acquire().await.expect("gate").forget();
+                    return Err(HandlerError::permanent("Refused", std::io::Error::other("no")));
+                }
+                Ok(Outcome::Complete)
+            }) as BoxFuture<'_, _>
+        }
+    });
+    let p = Processor::from_arcs(
+        run.transport.clone(),
+        run.inbox.clone(),
+        Arc::new(handler),
+        ProcessorOptions::new()
+            .mode(twice::Mode::DedupOnly)
+            .max_concurrent_calls(2)
+            .max_wait(Duration::from_millis(20))
+            .retry(
+                RetryPolicy::new().backoff(Duration::from_millis(20), Duration::from_millis(20)),
+            ),
+    );
+    let counters = p.counters();
+    let transport = run.transport.clone();
+    let settled = async move {
+        for _ in 0..10_000 {
+            if transport.settled().len() >= 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("gave up waiting for 2 settlements: {:?}", transport.settled());
+    };
+    let task = tokio::spawn(p.run(settled));
+    run.transport.send(order("order-9"));
+    while run.calls.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    run.transport.send(order("order-9"));
+    while counters.snapshot().completed == 0 && counters.snapshot().infrastructure_retries == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    gate.add_permits(1);
+    task.await.expect("join").expect("run");
+    let how: Vec<_> = run.transport.settled().into_iter().map(|(_, _, how)| how).collect();
+    assert!(
+        how.contains(&Settled::Complete) && how.iter().any(|h| matches!(h, Settled::DeadLetter(_))),
+        "{how:?}"
+    );
+    assert_eq!(
+        run.inbox.work(),
+        ["order-9"],
+        "the completed copy has its work: {:?}",
+        counters.snapshot()
+    );
+}
