@@ -8,12 +8,12 @@
 //! the dead-letter queue; the exit status says whether it did.
 
 mod broker;
-mod db;
+pub(crate) mod db;
 mod faults;
 mod handlers;
 mod plan;
 mod report;
-mod services;
+pub(crate) mod services;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal as _;
@@ -106,7 +106,7 @@ pub(crate) struct DemoArgs {
     reject_rate: f64,
 }
 
-fn rate(s: &str) -> Result<f64, String> {
+pub(crate) fn rate(s: &str) -> Result<f64, String> {
     let r: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if (0.0..=1.0).contains(&r) { Ok(r) } else { Err(format!("{r} is not between 0 and 1")) }
 }
