@@ -647,3 +647,27 @@ fn render(r: &Report) -> String {
     );
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_lines_parse_and_anything_else_is_ignored() {
+        let o = parse_event(2, "EV 1700 D order-7 3 1705").unwrap();
+        assert_eq!((o.processor, o.at_millis), (2, 1700));
+        assert_eq!(
+            o.event,
+            Event::Delivered {
+                message_id: "order-7".into(),
+                delivery_count: 3,
+                locked_until: 1705
+            }
+        );
+        let o = parse_event(0, "EV 9 F order-1").unwrap();
+        assert_eq!(o.event, Event::CompletionFailed { message_id: "order-1".into() });
+        assert!(parse_event(0, "ready").is_none());
+        assert!(parse_event(0, "EV 9 D order-1").is_none(), "a delivery without its count");
+        assert!(parse_event(0, "EV x C order-1").is_none());
+    }
+}
