@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod chaos;
 mod data;
 mod demo;
 mod serve;
@@ -29,6 +30,13 @@ enum Command {
     /// Check, repair or export a broker's data directory (the broker must not be running for
     /// a repair).
     Data(data::DataArgs),
+    /// Run the whole system in separate processes (twice serve, processors, PostgreSQL) under
+    /// SIGKILLs, SIGSTOPs and a database restart, and check that every acknowledged order
+    /// was handled exactly once.
+    Chaos(chaos::ChaosArgs),
+    /// One processor process of `twice chaos` (started by it).
+    #[command(hide = true)]
+    ChaosWorker(chaos::worker::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +54,8 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Serve(args) => serve::run(args).await,
             Command::Data(args) => data::run(args),
+            Command::Chaos(args) => chaos::run(args).await,
+            Command::ChaosWorker(args) => chaos::worker::run(args).await,
         }
     });
     match result {
@@ -74,8 +84,9 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
 /// it injects on purpose are its report's business, not the log's.
 fn init_logging(command: &Command) {
     let default = match command {
-        Command::Serve(_) | Command::Data(_) => "warn",
-        Command::Demo(_) => "error",
+        Command::Serve(_) | Command::Data(_) | Command::Chaos(_) => "warn",
+        // A processor of a chaos run meets lost connections on purpose.
+        Command::Demo(_) | Command::ChaosWorker(_) => "error",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));

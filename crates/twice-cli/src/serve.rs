@@ -225,7 +225,7 @@ fn connection_limits(connections: usize, pending: usize, fds: Option<u64>) -> (u
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when
 /// the future is first polled, so a signal that comes right after the "ready" line stops the
 /// server cleanly instead of killing the process.
-fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let term = signal(SignalKind::terminate());
     let int = signal(SignalKind::interrupt());

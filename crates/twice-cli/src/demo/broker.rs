@@ -1,5 +1,6 @@
-//! The demo's broker, chosen with `--broker`: the embedded broker (the default), RabbitMQ or
-//! NATS JetStream.
+//! The demo's broker, chosen with `--broker`: the embedded broker (the default), RabbitMQ,
+//! NATS JetStream, `twice serve` started in process (`serve`), or a Service Bus namespace named
+//! by its connection string (`twice serve`, the emulator, Azure).
 //!
 //! [`BrokerKind`] is what `--broker` names, and [`DemoBroker::queue`] is the one function that
 //! makes a queue and returns the transport on it. Another broker is one more variant of each
@@ -18,6 +19,9 @@ use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions, Receiver, SendOutcome};
 use twice_nats::{NatsDelivery, NatsOptions, NatsTransport};
 use twice_rabbitmq::{RabbitMqDelivery, RabbitMqOptions, RabbitMqTransport};
+use twice_servicebus::sas::Keys;
+use twice_servicebus::{Server, ServerOptions};
+use twice_servicebus_client::{ConnectionString, ServiceBusDelivery};
 
 /// How long the broker drops a re-sent message id, where it can.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(600);
@@ -31,19 +35,34 @@ pub(crate) enum BrokerKind {
     RabbitMq(String),
     /// NATS JetStream at this `nats://` URL.
     Nats(String),
+    /// `twice serve` started in process on a free loopback port, durable in the run's
+    /// temporary directory, with a key made for the run; the demo talks to it over AMQP with
+    /// the Service Bus client.
+    Serve,
+    /// A Service Bus namespace at this connection string; its queues must exist.
+    ServiceBus(String),
 }
 
 impl BrokerKind {
-    /// Parses `--broker`: `embedded`, `amqp://…` (or `amqps://…`), `nats://…`.
+    /// Parses `--broker`: `embedded`, `serve`, `amqp://…` (or `amqps://…`), `nats://…`, or a
+    /// Service Bus connection string (`Endpoint=sb://…;SharedAccessKeyName=…;…`).
     pub(crate) fn parse(s: &str) -> Result<Self, String> {
         if s == "embedded" {
             Ok(Self::Embedded)
+        } else if s == "serve" {
+            Ok(Self::Serve)
+        } else if s.trim_start().to_ascii_lowercase().starts_with("endpoint=") {
+            s.parse::<ConnectionString>()
+                .map_err(|e| format!("not a usable Service Bus connection string: {e}"))?;
+            Ok(Self::ServiceBus(s.to_owned()))
         } else if s.starts_with("amqp://") || s.starts_with("amqps://") {
             Ok(Self::RabbitMq(s.to_owned()))
         } else if s.starts_with("nats://") {
             Ok(Self::Nats(s.to_owned()))
         } else {
-            Err(format!("unknown broker {s:?}: use embedded, amqp://… or nats://…"))
+            Err(format!(
+                "unknown broker {s:?}: use embedded, serve, amqp://…, nats://… or a Service Bus connection string (Endpoint=sb://…)"
+            ))
         }
     }
 
@@ -53,7 +72,15 @@ impl BrokerKind {
             Self::Embedded => "embedded",
             Self::RabbitMq(_) => "rabbitmq",
             Self::Nats(_) => "nats",
+            Self::Serve => "serve",
+            Self::ServiceBus(_) => "servicebus",
         }
+    }
+
+    /// Whether a send says when the broker dropped a duplicate. Service Bus accepts a
+    /// duplicate and drops it silently, so over AMQP the demo cannot count them.
+    pub(crate) fn reports_duplicates(&self) -> bool {
+        matches!(self, Self::Embedded | Self::Nats(_))
     }
 }
 
@@ -61,8 +88,24 @@ impl BrokerKind {
 #[derive(Debug)]
 pub(crate) enum DemoBroker {
     Embedded(Broker),
-    RabbitMq { url: String, run_id: String },
-    Nats { url: String, run_id: String },
+    RabbitMq {
+        url: String,
+        run_id: String,
+    },
+    Nats {
+        url: String,
+        run_id: String,
+    },
+    /// `twice serve` in process: its broker (for the counts) and the server's connection
+    /// string; the sender stops the server.
+    Serve {
+        broker: Broker,
+        connection_string: String,
+        stop: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    },
+    ServiceBus {
+        connection_string: String,
+    },
 }
 
 impl DemoBroker {
@@ -81,6 +124,36 @@ impl DemoBroker {
             ),
             BrokerKind::RabbitMq(url) => Self::RabbitMq { url: url.clone(), run_id: run_id.into() },
             BrokerKind::Nats(url) => Self::Nats { url: url.clone(), run_id: run_id.into() },
+            BrokerKind::Serve => {
+                let broker = Broker::open(BrokerOptions::durable(dir).with_clock(clock))
+                    .await
+                    .context("opening the broker of twice serve")?;
+                // A key made for this run: nothing else on the machine can use the server.
+                let key = format!("{:032x}", rand::random::<u128>());
+                let mut keys = Keys::new();
+                keys.insert("twice-demo", &key);
+                let options = ServerOptions::new()
+                    .amqp_addr(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+                    .http_addr(None)
+                    .keys(keys);
+                let server = Server::bind(options, broker.clone())
+                    .await
+                    .context("starting twice serve on a loopback port")?;
+                let connection_string = server.connection_string();
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                tokio::spawn(async move {
+                    if let Err(e) = server
+                        .run(async move {
+                            let _ = stopped.await;
+                        })
+                        .await
+                    {
+                        eprintln!("error: twice serve stopped: {e}");
+                    }
+                });
+                Self::Serve { broker, connection_string, stop: std::sync::Mutex::new(Some(stop)) }
+            }
+            BrokerKind::ServiceBus(s) => Self::ServiceBus { connection_string: s.clone() },
         })
     }
 
@@ -128,13 +201,33 @@ impl DemoBroker {
                         .with_context(|| format!("connecting to NATS at {url}"))?,
                 )
             }
+            Self::Serve { broker, connection_string, .. } => {
+                let properties = QueueProperties::default()
+                    .with_lock_duration(lock)
+                    .with_duplicate_detection(DUPLICATE_WINDOW);
+                broker.create_queue(name, properties).await?;
+                ServiceBusQueue::connect(connection_string, name, Some(broker.clone()))?.into()
+            }
+            Self::ServiceBus { connection_string } => {
+                let queue = ServiceBusQueue::connect(connection_string, name, None)?;
+                queue.check_and_empty(lock).await?;
+                queue.into()
+            }
         })
     }
 
-    /// Stops the embedded broker; a server stays as it is.
+    /// Stops the embedded broker and `twice serve`; a server stays as it is.
     pub(crate) async fn shutdown(&self) {
-        if let Self::Embedded(broker) = self {
-            broker.shutdown().await;
+        match self {
+            Self::Embedded(broker) => broker.shutdown().await,
+            Self::Serve { broker, stop, .. } => {
+                let stop = stop.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                if let Some(stop) = stop {
+                    let _ = stop.send(());
+                }
+                broker.shutdown().await;
+            }
+            _ => {}
         }
     }
 }
@@ -145,6 +238,107 @@ pub(crate) enum DemoTransport {
     Embedded { broker: Broker, receiver: Receiver },
     RabbitMq(RabbitMqTransport),
     Nats(NatsTransport),
+    ServiceBus(Box<ServiceBusQueue>),
+}
+
+impl From<ServiceBusQueue> for DemoTransport {
+    fn from(q: ServiceBusQueue) -> Self {
+        Self::ServiceBus(Box::new(q))
+    }
+}
+
+/// A queue reached with the Service Bus client: its receiver and sender, and, when the demo
+/// runs `twice serve` itself, the broker behind it (for the counts Service Bus gives only
+/// through its management API).
+#[derive(Debug)]
+pub(crate) struct ServiceBusQueue {
+    connection_string: String,
+    name: String,
+    receiver: twice_servicebus_client::Receiver,
+    sender: twice_servicebus_client::Sender,
+    broker: Option<Broker>,
+}
+
+impl ServiceBusQueue {
+    fn connect(
+        connection_string: &str,
+        name: &str,
+        broker: Option<Broker>,
+    ) -> anyhow::Result<Self> {
+        // Credit for many concurrent calls: the processor and the naive consumer receive in
+        // batches.
+        let (receiver, sender) = twice_servicebus_client::connect(connection_string, name, 64)
+            .context("reading the Service Bus connection string")?;
+        Ok(Self {
+            connection_string: connection_string.to_owned(),
+            name: name.to_owned(),
+            receiver,
+            sender,
+            broker,
+        })
+    }
+
+    /// Checks that the queue exists, and empties it and its dead-letter queue of what an
+    /// earlier run left, so that the counts at the end are this run's.
+    async fn check_and_empty(&self, lock: Duration) -> anyhow::Result<()> {
+        let mut left = 0_usize;
+        let dlq = self.dead_letter_receiver()?;
+        for receiver in [&self.receiver, &dlq] {
+            loop {
+                let got = match receiver.receive_messages(500, Duration::from_secs(1)).await {
+                    Ok(got) => got,
+                    Err(e) if e.is_not_found() => {
+                        bail_missing_queue(&self.name, lock)?;
+                        unreachable!()
+                    }
+                    Err(e) => {
+                        return Err(e).with_context(|| {
+                            format!("receiving from {} to check it", receiver.entity_path())
+                        });
+                    }
+                };
+                if got.is_empty() {
+                    break;
+                }
+                left += got.len();
+                for d in &got {
+                    receiver.complete_message(d).await?;
+                }
+            }
+        }
+        if left > 0 {
+            eprintln!(
+                "note: removed {left} messages an earlier run left in {} and its dead-letter queue",
+                self.name
+            );
+        }
+        Ok(())
+    }
+
+    fn dead_letter_receiver(&self) -> anyhow::Result<twice_servicebus_client::Receiver> {
+        let (receiver, _) = twice_servicebus_client::connect(
+            &self.connection_string,
+            &format!("{}/$DeadLetterQueue", self.name),
+            64,
+        )?;
+        Ok(receiver)
+    }
+}
+
+/// The queues a namespace must have for the demo, and how to make them.
+fn bail_missing_queue(name: &str, lock: Duration) -> anyhow::Result<()> {
+    let secs = lock.as_secs();
+    anyhow::bail!(
+        "the queue {name:?} does not exist in the Service Bus namespace. The demo needs two queues, \
+         \"orders-naive\" and \"orders-twice\", with LockDuration PT{secs}S (--lock-seconds), \
+         MaxDeliveryCount 10 and duplicate detection. twice serve makes entities only from its \
+         configuration (no client can create one), so start it with --config FILE holding:\n\
+         {{\"UserConfig\":{{\"Namespaces\":[{{\"Name\":\"sbemulatorns\",\"Queues\":[\n  \
+         {{\"Name\":\"orders-naive\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}},\n  \
+         {{\"Name\":\"orders-twice\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}}]}}]}}}}\n\
+         (the emulator takes the same Config.json; on Azure create them in the portal or with \
+         `az servicebus queue create --lock-duration PT{secs}S --max-delivery-count 10 --enable-duplicate-detection true`)"
+    )
 }
 
 /// A delivery from a [`DemoTransport`].
@@ -153,6 +347,7 @@ pub(crate) enum DemoDelivery {
     Embedded(ReceivedMessage),
     RabbitMq(RabbitMqDelivery),
     Nats(Box<NatsDelivery>),
+    ServiceBus(ServiceBusDelivery),
 }
 
 impl Delivery for DemoDelivery {
@@ -161,6 +356,7 @@ impl Delivery for DemoDelivery {
             Self::Embedded(m) => m,
             Self::RabbitMq(d) => d.message(),
             Self::Nats(d) => d.message(),
+            Self::ServiceBus(d) => d.message(),
         }
     }
 }
@@ -187,19 +383,40 @@ impl DemoTransport {
                 false
             }
             Self::Nats(t) => t.send_reporting_duplicate(message).await?,
+            Self::ServiceBus(q) => {
+                // Service Bus accepts a duplicate and drops it without saying so.
+                q.sender.send_message(message).await?;
+                false
+            }
         })
     }
 
-    /// How many messages are not yet settled: waiting, locked, or held by a receiver.
-    pub(crate) async fn unsettled(&self) -> anyhow::Result<u64> {
-        Ok(match self {
+    /// How many messages are not yet settled: waiting, locked, or held by a receiver. `None`
+    /// on a Service Bus namespace reached by connection string: Service Bus gives counts only
+    /// through its management API, which the client does not speak.
+    pub(crate) async fn unsettled(&self) -> anyhow::Result<Option<u64>> {
+        let counts = |c: twice_broker::MessageCounts| c.active + c.scheduled + c.deferred;
+        Ok(Some(match self {
             Self::Embedded { broker, receiver } => {
-                let c = broker.counts(&receiver.entity().path).await?;
-                c.active + c.scheduled + c.deferred
+                counts(broker.counts(&receiver.entity().path).await?)
             }
             Self::RabbitMq(t) => t.ready_count().await? + t.unsettled(),
             Self::Nats(t) => t.message_count().await?,
-        })
+            Self::ServiceBus(q) => match &q.broker {
+                Some(broker) => counts(broker.counts(&q.name).await?),
+                None => return Ok(None),
+            },
+        }))
+    }
+
+    /// Receives whatever is left in the queue within `wait` and abandons it; returns how many
+    /// messages that was. Used at the end of a run whose broker gives no counts.
+    pub(crate) async fn left_over(&self, wait: Duration) -> anyhow::Result<u64> {
+        let got = self.receive(500, wait).await?;
+        for d in &got {
+            self.abandon(d, Properties::default()).await?;
+        }
+        Ok(got.len() as u64)
     }
 
     /// The dead-letter queue: the reason by message id.
@@ -221,6 +438,19 @@ impl DemoTransport {
             }
             Self::RabbitMq(t) => drain(&t.dead_letter_receiver().await?, &mut note).await?,
             Self::Nats(t) => drain(&t.dead_letter_receiver().await?, &mut note).await?,
+            Self::ServiceBus(q) => match &q.broker {
+                Some(broker) => {
+                    let path = format!("{}/$DeadLetterQueue", q.name);
+                    let mut from = SequenceNumber::new(0);
+                    loop {
+                        let page = broker.peek(&path, from, 500).await?;
+                        let Some(last) = page.last() else { break };
+                        from = last.sequence_number.next();
+                        page.iter().for_each(&mut note);
+                    }
+                }
+                None => drain(&q.dead_letter_receiver()?, &mut note).await?,
+            },
         }
         Ok(out)
     }
@@ -231,6 +461,9 @@ impl DemoTransport {
             Self::Embedded { .. } => {}
             Self::RabbitMq(t) => t.delete().await?,
             Self::Nats(t) => t.delete().await?,
+            // The queues of a namespace are the user's; `twice serve` in process goes away
+            // with the run's directory.
+            Self::ServiceBus(_) => {}
         }
         Ok(())
     }
@@ -259,6 +492,7 @@ impl Transport for DemoTransport {
             Self::Embedded { receiver, .. } => receiver.entity(),
             Self::RabbitMq(t) => t.entity(),
             Self::Nats(t) => t.entity(),
+            Self::ServiceBus(q) => q.receiver.entity(),
         }
     }
 
@@ -279,6 +513,13 @@ impl Transport for DemoTransport {
                 .into_iter()
                 .map(|d| DemoDelivery::Nats(Box::new(d)))
                 .collect(),
+            Self::ServiceBus(q) => q
+                .receiver
+                .receive(n, wait)
+                .await?
+                .into_iter()
+                .map(DemoDelivery::ServiceBus)
+                .collect(),
         })
     }
 
@@ -289,6 +530,7 @@ impl Transport for DemoTransport {
             }
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.complete(d).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.complete(d).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.complete(d).await,
             _ => Err(mismatch()),
         }
     }
@@ -300,6 +542,7 @@ impl Transport for DemoTransport {
             }
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.abandon(d, p).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.abandon(d, p).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.abandon(d, p).await,
             _ => Err(mismatch()),
         }
     }
@@ -315,6 +558,9 @@ impl Transport for DemoTransport {
             }
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.dead_letter(d, r).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.dead_letter(d, r).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => {
+                q.receiver.dead_letter(d, r).await
+            }
             _ => Err(mismatch()),
         }
     }
@@ -324,6 +570,7 @@ impl Transport for DemoTransport {
             (Self::Embedded { receiver, .. }, DemoDelivery::Embedded(d)) => receiver.defer(d).await,
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.defer(d).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.defer(d).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.defer(d).await,
             _ => Err(mismatch()),
         }
     }
@@ -335,6 +582,7 @@ impl Transport for DemoTransport {
             }
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.release(d).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.release(d).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.release(d).await,
             _ => Err(mismatch()),
         }
     }
@@ -346,6 +594,7 @@ impl Transport for DemoTransport {
             }
             (Self::RabbitMq(t), DemoDelivery::RabbitMq(d)) => t.renew_lock(d).await,
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.renew_lock(d).await,
+            (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.renew_lock(d).await,
             _ => Err(mismatch()),
         }
     }

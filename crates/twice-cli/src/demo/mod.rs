@@ -1,6 +1,6 @@
 //! `twice demo`: the seed's shipping example under injected faults, a naive handler and the
-//! twice processor side by side on the embedded broker, or with `--broker` on RabbitMQ or NATS
-//! JetStream.
+//! twice processor side by side on the embedded broker, or with `--broker` on RabbitMQ, NATS
+//! JetStream, `twice serve` or a Service Bus namespace.
 //!
 //! Both columns get the same schedule of faults (from one `--seed`), each on its own queue of
 //! one durable broker, with its own payment and mail services. The twice column must end with
@@ -8,12 +8,12 @@
 //! the dead-letter queue; the exit status says whether it did.
 
 mod broker;
-mod db;
+pub(crate) mod db;
 mod faults;
 mod handlers;
 mod plan;
 mod report;
-mod services;
+pub(crate) mod services;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal as _;
@@ -59,9 +59,12 @@ pub(crate) struct DemoArgs {
     /// file in the run's temporary directory.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
-    /// The broker: `embedded` (in the run's temporary directory), `amqp://user:pass@host:port/vhost`
-    /// (RabbitMQ, quorum queues) or `nats://host:port` (NATS JetStream). On a server the queues
-    /// are named after the run and deleted at the end.
+    /// The broker: `embedded` (in the run's temporary directory), `serve` (`twice serve` in
+    /// process on a loopback port, reached over AMQP with the Service Bus client),
+    /// `amqp://user:pass@host:port/vhost` (RabbitMQ, quorum queues), `nats://host:port` (NATS
+    /// JetStream), or a Service Bus connection string (`Endpoint=sb://…;SharedAccessKeyName=…;
+    /// SharedAccessKey=…`) whose namespace has the queues orders-naive and orders-twice. On
+    /// RabbitMQ and NATS the queues are named after the run and deleted at the end.
     #[arg(long, value_name = "URL", default_value = "embedded", value_parser = BrokerKind::parse)]
     broker: BrokerKind,
     /// Print one JSON object instead of the table.
@@ -103,7 +106,7 @@ pub(crate) struct DemoArgs {
     reject_rate: f64,
 }
 
-fn rate(s: &str) -> Result<f64, String> {
+pub(crate) fn rate(s: &str) -> Result<f64, String> {
     let r: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if (0.0..=1.0).contains(&r) { Ok(r) } else { Err(format!("{r} is not between 0 and 1")) }
 }
@@ -371,6 +374,7 @@ where
     let mut restarted = false;
     let mut last_progress = ((0, 0), clock.now());
     let mut second_counters = None;
+    let mut last_delivery = (0, clock.now());
     let total =
         plan.orders.len() as u64 + plan.orders.iter().filter(|o| o.republished).count() as u64;
 
@@ -401,35 +405,59 @@ where
             twice_task = tokio::spawn(second.run(stopped(stop_rx.clone())));
             naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
         }
-        let naive_left = naive_queue.unsettled().await?;
-        let twice_left = twice_queue.unsettled().await?;
-        let position = total.saturating_sub(naive_left) + total.saturating_sub(twice_left);
-        progress.set_position(position);
-        // A watchdog: a run that stops making progress says where it stands instead of
-        // waiting silently.
         let handled = first_counters.snapshot().received
             + second_counters.as_ref().map_or(0, |c| c.snapshot().received)
             + naive_counters.deliveries.load(Ordering::Relaxed);
+        let (naive_left, twice_left) =
+            (naive_queue.unsettled().await?, twice_queue.unsettled().await?);
+        // Read after the counts: a sender that finished meanwhile has said so.
+        let sent = *sent_rx.borrow();
+        let position = match (naive_left, twice_left) {
+            (Some(n), Some(t)) => total.saturating_sub(n) + total.saturating_sub(t),
+            // Without counts, the deliveries handled stand in for progress.
+            _ => handled.min(2 * total),
+        };
+        progress.set_position(position);
+        // A watchdog: a run that stops making progress says where it stands instead of
+        // waiting silently.
         if (position, handled) != last_progress.0 {
             last_progress = ((position, handled), clock.now());
         } else if clock.now().duration_since(last_progress.1) >= STALL_REPORT {
             last_progress.1 = clock.now();
             progress.suspend(|| {
                 eprintln!(
-                    "warning: no progress for {} s: naive queue {naive_left} unsettled, twice queue {twice_left} unsettled, \
+                    "warning: no progress for {} s: naive queue {} unsettled, twice queue {} unsettled, \
                      {handled} deliveries handled, restarted: {restarted}",
-                    STALL_REPORT.as_secs()
+                    STALL_REPORT.as_secs(),
+                    shown(naive_left),
+                    shown(twice_left),
                 );
             });
         }
-        let sent = *sent_rx.borrow();
-        if sent && naive_left + twice_left == 0 && (restarted || plan.restart_after == 0) {
-            // Read again after a pause: a message on its way from a server to a receiver is
-            // in neither count for a moment.
-            clock.sleep(Duration::from_millis(300)).await;
-            if naive_queue.unsettled().await? + twice_queue.unsettled().await? == 0 {
+        let settled = restarted || plan.restart_after == 0;
+        match (naive_left, twice_left) {
+            (Some(n), Some(t)) if sent && settled && n + t == 0 => {
+                // Read again after a pause: a message on its way from a server to a receiver
+                // is in neither count for a moment.
+                clock.sleep(Duration::from_millis(300)).await;
+                let again = (naive_queue.unsettled().await?, twice_queue.unsettled().await?);
+                if again == (Some(0), Some(0)) {
+                    break;
+                }
+            }
+            (Some(_), Some(_)) => {}
+            // Without counts: done once nothing was delivered for long enough that a locked
+            // message (a crash, a stalled handler) would have come back.
+            _ if sent
+                && settled
+                && clock.now().duration_since(last_delivery.1) >= quiet_after(lock) =>
+            {
                 break;
             }
+            _ => {}
+        }
+        if handled != last_delivery.0 {
+            last_delivery = (handled, clock.now());
         }
         if twice_task.is_finished() {
             // The processor runs until the stop signal: ended before it, it failed (for
@@ -465,6 +493,12 @@ where
     let twice_ship = DB::count_by_order(&pools.twice, &tables.shipments).await?;
     let naive_dlq = naive_queue.dead_letters().await?;
     let twice_dlq = twice_queue.dead_letters().await?;
+    // Without counts, what a last receive still finds was not handled: it counts as lost.
+    let mut twice_left_over = 0;
+    if twice_queue.unsettled().await?.is_none() {
+        let _ = naive_queue.left_over(Duration::from_secs(1)).await?;
+        twice_left_over = twice_queue.left_over(Duration::from_secs(1)).await?;
+    }
 
     let mut naive_col = column(plan, &naive_ship, naive_payments, naive_mail, &naive_dlq);
     naive_col.deliveries = naive_counters.deliveries.load(Ordering::Relaxed);
@@ -472,6 +506,7 @@ where
     naive_col.duplicates.broker = broker_duplicates.naive.load(Ordering::Relaxed);
 
     let mut twice_col = column(plan, &twice_ship, twice_payments, twice_mail, &twice_dlq);
+    twice_col.lost += twice_left_over;
     twice_col.deliveries = counters.received;
     twice_col.abandoned = counters.abandoned;
     twice_col.duplicates = Duplicates {
@@ -491,12 +526,23 @@ where
         seed: args.seed,
         store: store_name.to_owned(),
         broker: args.broker.name().to_owned(),
+        broker_reports_duplicates: args.broker.reports_duplicates(),
         elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
         faults: Injected { completions_lost: twice_receiver.lost_completions(), ..injected(plan) },
         naive: naive_col,
         twice: twice_col,
         invariants_hold,
     })
+}
+
+/// How long a run without message counts waits with no delivery before it ends: past a lock
+/// and a stalled handler, so a message whose lock runs out has come back.
+fn quiet_after(lock: Duration) -> Duration {
+    2 * lock + Duration::from_secs(5)
+}
+
+fn shown(n: Option<u64>) -> String {
+    n.map_or_else(|| "?".to_owned(), |n| n.to_string())
 }
 
 /// The connection pools of the two columns (one pool on a server database; two SQLite files).

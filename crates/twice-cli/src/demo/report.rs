@@ -73,8 +73,11 @@ pub(crate) struct Report {
     pub(crate) poison: u64,
     pub(crate) seed: u64,
     pub(crate) store: String,
-    /// The broker: `embedded`, `rabbitmq` or `nats`.
+    /// The broker: `embedded`, `rabbitmq`, `nats`, `serve` or `servicebus`.
     pub(crate) broker: String,
+    /// Whether the broker says when it drops a re-sent message id. Service Bus drops them
+    /// silently, RabbitMQ has no duplicate detection: `duplicates.broker` is then 0.
+    pub(crate) broker_reports_duplicates: bool,
     pub(crate) elapsed_seconds: f64,
     pub(crate) faults: Injected,
     pub(crate) naive: Column,
@@ -92,6 +95,17 @@ impl Report {
             && twice.repeated == 0
             && twice.poison_missing_from_dlq == 0
             && twice.dead_lettered == poison
+    }
+
+    /// A count of duplicates the broker dropped, or why there is none.
+    fn broker_count(&self, n: u64) -> String {
+        if self.broker_reports_duplicates {
+            n.to_string()
+        } else if self.broker == "rabbitmq" {
+            "none".into()
+        } else {
+            "silent".into()
+        }
     }
 
     /// The human-readable table and verdict.
@@ -134,8 +148,8 @@ impl Report {
             ),
             (
                 "duplicates: broker",
-                n.duplicates.broker.to_string(),
-                t.duplicates.broker.to_string(),
+                self.broker_count(n.duplicates.broker),
+                self.broker_count(t.duplicates.broker),
             ),
             ("duplicates: inbox claim", "-".into(), t.duplicates.inbox.to_string()),
             ("duplicates: business key", "-".into(), t.duplicates.business_key.to_string()),
@@ -160,6 +174,13 @@ impl Report {
             let _ = writeln!(out, "{name:<28}{a:>10}{b:>10}");
         }
         let _ = writeln!(out);
+        if self.broker == "serve" || self.broker == "servicebus" {
+            let _ = writeln!(
+                out,
+                "Service Bus drops a re-sent message id within its duplicate window without telling the sender: \
+                 \"silent\" above, the drops are not counted.\n"
+            );
+        }
         if self.invariants_hold {
             let _ = writeln!(
                 out,

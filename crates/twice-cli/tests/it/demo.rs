@@ -11,8 +11,12 @@ const MARIADB_URL: &str = "mysql://root@127.0.0.1:3306/test";
 /// Runs the demo with enough orders and fault rates that every fault occurs, and parses its
 /// JSON. Returns the exit status too.
 fn run_demo(extra: &[&str]) -> (bool, Value) {
+    run_demo_orders(300, extra)
+}
+
+fn run_demo_orders(orders: u64, extra: &[&str]) -> (bool, Value) {
     let out = Command::new(env!("CARGO_BIN_EXE_twice"))
-        .args(["demo", "--json", "--orders", "300", "--seed", "11"])
+        .args(["demo", "--json", "--orders", &orders.to_string(), "--seed", "11"])
         .args(["--bad-json-rate", "0.02", "--reject-rate", "0.02", "--slow", "3"])
         .args(extra)
         .output()
@@ -36,10 +40,14 @@ fn n(v: &Value, path: &[&str]) -> u64 {
 }
 
 fn check(success: bool, json: &Value) {
+    check_orders(300, success, json);
+}
+
+fn check_orders(orders: u64, success: bool, json: &Value) {
     let valid = n(json, &["valid_orders"]);
     let poison = n(json, &["poison"]);
-    assert_eq!(n(json, &["orders"]), 300);
-    assert_eq!(valid + poison, 300);
+    assert_eq!(n(json, &["orders"]), orders);
+    assert_eq!(valid + poison, orders);
     assert!(poison > 0, "the run must contain poison messages: {json}");
     assert_eq!(json["invariants_hold"], Value::Bool(true), "{json:#}");
     assert!(success, "exit status must be 0 when the invariants hold");
@@ -51,10 +59,11 @@ fn check(success: bool, json: &Value) {
     assert_eq!(n(json, &["twice", "dead_lettered"]), poison);
     assert_eq!(n(json, &["twice", "lost"]), 0);
     // Each layer really caught something (RabbitMQ has no duplicate detection: the inbox claim
-    // catches its sender retries instead).
-    if json["broker"] != "rabbitmq" {
+    // catches its sender retries instead; Service Bus drops duplicates without telling).
+    if json["broker_reports_duplicates"] == Value::Bool(true) {
         assert!(n(json, &["twice", "duplicates", "broker"]) > 0, "{json:#}");
     } else {
+        assert!(["rabbitmq", "serve", "servicebus"].contains(&json["broker"].as_str().unwrap()));
         assert_eq!(n(json, &["twice", "duplicates", "broker"]), 0, "{json:#}");
     }
     assert!(n(json, &["twice", "duplicates", "inbox"]) > 0, "{json:#}");
@@ -140,10 +149,86 @@ fn bad_arguments_give_one_clear_line_and_a_failure_status() {
     assert!(stderr.starts_with("error: unknown store"), "{stderr}");
 
     let out = Command::new(env!("CARGO_BIN_EXE_twice"))
-        .args(["demo", "--orders", "5", "--broker", "Endpoint=sb://localhost"])
+        .args(["demo", "--orders", "5", "--broker", "sb://localhost"])
         .output()
         .expect("running the twice binary");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unknown broker"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--broker", "Endpoint=sb://localhost"])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not a usable Service Bus connection string"), "{stderr}");
+}
+
+#[test]
+fn demo_on_twice_serve_in_process_keeps_every_invariant() {
+    let (success, json) = run_demo_orders(200, &["--broker", "serve"]);
+    assert_eq!(json["broker"], "serve");
+    assert_eq!(json["broker_reports_duplicates"], Value::Bool(false));
+    check_orders(200, success, &json);
+}
+
+/// The demo's two queues, as `twice serve --config` takes them.
+const DEMO_QUEUES: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Queues":[
+  {"Name":"orders-naive","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
+    "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}},
+  {"Name":"orders-twice","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
+    "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}}]}]}}"#;
+
+/// `twice serve` as a child process on a free port with its own key; returns the child and
+/// the connection string.
+fn serve_child(
+    dir: &std::path::Path,
+    config: Option<&str>,
+) -> (twice_testkit::process::Child, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_twice"));
+    cmd.args(["serve", "--no-http", "--amqp", &format!("127.0.0.1:{port}")])
+        .args(["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5"])
+        .arg("--data-dir")
+        .arg(dir.join("data"));
+    if let Some(config) = config {
+        let path = dir.join("Config.json");
+        std::fs::write(&path, config).unwrap();
+        cmd.arg("--config").arg(path);
+    }
+    let mut child = twice_testkit::process::Child::spawn(&mut cmd);
+    while let Some(line) = child.next_line() {
+        if line.starts_with("ready in") {
+            let cs = format!(
+                "Endpoint=sb://localhost:{port};SharedAccessKeyName=demo;SharedAccessKey=c2VjcmV0LWRlbW8ta2V5;UseDevelopmentEmulator=true"
+            );
+            return (child, cs);
+        }
+    }
+    panic!("twice serve ended before it was ready");
+}
+
+#[test]
+fn demo_on_a_connection_string_to_twice_serve_keeps_every_invariant() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_serve, cs) = serve_child(dir.path(), Some(DEMO_QUEUES));
+    let (success, json) = run_demo_orders(200, &["--broker", &cs]);
+    assert_eq!(json["broker"], "servicebus");
+    check_orders(200, success, &json);
+}
+
+#[test]
+fn demo_on_a_namespace_without_its_queues_says_how_to_make_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_serve, cs) = serve_child(dir.path(), None);
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--broker", &cs])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(r#"the queue "orders-naive" does not exist"#), "{stderr}");
+    assert!(stderr.contains(r#""Name":"orders-twice""#), "{stderr}");
+    assert!(stderr.contains("--config"), "{stderr}");
 }

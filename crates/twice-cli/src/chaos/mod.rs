@@ -1,0 +1,673 @@
+//! `twice chaos`: the whole system in separate processes under kills, and a checker of what
+//! it recorded.
+//!
+//! The controller (this process) starts `twice serve` (durable, its own data directory) and
+//! N processor processes (`twice chaos-worker`, the same binary), sends orders with stable
+//! message ids, and meanwhile kills processors and the broker with SIGKILL, stops a
+//! processor with SIGSTOP past its lock and lets it go on, and restarts PostgreSQL once; the
+//! processors also abort themselves right after a commit, before the completion, now and
+//! then. The payment and mail services run in this process, so they outlive every kill and
+//! count each effect exactly where it happens. At the end the queue must drain, and
+//! [`check::check`] reads the history.
+
+pub(crate) mod check;
+pub(crate) mod worker;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use rand::{Rng as _, SeedableRng as _};
+use serde::Serialize;
+use sqlx::Postgres;
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::process::{Child, Command};
+use twice::{Message, SharedClock, Stopwatch};
+use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
+use twice_sqlx::{InboxOptions, SqlxInbox};
+
+use self::check::{Event, History, Observed, Sent, Verdict};
+use crate::demo::db::{DemoDb as _, Tables};
+use crate::demo::services::Service;
+
+/// The queue of the run.
+const QUEUE: &str = "orders";
+/// The queue's LockDuration: a stopped processor is held past it.
+const LOCK: Duration = Duration::from_secs(5);
+/// How long the end of a run may take to drain the queue.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Options of `twice chaos`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ChaosArgs {
+    /// How many faults the controller injects: SIGKILLs of processors and of the broker,
+    /// SIGSTOPs of a processor past its lock, and one PostgreSQL restart. The processors'
+    /// own aborts after commit come on top.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    kills: u32,
+    /// How many processor processes.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(3..=32))]
+    processors: u64,
+    /// How many orders to send; sending is spread over the faults.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    orders: u64,
+    /// The seed of the schedule of faults and of the poison orders.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The PostgreSQL database of the inbox and the shipments.
+    #[arg(long, value_name = "URL", default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    store: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// The command that restarts PostgreSQL, run once in the middle of the run with `sh -c`.
+    #[arg(
+        long,
+        value_name = "COMMAND",
+        default_value = "pg_ctlcluster --skip-systemctl-redirect 15 main restart"
+    )]
+    db_restart_command: String,
+    /// Do not restart PostgreSQL.
+    #[arg(long)]
+    no_db_restart: bool,
+    /// The mean time between two faults, in milliseconds.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(50..=600_000))]
+    interval_ms: u64,
+    /// The chance that a processor aborts right after a commit, before the completion.
+    #[arg(long, default_value_t = 0.005, value_parser = crate::demo::rate)]
+    abort_rate: f64,
+    /// Share of orders the handler rejects (they must end in the dead-letter queue).
+    #[arg(long, default_value_t = 0.02, value_parser = crate::demo::rate)]
+    poison_rate: f64,
+    /// Keep the run's directory (the broker's data, the processes' logs) and print where.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// The faults injected, by kind.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Faults {
+    pub(crate) processor_sigkill: u64,
+    pub(crate) broker_sigkill: u64,
+    pub(crate) processor_sigstop_past_lock: u64,
+    pub(crate) postgres_restart: u64,
+    /// Processors that aborted right after a commit, before completing.
+    pub(crate) processor_abort_after_commit: u64,
+}
+
+/// The report.
+#[derive(Debug, Serialize)]
+struct Report {
+    orders: u64,
+    processors: u64,
+    seed: u64,
+    elapsed_seconds: f64,
+    faults: Faults,
+    #[serde(flatten)]
+    verdict: Verdict,
+    violation_count: u64,
+}
+
+/// The binary the children run: this one.
+fn this_exe() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("finding the twice binary")
+}
+
+/// A free loopback port (bound and released; the broker binds it with SO_REUSEADDR).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The broker child: `twice serve` on fixed ports and data directory, restartable.
+struct BrokerProc {
+    dir: PathBuf,
+    amqp: u16,
+    http: u16,
+    key: String,
+    child: Option<Child>,
+}
+
+impl BrokerProc {
+    fn connection_string(&self) -> String {
+        format!(
+            "Endpoint=sb://localhost:{};SharedAccessKeyName=chaos;SharedAccessKey={};UseDevelopmentEmulator=true",
+            self.amqp, self.key
+        )
+    }
+
+    async fn start(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("serve.log"))?;
+        let mut child = Command::new(this_exe()?)
+            .arg("serve")
+            .args(["--amqp", &format!("127.0.0.1:{}", self.amqp)])
+            .args(["--http", &format!("127.0.0.1:{}", self.http)])
+            .arg("--data-dir")
+            .arg(self.dir.join("broker"))
+            .arg("--config")
+            .arg(self.dir.join("Config.json"))
+            .args(["--sas-key", &format!("chaos={}", self.key)])
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting twice serve")?;
+        let stdout = child.stdout.take().context("the broker's stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await? {
+                if line.starts_with("ready in") {
+                    return Ok(true);
+                }
+            }
+            anyhow::Ok(false)
+        })
+        .await;
+        if !matches!(ready, Ok(Ok(true))) {
+            bail!("twice serve did not start; see {}", self.dir.join("serve.log").display());
+        }
+        // Keep reading, so the broker never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        self.child = Some(child);
+        Ok(())
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// Messages not yet settled in `path` (active, locked, scheduled or deferred), from the
+    /// broker's `/entities`.
+    async fn unsettled(&self, path: &str) -> anyhow::Result<u64> {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.http)).await?;
+        s.write_all(b"GET /entities HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut response = String::new();
+        s.read_to_string(&mut response).await?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
+        let list: serde_json::Value = serde_json::from_str(body).context("reading /entities")?;
+        let entity = list
+            .as_array()
+            .and_then(|l| l.iter().find(|e| e["path"] == path))
+            .with_context(|| format!("{path} is not in /entities"))?;
+        Ok(["active", "scheduled", "deferred"]
+            .iter()
+            .map(|k| entity[*k].as_u64().unwrap_or(0))
+            .sum())
+    }
+}
+
+/// The settings every processor child gets.
+struct WorkerSpec {
+    exe: PathBuf,
+    dir: PathBuf,
+    connection_string: String,
+    store: String,
+    run_id: String,
+    payments: std::net::SocketAddr,
+    mail: std::net::SocketAddr,
+    abort_rate: f64,
+    seed: u64,
+}
+
+/// One processor slot: its current process (restarted after each kill).
+struct WorkerProc {
+    child: Child,
+    pid: u32,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl WorkerSpec {
+    fn spawn(
+        &self,
+        index: usize,
+        incarnation: u64,
+        events: &Arc<Mutex<Vec<Observed>>>,
+    ) -> anyhow::Result<WorkerProc> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("processor-{index}.log")))?;
+        let mut child = Command::new(&self.exe)
+            .arg("chaos-worker")
+            .args(["--connection-string", &self.connection_string])
+            .args(["--queue", QUEUE, "--store", &self.store, "--run-id", &self.run_id])
+            .args(["--payments", &self.payments.to_string(), "--mail", &self.mail.to_string()])
+            .args(["--abort-after-commit", &self.abort_rate.to_string()])
+            .args([
+                "--seed",
+                &(self.seed * 1_000_003 + index as u64 * 1_009 + incarnation).to_string(),
+            ])
+            .current_dir(&self.dir)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting a processor")?;
+        let pid = child.id().context("the processor's pid")?;
+        let stdout = child.stdout.take().context("the processor's stdout")?;
+        let events = Arc::clone(events);
+        let reader = tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(o) = parse_event(index, &line) {
+                    events.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(o);
+                }
+            }
+        });
+        Ok(WorkerProc { child, pid, reader })
+    }
+}
+
+/// Parses an `EV` line of a processor.
+fn parse_event(processor: usize, line: &str) -> Option<Observed> {
+    let mut parts = line.strip_prefix("EV ")?.split(' ');
+    let at_millis = parts.next()?.parse().ok()?;
+    let kind = parts.next()?;
+    let message_id = parts.next()?.to_owned();
+    let event = match kind {
+        "D" => Event::Delivered {
+            message_id,
+            delivery_count: parts.next()?.parse().ok()?,
+            // Milliseconds since the epoch; a negative value cannot be a live lock.
+            locked_until: parts.next()?.parse::<i64>().ok()?.try_into().unwrap_or(0),
+        },
+        "H" => Event::Handled { message_id },
+        "C" => Event::Completed { message_id },
+        "F" => Event::CompletionFailed { message_id },
+        "L" => Event::DeadLettered { message_id },
+        "A" => Event::AbortAfterCommit { message_id },
+        _ => return None,
+    };
+    Some(Observed { processor, at_millis, event })
+}
+
+/// Sends a signal with `kill(1)`: SIGSTOP and SIGCONT have no std API.
+async fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill").args([sig, &pid.to_string()]).status().await?;
+    if !status.success() {
+        bail!("kill {sig} {pid} failed");
+    }
+    Ok(())
+}
+
+/// Sends every order with its stable message id, again and again until the broker
+/// acknowledges it, spread over `span`.
+async fn send_all(
+    connection_string: String,
+    orders: Vec<(u64, bool)>,
+    span: Duration,
+    sent: Arc<Mutex<Vec<Sent>>>,
+) -> anyhow::Result<()> {
+    let client = ServiceBusClient::from_connection_string(&connection_string)?;
+    let sender = client.sender(QUEUE);
+    let gap = span / u32::try_from(orders.len().max(1)).unwrap_or(u32::MAX);
+    let clock = SharedClock::system();
+    for (order_id, poison) in orders {
+        let message_id = format!("order-{order_id}");
+        let amount =
+            if poison { -100 } else { 1_000 + i64::try_from(order_id % 9_000).unwrap_or(0) };
+        let body = format!(r#"{{"order_id":{order_id},"amount_cents":{amount}}}"#);
+        let started = clock.now();
+        let mut record = Sent { message_id, order_id, poison, invoked: 0, acknowledged: false };
+        loop {
+            record.invoked += 1;
+            let message = Message::new(body.clone())
+                .with_message_id(record.message_id.as_str())
+                .with_content_type("application/json");
+            match sender.send_message(message).await {
+                Ok(()) => {
+                    record.acknowledged = true;
+                    break;
+                }
+                // The broker is down or restarting: send again with the same id.
+                Err(_) if clock.now().duration_since(started) < Duration::from_secs(120) => {
+                    clock.sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => {
+                    sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(record);
+                    return Err(e).context("sending an order for two minutes");
+                }
+            }
+        }
+        sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(record);
+        clock.sleep(gap).await;
+    }
+    client.close().await;
+    Ok(())
+}
+
+/// Runs the chaos test; the exit code is success iff there is no violation.
+#[allow(clippy::too_many_lines)] // reason: one linear story: start, send and kill, drain, check
+pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
+    let stopwatch = Stopwatch::start();
+    let clock = SharedClock::system();
+    let workdir = tempfile::Builder::new().prefix("twice-chaos-").tempdir()?;
+    let dir = workdir.path().to_path_buf();
+    let run_id = format!("chaos{:08x}", rand::random::<u32>());
+    let tables = Tables::new(&run_id);
+    let pool = sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(4)
+        .connect(&args.store)
+        .await
+        .context("connecting to PostgreSQL")?;
+    Postgres::create_tables(&pool, &tables).await?;
+    // The inbox table, made once here rather than by the processors racing.
+    SqlxInbox::<Postgres>::new(
+        pool.clone(),
+        InboxOptions::new().table(tables.inbox.clone()).business_key(tables.shipments_key.clone()),
+    )
+    .await
+    .context("creating the inbox")?;
+    let result = run_in(&args, &dir, &run_id, &tables, &clock, stopwatch).await;
+    // The restart may have closed the pool's connections; the pool opens new ones.
+    let _ = Postgres::drop_tables(&pool, &tables).await;
+    if args.keep {
+        eprintln!("kept the run's directory: {}", workdir.keep().display());
+    }
+    let report = result?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(if report.violation_count == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[allow(clippy::too_many_lines)] // reason: one linear story: start, send and kill, drain, check
+async fn run_in(
+    args: &ChaosArgs,
+    dir: &Path,
+    run_id: &str,
+    tables: &Tables,
+    clock: &SharedClock,
+    stopwatch: Stopwatch,
+) -> anyhow::Result<Report> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    std::fs::write(
+        dir.join("Config.json"),
+        format!(
+            r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{{"Name":"{QUEUE}","Properties":{{
+              "LockDuration":"PT{}S","MaxDeliveryCount":100,
+              "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT30M"}}}}]}}]}}}}"#,
+            LOCK.as_secs()
+        ),
+    )?;
+    let mut broker = BrokerProc {
+        dir: dir.to_path_buf(),
+        amqp: free_port()?,
+        http: free_port()?,
+        key: format!("{:032x}", rand::random::<u128>()),
+        child: None,
+    };
+    broker.start().await?;
+    let payments = Service::start("payments").await?;
+    let mail = Service::start("mail").await?;
+    let spec = WorkerSpec {
+        exe: this_exe()?,
+        dir: dir.to_path_buf(),
+        connection_string: broker.connection_string(),
+        store: args.store.clone(),
+        run_id: run_id.to_owned(),
+        payments: payments.addr(),
+        mail: mail.addr(),
+        abort_rate: args.abort_rate,
+        seed: args.seed,
+    };
+    let events: Arc<Mutex<Vec<Observed>>> = Arc::default();
+    let n = usize::try_from(args.processors).unwrap_or(3);
+    let mut incarnation = 0_u64;
+    let mut workers = Vec::with_capacity(n);
+    for i in 0..n {
+        workers.push(spec.spawn(i, incarnation, &events)?);
+    }
+    let mut faults = Faults::default();
+
+    let orders: Vec<(u64, bool)> =
+        (1..=args.orders).map(|o| (o, rng.random_bool(args.poison_rate))).collect();
+    let interval = Duration::from_millis(args.interval_ms);
+    let sent: Arc<Mutex<Vec<Sent>>> = Arc::default();
+    let sender = tokio::spawn(send_all(
+        broker.connection_string(),
+        orders,
+        interval * args.kills,
+        Arc::clone(&sent),
+    ));
+
+    // The faults.
+    let paused: Arc<Mutex<HashSet<usize>>> = Arc::default();
+    let mut resumes = tokio::task::JoinSet::new();
+    let db_restart_at = if args.no_db_restart { None } else { Some(args.kills / 2) };
+    for k in 0..args.kills {
+        let gap = interval.mul_f64(rng.random_range(0.5..1.5));
+        clock.sleep(gap).await;
+        // A processor that ended on its own (an abort after commit) is started again.
+        for (i, w) in workers.iter_mut().enumerate() {
+            if matches!(w.child.try_wait(), Ok(Some(_))) {
+                incarnation += 1;
+                *w = spec.spawn(i, incarnation, &events)?;
+            }
+        }
+        if Some(k) == db_restart_at {
+            let status = Command::new("sh")
+                .args(["-c", &args.db_restart_command])
+                .status()
+                .await
+                .context("running the PostgreSQL restart command")?;
+            if !status.success() {
+                bail!(
+                    "the PostgreSQL restart command failed ({status}): {}",
+                    args.db_restart_command
+                );
+            }
+            faults.postgres_restart += 1;
+            continue;
+        }
+        let running: Vec<usize> = {
+            let paused = paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            (0..n).filter(|i| !paused.contains(i)).collect()
+        };
+        let roll = rng.random_range(0..100);
+        if roll < 25 || running.len() < 2 {
+            broker.kill().await;
+            clock.sleep(Duration::from_millis(rng.random_range(100..1_000))).await;
+            broker.start().await?;
+            faults.broker_sigkill += 1;
+        } else if roll < 80 {
+            let i = running[rng.random_range(0..running.len())];
+            workers[i].child.kill().await?;
+            incarnation += 1;
+            workers[i] = spec.spawn(i, incarnation, &events)?;
+            faults.processor_sigkill += 1;
+        } else {
+            // Hold a processor past its lock: another one receives its messages while it
+            // still has them in hand, then it goes on and commits or fails.
+            let i = running[rng.random_range(0..running.len())];
+            let pid = workers[i].pid;
+            signal(pid, "-STOP").await?;
+            paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(i);
+            let (paused, hold) = (Arc::clone(&paused), LOCK + Duration::from_secs(3));
+            let clock = clock.clone();
+            resumes.spawn(async move {
+                clock.sleep(hold).await;
+                let r = signal(pid, "-CONT").await;
+                paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&i);
+                r
+            });
+            faults.processor_sigstop_past_lock += 1;
+        }
+    }
+    while let Some(r) = resumes.join_next().await {
+        r??;
+    }
+    sender.await.context("the sender")??;
+
+    // Drain: the queue must empty.
+    let drain_start = clock.now();
+    let mut zero_reads = 0;
+    let left = loop {
+        for (i, w) in workers.iter_mut().enumerate() {
+            if matches!(w.child.try_wait(), Ok(Some(_))) {
+                incarnation += 1;
+                *w = spec.spawn(i, incarnation, &events)?;
+            }
+        }
+        let left = broker.unsettled(QUEUE).await.ok();
+        zero_reads = if left == Some(0) { zero_reads + 1 } else { 0 };
+        if zero_reads >= 3 || clock.now().duration_since(drain_start) >= DRAIN_TIMEOUT {
+            break left;
+        }
+        clock.sleep(Duration::from_millis(500)).await;
+    };
+    for w in &workers {
+        let _ = signal(w.pid, "-TERM").await;
+    }
+    for w in &mut workers {
+        if tokio::time::timeout(Duration::from_secs(10), w.child.wait()).await.is_err() {
+            let _ = w.child.kill().await;
+        }
+    }
+    for w in workers {
+        let _ = w.reader.await;
+    }
+
+    // The dead-letter queue.
+    let mut dead_letters = std::collections::HashMap::new();
+    let client = ServiceBusClient::from_connection_string(&broker.connection_string())?;
+    let dlq = client.receiver(
+        &format!("{QUEUE}/$DeadLetterQueue"),
+        ReceiverOptions::new().max_concurrent_calls(64),
+    );
+    loop {
+        let got = dlq.receive_messages(500, Duration::from_secs(2)).await?;
+        if got.is_empty() {
+            break;
+        }
+        for d in &got {
+            let m = twice::Delivery::message(d);
+            dead_letters.insert(
+                m.message_id().as_str().to_owned(),
+                m.dead_letter_reason.clone().unwrap_or_default(),
+            );
+            dlq.complete_message(d).await?;
+        }
+    }
+    client.close().await;
+    broker.kill().await;
+
+    let events =
+        std::mem::take(&mut *events.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    faults.processor_abort_after_commit =
+        events.iter().filter(|o| matches!(o.event, Event::AbortAfterCommit { .. })).count() as u64;
+    let sent = std::mem::take(&mut *sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    let pool = sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(1)
+        .connect(&args.store)
+        .await
+        .context("connecting to PostgreSQL")?;
+    let shipments = Postgres::count_by_order(&pool, &tables.shipments).await?;
+    let mut history =
+        History { shipments, dead_letters, left_in_queue: left, events, ..History::default() };
+    for s in &sent {
+        for (service, effects) in [(&payments, &mut history.charges), (&mail, &mut history.emails)]
+        {
+            let n = service.effects_for(s.order_id);
+            if n > 0 {
+                effects.insert(s.order_id, n);
+            }
+        }
+    }
+    history.sent = sent;
+    let mut verdict = check::check(&history);
+    verdict.idempotency_key_replays = payments.replays() + mail.replays();
+    let violation_count = verdict.violation_count();
+    Ok(Report {
+        orders: args.orders,
+        processors: args.processors,
+        seed: args.seed,
+        elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
+        faults,
+        verdict,
+        violation_count,
+    })
+}
+
+/// The table.
+fn render(r: &Report) -> String {
+    use std::fmt::Write as _;
+    let (f, v) = (&r.faults, &r.verdict);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "twice chaos: {} orders, {} processors, seed {}, {:.1} s",
+        r.orders, r.processors, r.seed, r.elapsed_seconds
+    );
+    let lines: [(&str, u64); 19] = [
+        ("kills: processor SIGKILL", f.processor_sigkill),
+        ("kills: broker SIGKILL", f.broker_sigkill),
+        ("kills: processor abort after commit", f.processor_abort_after_commit),
+        ("processor SIGSTOP past its lock", f.processor_sigstop_past_lock),
+        ("PostgreSQL restarts", f.postgres_restart),
+        ("sends invoked", v.sends_invoked),
+        ("sends acknowledged", v.sends_acknowledged),
+        ("deliveries", v.deliveries),
+        ("handler runs", v.handler_runs),
+        ("completions acknowledged", v.completions_acknowledged),
+        ("completions failed", v.completions_failed),
+        ("shipments", v.shipments),
+        ("charges", v.charges),
+        ("emails", v.emails),
+        ("dead-lettered", v.dead_lettered),
+        ("duplicates: stopped by the inbox", v.duplicates_prevented),
+        ("duplicates: stopped by keys", v.idempotency_key_replays),
+        ("poison orders", r.verdict.poison_orders),
+        ("violations", r.violation_count),
+    ];
+    for (name, n) in lines {
+        let _ = writeln!(out, "{name:<40}{n:>10}");
+    }
+    for e in &v.examples {
+        let _ = writeln!(out, "  {e}");
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if r.violation_count == 0 {
+            "PASS  every acknowledged order shipped, charged and emailed exactly once; no completed message delivered again; every poison message dead-lettered; the queue drained."
+        } else {
+            "FAIL"
+        }
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_lines_parse_and_anything_else_is_ignored() {
+        let o = parse_event(2, "EV 1700 D order-7 3 1705").unwrap();
+        assert_eq!((o.processor, o.at_millis), (2, 1700));
+        assert_eq!(
+            o.event,
+            Event::Delivered {
+                message_id: "order-7".into(),
+                delivery_count: 3,
+                locked_until: 1705
+            }
+        );
+        let o = parse_event(0, "EV 9 F order-1").unwrap();
+        assert_eq!(o.event, Event::CompletionFailed { message_id: "order-1".into() });
+        assert!(parse_event(0, "ready").is_none());
+        assert!(parse_event(0, "EV 9 D order-1").is_none(), "a delivery without its count");
+        assert!(parse_event(0, "EV x C order-1").is_none());
+    }
+}

@@ -1,0 +1,234 @@
+//! `twice chaos-worker`: one processor process of a chaos run. It runs `twice::Processor` on
+//! the Service Bus client against `twice serve`, with the PostgreSQL inbox and the shipping
+//! handler, and prints every delivery, handler run and settlement as a line the controller
+//! records:
+//!
+//! ```text
+//! EV <millis since the epoch> <D|H|C|F|L|A> <message id> [<delivery count> <locked until>]
+//! ```
+//!
+//! With `--abort-after-commit P` it calls `abort()` right after a transaction commits, before
+//! the completion, with probability P: the crash between commit and complete.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use rand::{Rng as _, SeedableRng as _};
+use serde::Deserialize;
+use sqlx::Postgres;
+use twice::{
+    DeadLetterReason, EntityInfo, HandlerError, Outcome, Processor, ProcessorOptions, Properties,
+    ResultExt as _, SharedClock, Timestamp, Transport, TransportError, json_fn,
+};
+use twice_servicebus_client::{Receiver, ReceiverOptions, ServiceBusClient, ServiceBusDelivery};
+use twice_sqlx::{InboxOptions, SqlxInbox};
+
+use crate::demo::db::{DemoDb as _, Tables};
+use crate::demo::services::Client;
+
+/// Options of `twice chaos-worker` (started by `twice chaos`, not by hand).
+#[derive(Debug, clap::Args)]
+pub(crate) struct WorkerArgs {
+    #[arg(long)]
+    connection_string: String,
+    #[arg(long)]
+    queue: String,
+    #[arg(long)]
+    store: String,
+    /// The run id the table names carry.
+    #[arg(long)]
+    run_id: String,
+    #[arg(long)]
+    payments: SocketAddr,
+    #[arg(long)]
+    mail: SocketAddr,
+    #[arg(long, default_value_t = 0.0)]
+    abort_after_commit: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+}
+
+/// The message body of the chaos run's orders.
+#[derive(Debug, Deserialize)]
+pub(crate) struct Order {
+    pub(crate) order_id: u64,
+    pub(crate) amount_cents: i64,
+}
+
+/// Prints one event line. Standard output is line-buffered, and each line is written whole
+/// with one call, so a kill loses at most the line being written.
+fn emit(clock: &SharedClock, kind: char, id: &str, extra: Option<String>) {
+    let at = clock.now().as_millis();
+    let line = match extra {
+        Some(more) => format!("EV {at} {kind} {id} {more}\n"),
+        None => format!("EV {at} {kind} {id}\n"),
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(line.as_bytes());
+    let _ = out.flush();
+}
+
+/// The Service Bus receiver, recording each delivery and settlement.
+#[derive(Debug)]
+struct Recording {
+    inner: Receiver,
+    clock: SharedClock,
+}
+
+fn id_of(d: &ServiceBusDelivery) -> &str {
+    d.message().message_id().as_str()
+}
+
+impl Transport for Recording {
+    type Delivery = ServiceBusDelivery;
+
+    fn entity(&self) -> &EntityInfo {
+        self.inner.entity()
+    }
+
+    async fn receive(
+        &self,
+        n: usize,
+        wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
+        let got = self.inner.receive(n, wait).await?;
+        for d in &got {
+            let m = d.message();
+            let until = m.locked_until.map_or(i64::MAX, Timestamp::as_millis);
+            emit(&self.clock, 'D', id_of(d), Some(format!("{} {until}", m.delivery_count)));
+        }
+        Ok(got)
+    }
+
+    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        let r = self.inner.complete(d).await;
+        emit(&self.clock, if r.is_ok() { 'C' } else { 'F' }, id_of(d), None);
+        r
+    }
+
+    async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
+        self.inner.abandon(d, p).await
+    }
+
+    async fn dead_letter(
+        &self,
+        d: &ServiceBusDelivery,
+        r: DeadLetterReason,
+    ) -> Result<(), TransportError> {
+        let result = self.inner.dead_letter(d, r).await;
+        if result.is_ok() {
+            emit(&self.clock, 'L', id_of(d), None);
+        }
+        result
+    }
+
+    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        self.inner.defer(d).await
+    }
+
+    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        self.inner.release(d).await
+    }
+
+    async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
+        self.inner.renew_lock(d).await
+    }
+}
+
+/// The error of a rejected order.
+#[derive(Debug, thiserror::Error)]
+#[error("order {0} has a negative amount")]
+struct Rejected(u64);
+
+/// Runs the processor until SIGTERM or a kill.
+pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    let clock = SharedClock::system();
+    // An abort leaves no core file behind.
+    let _ = rlimit::setrlimit(rlimit::Resource::CORE, 0, 0);
+    let pool = sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(u32::try_from(args.concurrency).unwrap_or(8) + 2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&args.store)
+        .await
+        .context("connecting to PostgreSQL")?;
+    let tables = Tables::new(&args.run_id);
+    let inbox = SqlxInbox::<Postgres>::new(
+        pool,
+        InboxOptions::new().table(tables.inbox.clone()).business_key(tables.shipments_key.clone()),
+    )
+    .await
+    .context("opening the inbox")?;
+    let client = ServiceBusClient::from_connection_string(&args.connection_string)?;
+    let receiver = Recording {
+        inner: client
+            .receiver(&args.queue, ReceiverOptions::new().max_concurrent_calls(args.concurrency)),
+        clock: clock.clone(),
+    };
+    let payments = Arc::new(Client::new(args.payments));
+    let mail = Arc::new(Client::new(args.mail));
+    let table: Arc<str> = tables.shipments.clone().into();
+    let handler_clock = clock.clone();
+    let handler =
+        json_fn(move |ctx, order: Order, tx: &mut sqlx::Transaction<'static, Postgres>| {
+            let (payments, mail, table) =
+                (Arc::clone(&payments), Arc::clone(&mail), Arc::clone(&table));
+            let clock = handler_clock.clone();
+            Box::pin(async move {
+                emit(&clock, 'H', ctx.message().message_id().as_str(), None);
+                if order.amount_cents < 0 {
+                    return Err(HandlerError::permanent("OrderRejected", Rejected(order.order_id)));
+                }
+                let order_id = i64::try_from(order.order_id).permanent("OrderRejected")?;
+                Postgres::insert_shipment(tx, &table, order_id, order.amount_cents).await?;
+                let key = format!("order-{}", order.order_id);
+                let charge = format!(
+                    r#"{{"order_id":{},"amount_cents":{}}}"#,
+                    order.order_id, order.amount_cents
+                );
+                payments
+                    .post(
+                        "/charges",
+                        Some(ctx.business_idempotency_key(&key, "charge").as_str()),
+                        charge.as_bytes(),
+                    )
+                    .await
+                    .map_err(|e| HandlerError::transient(e.into_boxed_dyn_error()))?;
+                let email = format!(r#"{{"order_id":{}}}"#, order.order_id);
+                mail.post(
+                    "/emails",
+                    Some(ctx.business_idempotency_key(&key, "email").as_str()),
+                    email.as_bytes(),
+                )
+                .await
+                .map_err(|e| HandlerError::transient(e.into_boxed_dyn_error()))?;
+                Ok(Outcome::Complete)
+            })
+        });
+    let options = ProcessorOptions::new()
+        .consumer("shipping")
+        .max_concurrent_calls(args.concurrency)
+        .max_wait(Duration::from_millis(200))
+        .clock(clock.clone());
+    let rate = args.abort_after_commit;
+    let rng = std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(args.seed));
+    let abort_clock = clock.clone();
+    let processor = Processor::new(receiver, inbox, handler, options)
+        .on_committed(move |m| {
+            let hit =
+                rng.lock().unwrap_or_else(std::sync::PoisonError::into_inner).random_bool(rate);
+            if hit {
+                emit(&abort_clock, 'A', m.message_id().as_str(), None);
+                std::process::abort();
+            }
+        })
+        .on_error(|e| eprintln!("{e}"));
+    println!("ready");
+    processor.run(crate::serve::shutdown_signal()).await.context("the processor stopped")?;
+    Ok(ExitCode::SUCCESS)
+}
