@@ -86,6 +86,7 @@
 //! module).
 
 pub mod address;
+mod admin;
 pub mod backend;
 mod broker;
 mod conditions;
