@@ -232,15 +232,15 @@ impl Target {
         }
     }
 
-    /// The path a token must cover.
+    /// The path a token must cover: the resource itself or one it is under.
     fn auth_path(&self) -> String {
         match self {
             Target::List(kind) => format!("$resources/{kind}"),
             Target::Entity(p) => p.clone(),
             Target::Subscriptions(t) => format!("{t}/subscriptions"),
-            Target::Subscription(t, s) | Target::Rules(t, s) | Target::Rule(t, s, _) => {
-                format!("{t}/subscriptions/{s}")
-            }
+            Target::Subscription(t, s) => format!("{t}/subscriptions/{s}"),
+            Target::Rules(t, s) => format!("{t}/subscriptions/{s}/rules"),
+            Target::Rule(t, s, r) => format!("{t}/subscriptions/{s}/rules/{r}"),
         }
     }
 }
