@@ -11,6 +11,8 @@ use bytes::Bytes;
 use twice::{
     LockToken, Message, Properties, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
 };
+use twice_broker::MessageCounts;
+use twice_broker::config::{EntityDefinition, Rule as BrokerRule};
 
 /// What an entity path names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -392,6 +394,88 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         skip: usize,
         top: usize,
     ) -> impl Future<Output = Result<Vec<SessionId>, BackendError>> + Send;
+
+    /// The definition of an entity, for the administration API (the default: not offered).
+    fn admin_get(
+        &self,
+        path: &str,
+    ) -> impl Future<Output = Result<EntityDefinition, BackendError>> + Send {
+        let _ = path;
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Every entity, topics before their subscriptions, for the administration API.
+    fn admin_list(
+        &self,
+    ) -> impl Future<Output = Result<Vec<EntityDefinition>, BackendError>> + Send {
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Creates an entity; [`BackendError::AlreadyExists`] when one has its path.
+    fn admin_create(
+        &self,
+        definition: EntityDefinition,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = definition;
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Replaces an entity's properties (a subscription keeps its rules).
+    fn admin_update(
+        &self,
+        definition: EntityDefinition,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = definition;
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Deletes an entity and its messages (a topic with its subscriptions).
+    fn admin_delete(&self, path: &str) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = path;
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Runtime counts of an entity.
+    fn admin_counts(
+        &self,
+        path: &str,
+    ) -> impl Future<Output = Result<MessageCounts, BackendError>> + Send {
+        let _ = path;
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Adds a rule to `topic`'s subscription `subscription`.
+    fn admin_create_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: BrokerRule,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = (topic, subscription, rule);
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Replaces the rule of the same name of a subscription.
+    fn admin_replace_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: BrokerRule,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = (topic, subscription, rule);
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
+
+    /// Removes a rule of a subscription.
+    fn admin_delete_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: &str,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = (topic, subscription, rule);
+        async { Err(BackendError::Unsupported("the administration API")) }
+    }
 
     /// Adds a rule to a subscription.
     fn add_rule(

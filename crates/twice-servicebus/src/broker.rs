@@ -345,6 +345,84 @@ impl Backend for Broker {
         Ok(all.into_iter().skip(skip).take(top).collect())
     }
 
+    async fn admin_get(&self, path: &str) -> Result<EntityDefinition, BackendError> {
+        Broker::get_entity(self, path).await.map_err(map_err)
+    }
+
+    async fn admin_list(&self) -> Result<Vec<EntityDefinition>, BackendError> {
+        Broker::list_entities(self).await.map_err(map_err)
+    }
+
+    async fn admin_create(&self, definition: EntityDefinition) -> Result<(), BackendError> {
+        Broker::create_entity(self, definition).await.map_err(map_err)
+    }
+
+    async fn admin_update(&self, definition: EntityDefinition) -> Result<(), BackendError> {
+        match definition {
+            // Updating a subscription's properties leaves its rules alone.
+            EntityDefinition::Subscription { topic, name, properties, .. } => {
+                Broker::update_subscription(self, &topic, &name, properties).await
+            }
+            other => Broker::update_entity(self, other).await,
+        }
+        .map_err(map_err)
+    }
+
+    async fn admin_delete(&self, path: &str) -> Result<(), BackendError> {
+        Broker::delete_entity(self, path).await.map_err(map_err)
+    }
+
+    async fn admin_counts(&self, path: &str) -> Result<twice_broker::MessageCounts, BackendError> {
+        Broker::counts(self, path).await.map_err(map_err)
+    }
+
+    async fn admin_create_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: twice_broker::config::Rule,
+    ) -> Result<(), BackendError> {
+        Broker::create_rule(self, topic, subscription, rule).await.map_err(map_err)
+    }
+
+    async fn admin_replace_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: twice_broker::config::Rule,
+    ) -> Result<(), BackendError> {
+        // The broker replaces a subscription's rules as a whole: read them, swap the one named,
+        // write them back. A rule added by another client in between is overwritten.
+        let path = twice_broker::config::EntityDefinition::subscription(
+            topic,
+            subscription,
+            twice_broker::config::SubscriptionProperties::default(),
+            Vec::new(),
+        )
+        .path();
+        let EntityDefinition::Subscription { topic, name, properties, mut rules } =
+            Broker::get_entity(self, &path).await.map_err(map_err)?
+        else {
+            return Err(BackendError::EntityNotFound(path));
+        };
+        let Some(slot) = rules.iter_mut().find(|r| r.name.eq_ignore_ascii_case(&rule.name)) else {
+            return Err(BackendError::EntityNotFound(format!("{path}/Rules/{}", rule.name)));
+        };
+        *slot = rule;
+        Broker::update_entity(self, EntityDefinition::subscription(topic, name, properties, rules))
+            .await
+            .map_err(map_err)
+    }
+
+    async fn admin_delete_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: &str,
+    ) -> Result<(), BackendError> {
+        Broker::delete_rule(self, topic, subscription, rule).await.map_err(map_err)
+    }
+
     async fn add_rule(&self, subscription: &str, rule: Rule) -> Result<(), BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
         let filter = match rule.filter {

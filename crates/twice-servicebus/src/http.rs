@@ -1,13 +1,17 @@
-//! The HTTP side port: its listener, and the bodies it serves (health, Prometheus text and the
-//! entity list).
+//! The HTTP side port: its listener, and the bodies it serves (health, Prometheus text, the
+//! entity list, and the administration API of [`crate::admin`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use crate::admin::Admin;
 
 use crate::backend::{Backend, EntityStats};
 use crate::metrics::EntityCounters;
@@ -108,53 +112,153 @@ pub(crate) async fn entities_json<B: Backend>(shared: &Shared<B>) -> String {
     serde_json::Value::Array(list).to_string()
 }
 
+/// The most HTTP connections served at once; more wait in the listen backlog.
+pub(crate) const MAX_HTTP_CONNECTIONS: usize = 64;
+/// The largest request body accepted (an entity description is a few KiB).
+pub(crate) const MAX_BODY: usize = 1024 * 1024;
+/// The largest request head.
+const MAX_HEAD: usize = 16 * 1024;
+/// How long one connection may take, from accept to the last byte of its response.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
+    let addr = listener
+        .local_addr()
+        .unwrap_or_else(|_| shared.options.http_addr.unwrap_or(shared.options.amqp_addr));
+    let admin = Arc::new(Admin::new(shared.clock.now()));
+    // A connection is accepted only with a slot free: beyond the limit, clients wait in the
+    // kernel's backlog instead of each costing a task and a buffer here.
+    let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
     loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else { return };
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let shared = shared.clone();
+        let admin = admin.clone();
         tokio::spawn(async move {
             let _ =
-                tokio::time::timeout(Duration::from_secs(10), http_request(stream, &shared)).await;
+                tokio::time::timeout(REQUEST_TIMEOUT, http_request(stream, &shared, &admin, addr))
+                    .await;
+            drop(slot);
         });
     }
 }
 
-async fn http_request<B: Backend>(
-    mut stream: TcpStream,
-    shared: &Shared<B>,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 || buf.len() > 16 * 1024 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let head = String::from_utf8_lossy(&buf);
-    let mut parts = head.split_whitespace();
-    let method = parts.next().unwrap_or("");
-    let path = parts.next().unwrap_or("").split('?').next().unwrap_or("");
-    let (status, content_type, body) = match (method, path) {
-        ("GET", "/health") => {
-            let (status, body) = health(shared.backend.health());
-            (status, "application/json", body)
-        }
-        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await),
-        ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
-        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_owned()),
-        _ => ("405 Method Not Allowed", "text/plain", "method not allowed\n".to_owned()),
+/// A parsed request head.
+#[derive(Debug, PartialEq, Eq)]
+struct Head {
+    method: String,
+    target: String,
+    /// Lowercase names.
+    headers: Vec<(String, String)>,
+    /// Where the body starts in the buffer.
+    body_at: usize,
+}
+
+/// Parses the head of `buf` once it holds all of it (`Ok(None)` until then).
+fn parse_head(buf: &[u8]) -> Result<Option<Head>, &'static str> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return if buf.len() > MAX_HEAD {
+            Err("431 Request Header Fields Too Large")
+        } else {
+            Ok(None)
+        };
     };
+    let head = std::str::from_utf8(&buf[..end]).map_err(|_| "400 Bad Request")?;
+    let mut lines = head.split("\r\n");
+    let mut request_line = lines.next().unwrap_or("").split_whitespace();
+    let method = request_line.next().unwrap_or("").to_owned();
+    let target = request_line.next().unwrap_or("").to_owned();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Ok(Some(Head { method, target, headers, body_at: end + 4 }))
+}
+
+async fn respond(
+    stream: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    body: &str,
+) -> std::io::Result<()> {
     let response = format!(
         "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
+}
+
+async fn http_request<B: Backend>(
+    mut stream: TcpStream,
+    shared: &Shared<B>,
+    admin: &Admin,
+    addr: SocketAddr,
+) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    let head = loop {
+        match parse_head(&buf) {
+            Ok(Some(head)) => break head,
+            Ok(None) => {}
+            Err(status) => return respond(&mut stream, status, "text/plain", "").await,
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let header = |name: &str| head.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    if header("transfer-encoding").is_some() {
+        return respond(
+            &mut stream,
+            "411 Length Required",
+            "text/plain",
+            "send a content-length\n",
+        )
+        .await;
+    }
+    let length = match header("content-length").map(str::parse::<usize>) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return respond(&mut stream, "400 Bad Request", "text/plain", "bad content-length\n")
+                .await;
+        }
+    };
+    if length > MAX_BODY {
+        let msg = format!("a request body is at most {MAX_BODY} bytes\n");
+        return respond(&mut stream, "413 Payload Too Large", "text/plain", &msg).await;
+    }
+    let mut body = buf.split_off(head.body_at.min(buf.len()));
+    while body.len() < length {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
+    let (status, content_type, body) = match (head.method.as_str(), path) {
+        ("GET", "/health") => {
+            let (status, body) = health(shared.backend.health());
+            (status, "application/json", body)
+        }
+        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await),
+        ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
+        (method, _) => {
+            let req =
+                crate::admin::Request { method, path, query, headers: &head.headers, body: &body };
+            let r = crate::admin::handle(shared, admin, addr, &req).await;
+            (r.status, r.content_type, r.body)
+        }
+    };
+    respond(&mut stream, status, content_type, &body).await
 }
 
 #[cfg(test)]

@@ -27,8 +27,9 @@
 //! Endpoint=sb://localhost:5673;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE;UseDevelopmentEmulator=true;
 //! ```
 //!
-//! [`Server::bind`] opens the AMQP port (and an HTTP port with `/health`, `/metrics` and
-//! `/entities`); [`Server::run`] serves a [`Backend`] (a `twice_broker::Broker`, or anything
+//! [`Server::bind`] opens the AMQP port (and an HTTP port with `/health`, `/metrics`,
+//! `/entities` and the Service Bus administration API, ATOM over HTTP, that
+//! `ServiceBusAdministrationClient` speaks); [`Server::run`] serves a [`Backend`] (a `twice_broker::Broker`, or anything
 //! else that implements the trait) until the shutdown future resolves. [`serve`] does both.
 //!
 //! With [`ServerOptions::tls_pem`] the server speaks amqps (TLS, as Azure does on port 5671)
@@ -86,6 +87,7 @@
 //! module).
 
 pub mod address;
+mod admin;
 pub mod backend;
 mod broker;
 mod conditions;

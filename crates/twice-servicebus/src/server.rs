@@ -36,7 +36,8 @@ pub enum ServerError {
     Accept(#[source] std::io::Error),
 }
 
-/// The Service Bus front end: AMQP 1.0 for the SDKs, and an HTTP port for health and metrics.
+/// The Service Bus front end: AMQP 1.0 for the SDKs, and an HTTP port for health, metrics and
+/// the administration API.
 ///
 /// [`Server::bind`] opens the ports (so the caller can print the addresses and the connection
 /// string at once); [`Server::run`] serves until the shutdown future resolves. The server

@@ -5,6 +5,7 @@
 #![allow(unreachable_pub, missing_docs)] // reason: test modules are not a public API
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // reason: small test counts
 
+mod admin_sdk;
 mod backend;
 mod fuzz;
 mod fuzz_conn;
