@@ -10,6 +10,7 @@
 //! - [`proxy`]: a TCP proxy whose connections a test can cut.
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
 //! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
+//! - [`tls`]: a CA and a `localhost` certificate made for the test.
 
 pub mod conformance;
 pub mod db;
@@ -17,6 +18,7 @@ pub mod nats;
 pub mod process;
 pub mod proxy;
 pub mod rabbitmq;
+pub mod tls;
 
 /// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
 /// runtime; failures are printed, since a leftover test queue or stream is harmless.

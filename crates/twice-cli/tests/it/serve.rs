@@ -289,22 +289,12 @@ fn serve_keeps_its_connections_within_the_descriptor_limit() {
 /// sends and receives, and the printed connection string asks for TLS.
 #[test]
 fn serve_speaks_amqps_with_a_certificate() {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
     let dir = tempfile::tempdir().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "twice test CA");
-    let ca_key = KeyPair::generate().unwrap();
-    let ca = ca.self_signed(&ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["localhost".to_owned()])
-        .unwrap()
-        .signed_by(&key, &ca, &ca_key)
-        .unwrap();
+    let certs = twice_testkit::tls::TestCertificates::localhost();
     let (cert_path, key_path, config) =
         (dir.path().join("cert.pem"), dir.path().join("key.pem"), dir.path().join("Config.json"));
-    std::fs::write(&cert_path, cert.pem()).unwrap();
-    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    std::fs::write(&cert_path, &certs.cert_pem).unwrap();
+    std::fs::write(&key_path, &certs.key_pem).unwrap();
     std::fs::write(&config, CONFIG).unwrap();
     let serve = Serve::start(&[
         "--in-memory",
@@ -326,7 +316,8 @@ fn serve_speaks_amqps_with_a_certificate() {
     assert!(serve.lines.iter().any(|l| l.contains("amqps")), "{:?}", serve.lines);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let tls = twice_servicebus_client::TlsOptions::with_ca_pem(ca.pem().as_bytes()).unwrap();
+        let tls =
+            twice_servicebus_client::TlsOptions::with_ca_pem(certs.ca_pem.as_bytes()).unwrap();
         let options = twice_servicebus_client::ClientOptions::from_connection_string(&cs)
             .unwrap()
             .tls(Some(tls));

@@ -2,34 +2,20 @@
 
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use twice::Message;
 use twice_servicebus::ServerOptions;
 use twice_servicebus_client::{
     ClientOptions, Error, ReceiverOptions, ServiceBusClient, TlsOptions,
 };
+use twice_testkit::tls::TestCertificates;
 
 use crate::harness::Serve;
 
-/// A CA, and a certificate for `localhost` signed by it: (CA PEM, certificate PEM, key PEM).
-fn certificates() -> (String, String, String) {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "twice test CA");
-    let ca_key = KeyPair::generate().unwrap();
-    let ca = ca.self_signed(&ca_key).unwrap();
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["localhost".to_owned()])
-        .unwrap()
-        .signed_by(&leaf_key, &ca, &ca_key)
-        .unwrap();
-    (ca.pem(), leaf.pem(), leaf_key.serialize_pem())
-}
-
 async fn tls_server() -> (Serve, String) {
-    let (ca, cert, key) = certificates();
-    let options = ServerOptions::new().tls_pem(cert.as_bytes(), key.as_bytes()).unwrap();
-    (Serve::start_with(options).await, ca)
+    let certs = TestCertificates::localhost();
+    let options =
+        ServerOptions::new().tls_pem(certs.cert_pem.as_bytes(), certs.key_pem.as_bytes()).unwrap();
+    (Serve::start_with(options).await, certs.ca_pem)
 }
 
 #[tokio::test]

@@ -4,29 +4,19 @@
 
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use twice_servicebus::ServerOptions;
+use twice_testkit::tls::TestCertificates;
 
 use crate::harness::{TestServer, crate_dir, may_skip, node_env, python_env, run_suite};
 
 /// A TLS server whose certificate for `localhost` is signed by a fresh CA, and that CA's PEM
 /// in a file.
 async fn tls_server() -> (TestServer, tempfile::NamedTempFile) {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "twice test CA");
-    let ca_key = KeyPair::generate().unwrap();
-    let ca = ca.self_signed(&ca_key).unwrap();
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["localhost".to_owned()])
-        .unwrap()
-        .signed_by(&leaf_key, &ca, &ca_key)
-        .unwrap();
-    let options = ServerOptions::new()
-        .tls_pem(leaf.pem().as_bytes(), leaf_key.serialize_pem().as_bytes())
-        .unwrap();
+    let certs = TestCertificates::localhost();
+    let options =
+        ServerOptions::new().tls_pem(certs.cert_pem.as_bytes(), certs.key_pem.as_bytes()).unwrap();
     let ca_file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(ca_file.path(), ca.pem()).unwrap();
+    std::fs::write(ca_file.path(), &certs.ca_pem).unwrap();
     (TestServer::start_with(options, None).await, ca_file)
 }
 
