@@ -60,7 +60,9 @@
 //! # What was tested where
 //!
 //! The tests run against `twice serve` in process (plain and TLS with a certificate made in
-//! the test), with the processor and a PostgreSQL inbox. Against Azure itself nothing runs in
+//! the test), with the processor and a PostgreSQL inbox; the conformance kit
+//! (`twice-testkit`) runs a [`Receiver`] against `twice serve` with each inbox store and
+//! restarts the server under it. Against Azure itself nothing runs in
 //! CI: the TLS roots, Entra ID tokens and Azure's own replies are exercised only through the
 //! same code paths against `twice serve` and unit tests of the requests.
 

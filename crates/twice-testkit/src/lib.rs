@@ -5,7 +5,7 @@
 //! - [`require_service`]: the rule for tests whose server is down: fail when `CI` is set,
 //!   skip with a printed reason otherwise.
 //! - [`process`]: child processes for crash tests: an example binary that is never stale, and
-//!   a child killed with SIGKILL.
+//!   a child killed with SIGKILL; [`process::ServerRestart`] restarts a server of the machine.
 //! - [`conformance`]: the suite every transport passes with each inbox store.
 //! - [`proxy`]: a TCP proxy whose connections a test can cut.
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.

@@ -108,3 +108,64 @@ impl Drop for Child {
         }
     }
 }
+
+/// A shell command that restarts a server of the machine (RabbitMQ, NATS), and the address the
+/// server answers on once it is back.
+#[derive(Clone, Debug)]
+pub struct ServerRestart {
+    command: String,
+    addr: String,
+}
+
+impl ServerRestart {
+    /// How long [`ServerRestart::run`] waits for the server to answer again.
+    pub const BOUND: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// `command` is run with `sh -c`; `addr` is `host:port`.
+    pub fn new(command: impl Into<String>, addr: impl Into<String>) -> Self {
+        Self { command: command.into(), addr: addr.into() }
+    }
+
+    /// The address the server answers on.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The command.
+    pub fn command(&self) -> &str {
+        &self.command
+    }
+
+    /// Runs the command, then waits until the address accepts a TCP connection again.
+    ///
+    /// # Errors
+    ///
+    /// When the command cannot be run or fails, or the server does not answer within
+    /// [`ServerRestart::BOUND`].
+    pub async fn run(&self) -> std::io::Result<()> {
+        let command = self.command.clone();
+        let status = tokio::task::spawn_blocking(move || {
+            Command::new("sh").arg("-c").arg(&command).stdin(Stdio::null()).status()
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        if !status.success() {
+            return Err(std::io::Error::other(format!("`{}` failed: {status}", self.command)));
+        }
+        let clock = twice::SharedClock::system();
+        let until = clock.now() + Self::BOUND;
+        loop {
+            match tokio::net::TcpStream::connect(&self.addr).await {
+                Ok(_) => return Ok(()),
+                Err(e) if clock.now() >= until => {
+                    return Err(std::io::Error::other(format!(
+                        "{} does not answer {:?} after the restart: {e}",
+                        self.addr,
+                        Self::BOUND
+                    )));
+                }
+                Err(_) => clock.sleep(std::time::Duration::from_millis(200)).await,
+            }
+        }
+    }
+}

@@ -1,15 +1,24 @@
 //! A harness per transport: how the kit makes a fresh entity on each broker.
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tempfile::TempDir;
+use tokio::sync::oneshot;
 
 use twice::{Message, ReceivedMessage, TransportError};
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions, Receiver};
 use twice_nats::{NatsOptions, NatsTransport};
 use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport};
-use twice_testkit::conformance::{Entity, EntitySettings, Harness};
+use twice_servicebus::{Server, ServerOptions};
+use twice_servicebus_client::{
+    ClientOptions, Receiver as SbReceiver, ReceiverOptions, Sender, ServiceBusClient,
+};
+use twice_testkit::conformance::{Entity, EntitySettings, Harness, Interruption};
 use twice_testkit::nats::TestStream;
+use twice_testkit::process::ServerRestart;
 use twice_testkit::proxy::Proxy;
 use twice_testkit::rabbitmq::TestQueue;
 use twice_testkit::require_service;
@@ -29,34 +38,62 @@ async fn drain<T: twice::Transport>(t: &T) -> Result<Vec<ReceivedMessage>, Trans
     }
 }
 
-/// The embedded broker, in memory.
+/// The embedded broker, durable in a temporary directory.
 pub(crate) struct Embedded;
 
-pub(crate) struct EmbeddedEntity {
+/// An open embedded broker and its receivers.
+#[derive(Clone)]
+struct Opened {
     broker: Broker,
-    queue: String,
     transport: Arc<Receiver>,
     dead_letters: Receiver,
+}
+
+impl Opened {
+    async fn open(dir: &std::path::Path, queue: &str) -> Self {
+        let broker = Broker::open(BrokerOptions::durable(dir)).await.expect("opening the broker");
+        let transport = Arc::new(broker.receiver(queue).await.expect("a receiver"));
+        let dead_letters =
+            broker.receiver(&format!("{queue}/$DeadLetterQueue")).await.expect("a receiver");
+        Self { broker, transport, dead_letters }
+    }
+}
+
+pub(crate) struct EmbeddedEntity {
+    queue: String,
+    // A std Mutex: cloned out or swapped, never held across an await.
+    opened: Mutex<Opened>,
+    dir: TempDir,
+}
+
+impl EmbeddedEntity {
+    fn opened(&self) -> Opened {
+        self.opened.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
 }
 
 impl Entity for EmbeddedEntity {
     type Transport = Receiver;
 
-    fn transport(&self) -> &Arc<Receiver> {
-        &self.transport
+    fn transport(&self) -> Arc<Receiver> {
+        self.opened().transport
     }
 
     async fn send(&self, message: Message) -> Result<(), TransportError> {
-        self.broker.send(&self.queue, message).await?;
+        self.opened().broker.send(&self.queue, message).await?;
         Ok(())
     }
 
     async fn take_dead_letters(&self) -> Result<Vec<ReceivedMessage>, TransportError> {
-        drain(&self.dead_letters).await
+        drain(&self.opened().dead_letters).await
     }
 
-    fn interrupt(&self) -> bool {
-        false
+    /// Shuts the broker down and opens it again on its data directory.
+    async fn interrupt(&self) -> Interruption {
+        self.opened().broker.shutdown().await;
+        let reopened = Opened::open(self.dir.path(), &self.queue).await;
+        *self.opened.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = reopened;
+        Interruption::Reopened
     }
 }
 
@@ -73,19 +110,149 @@ impl Harness for Embedded {
     }
 
     async fn create(&self, s: EntitySettings) -> Option<EmbeddedEntity> {
-        let broker = Broker::open(BrokerOptions::in_memory()).await.expect("opening the broker");
-        let mut properties = QueueProperties::default()
-            .with_lock_duration(s.lock_duration)
-            .with_max_delivery_count(s.max_delivery_count);
-        if s.duplicate_detection {
-            properties = properties.with_duplicate_detection(Duration::from_secs(600));
-        }
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let broker =
+            Broker::open(BrokerOptions::durable(dir.path())).await.expect("opening the broker");
         let queue = "kit".to_owned();
-        broker.create_queue(&queue, properties).await.expect("creating the queue");
-        let transport = Arc::new(broker.receiver(&queue).await.expect("a receiver"));
+        broker.create_queue(&queue, queue_properties(s)).await.expect("creating the queue");
+        broker.shutdown().await;
+        let opened = Mutex::new(Opened::open(dir.path(), &queue).await);
+        Some(EmbeddedEntity { queue, opened, dir })
+    }
+}
+
+fn queue_properties(s: EntitySettings) -> QueueProperties {
+    let properties = QueueProperties::default()
+        .with_lock_duration(s.lock_duration)
+        .with_max_delivery_count(s.max_delivery_count);
+    if s.duplicate_detection {
+        properties.with_duplicate_detection(Duration::from_secs(600))
+    } else {
+        properties
+    }
+}
+
+/// `twice serve` in process on a free port, over a durable broker in a temporary directory,
+/// reached with the Service Bus client.
+pub(crate) struct ServiceBus;
+
+/// A running server: its broker and the task that serves it.
+struct Serving {
+    broker: Broker,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Serving {
+    /// Opens the broker in `dir` and serves it on `addr` (port 0: a free one).
+    async fn start(dir: &std::path::Path, addr: SocketAddr) -> (Self, Server<Broker>) {
+        let broker = Broker::open(BrokerOptions::durable(dir)).await.expect("opening the broker");
+        let options = ServerOptions::new().amqp_addr(addr).http_addr(None);
+        let server = Server::bind(options, broker.clone()).await.expect("binding twice serve");
+        (Self { broker, stop: None, task: None }, server)
+    }
+
+    fn run(mut self, server: Server<Broker>) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        self.stop = Some(stop);
+        self.task = Some(tokio::spawn(async move {
+            let _ = server
+                .run(async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        }));
+        self
+    }
+
+    /// Stops serving (closing every connection) and shuts the broker down.
+    async fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+        self.broker.shutdown().await;
+    }
+}
+
+pub(crate) struct ServiceBusEntity {
+    transport: Arc<SbReceiver>,
+    dead_letters: SbReceiver,
+    sender: Sender,
+    addr: SocketAddr,
+    serving: tokio::sync::Mutex<Serving>,
+    dir: TempDir,
+}
+
+impl Entity for ServiceBusEntity {
+    type Transport = SbReceiver;
+
+    fn transport(&self) -> Arc<SbReceiver> {
+        Arc::clone(&self.transport)
+    }
+
+    async fn send(&self, message: Message) -> Result<(), TransportError> {
+        Ok(self.sender.send_message(message).await?)
+    }
+
+    async fn take_dead_letters(&self) -> Result<Vec<ReceivedMessage>, TransportError> {
+        drain(&self.dead_letters).await
+    }
+
+    /// Stops the server and its broker, and starts both again on the same port and data
+    /// directory: a restart of `twice serve`.
+    async fn interrupt(&self) -> Interruption {
+        let mut serving = self.serving.lock().await;
+        serving.stop().await;
+        let (restarted, server) = Serving::start(self.dir.path(), self.addr).await;
+        *serving = restarted.run(server);
+        Interruption::Restarted
+    }
+}
+
+impl Drop for ServiceBusEntity {
+    fn drop(&mut self) {
+        if let Some(s) = self.serving.get_mut().stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+impl Harness for ServiceBus {
+    type Entity = ServiceBusEntity;
+
+    fn name(&self) -> &'static str {
+        "twice serve (twice-servicebus-client)"
+    }
+
+    /// Service Bus's shortest lock, which the broker enforces.
+    fn short_lock(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+
+    async fn create(&self, s: EntitySettings) -> Option<ServiceBusEntity> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let queue = "kit";
+        let (serving, server) =
+            Serving::start(dir.path(), SocketAddr::from(([127, 0, 0, 1], 0))).await;
+        serving.broker.create_queue(queue, queue_properties(s)).await.expect("creating the queue");
+        let info = serving.broker.entity_info(queue).await.expect("the queue");
+        let addr = server.amqp_addr();
+        let options = ClientOptions::from_connection_string(&server.connection_string())
+            .expect("the server's connection string")
+            .operation_timeout(Duration::from_secs(10));
+        let serving = tokio::sync::Mutex::new(serving.run(server));
+        let client = ServiceBusClient::new(options);
+        let transport = Arc::new(
+            client
+                .receiver(queue, ReceiverOptions::new().max_concurrent_calls(4).entity_info(info)),
+        );
         let dead_letters =
-            broker.receiver(&format!("{queue}/$DeadLetterQueue")).await.expect("a receiver");
-        Some(EmbeddedEntity { broker, queue, transport, dead_letters })
+            client.receiver(&format!("{queue}/$DeadLetterQueue"), ReceiverOptions::new());
+        let sender = client.sender(queue);
+        Some(ServiceBusEntity { transport, dead_letters, sender, addr, serving, dir })
     }
 }
 
@@ -114,14 +281,15 @@ pub(crate) struct ServerEntity<T, G> {
     transport: Arc<T>,
     dead_letters: T,
     proxy: Proxy,
+    restart: Option<ServerRestart>,
     _guard: G,
 }
 
 impl<T: ServerTransport, G: Send + Sync + 'static> Entity for ServerEntity<T, G> {
     type Transport = T;
 
-    fn transport(&self) -> &Arc<T> {
-        &self.transport
+    fn transport(&self) -> Arc<T> {
+        Arc::clone(&self.transport)
     }
 
     async fn send(&self, message: Message) -> Result<(), TransportError> {
@@ -132,14 +300,28 @@ impl<T: ServerTransport, G: Send + Sync + 'static> Entity for ServerEntity<T, G>
         drain(&self.dead_letters).await
     }
 
-    fn interrupt(&self) -> bool {
-        self.proxy.cut();
-        true
+    /// Restarts the server when the harness was given a restart, otherwise cuts the
+    /// connections at the proxy (the server is shared with every other test).
+    async fn interrupt(&self) -> Interruption {
+        match &self.restart {
+            Some(restart) => {
+                restart.run().await.unwrap_or_else(|e| panic!("restarting the server: {e}"));
+                Interruption::Restarted
+            }
+            None => {
+                self.proxy.cut();
+                Interruption::Cut
+            }
+        }
     }
 }
 
-/// RabbitMQ on 127.0.0.1:5672, through a proxy the kit can cut.
-pub(crate) struct RabbitMq;
+/// RabbitMQ (on 127.0.0.1:5672 unless given), through a proxy the kit can cut, or restarted
+/// for real with `restart`.
+#[derive(Default)]
+pub(crate) struct RabbitMq {
+    pub(crate) restart: Option<ServerRestart>,
+}
 
 impl Harness for RabbitMq {
     type Entity = ServerEntity<RabbitMqTransport, TestQueue>;
@@ -149,7 +331,8 @@ impl Harness for RabbitMq {
     }
 
     async fn create(&self, s: EntitySettings) -> Option<Self::Entity> {
-        let proxy = require_service("RabbitMQ", Proxy::start("127.0.0.1:5672").await)?;
+        let target = self.restart.as_ref().map_or("127.0.0.1:5672", ServerRestart::addr);
+        let proxy = require_service("RabbitMQ", Proxy::start(target).await)?;
         let queue = TestQueue::new("twice-kit");
         let url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
         // RabbitMQ has no duplicate detection to turn on or off.
@@ -159,12 +342,22 @@ impl Harness for RabbitMq {
         // Reachable (the proxy connected): a refusal now is a failure, not a reason to skip.
         let transport = RabbitMqTransport::connect(options).await.expect("creating the queue");
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter queue");
-        Some(ServerEntity { transport: Arc::new(transport), dead_letters, proxy, _guard: queue })
+        Some(ServerEntity {
+            transport: Arc::new(transport),
+            dead_letters,
+            proxy,
+            restart: self.restart.clone(),
+            _guard: queue,
+        })
     }
 }
 
-/// NATS JetStream on 127.0.0.1:4222, through a proxy the kit can cut.
-pub(crate) struct Nats;
+/// NATS JetStream (on 127.0.0.1:4222 unless given), through a proxy the kit can cut, or
+/// restarted for real with `restart`.
+#[derive(Default)]
+pub(crate) struct Nats {
+    pub(crate) restart: Option<ServerRestart>,
+}
 
 impl Harness for Nats {
     type Entity = ServerEntity<NatsTransport, TestStream>;
@@ -174,7 +367,8 @@ impl Harness for Nats {
     }
 
     async fn create(&self, s: EntitySettings) -> Option<Self::Entity> {
-        let proxy = require_service("NATS", Proxy::start("127.0.0.1:4222").await)?;
+        let target = self.restart.as_ref().map_or("127.0.0.1:4222", ServerRestart::addr);
+        let proxy = require_service("NATS", Proxy::start(target).await)?;
         let stream = TestStream::new("TWICE_KIT");
         let url = format!("nats://{}", proxy.addr());
         // JetStream always detects duplicates within its window: its shortest window (100 ms)
@@ -191,6 +385,12 @@ impl Harness for Nats {
         // Reachable (the proxy connected): a refusal now is a failure, not a reason to skip.
         let transport = NatsTransport::connect(options).await.expect("creating the stream");
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter stream");
-        Some(ServerEntity { transport: Arc::new(transport), dead_letters, proxy, _guard: stream })
+        Some(ServerEntity {
+            transport: Arc::new(transport),
+            dead_letters,
+            proxy,
+            restart: self.restart.clone(),
+            _guard: stream,
+        })
     }
 }
