@@ -61,6 +61,25 @@
 //!   InnoDB lists a transaction for the connection), which is 0 after a deadlock victim's
 //!   rollback. SQLite needs no check: its COMMIT fails when the transaction is gone. A failed
 //!   check is [`StoreError::TransactionAborted`], a handler error.
+//! - **Isolation level.** PostgreSQL inbox transactions begin with `BEGIN ISOLATION LEVEL READ
+//!   COMMITTED`, whatever the session's default (`default_transaction_isolation`, `SET SESSION
+//!   CHARACTERISTICS`): at REPEATABLE READ or SERIALIZABLE a claim that waited for a concurrent
+//!   claim which then committed would fail with a serialization failure (40001) instead of
+//!   finding a duplicate, because the committed row is outside its snapshot. The handler's work
+//!   runs at READ COMMITTED too; a handler that needs more locks explicitly (`SELECT .. FOR
+//!   UPDATE`). MariaDB's claim behaves the same at every level (a record lock and a locking
+//!   read), so its transactions keep the session's level.
+//! - **Lock waits bounded by the message lock.** The processor begins each message's
+//!   transaction with [`twice::Inbox::begin_within`] and the time left on the message's lock:
+//!   PostgreSQL sets `SET LOCAL lock_timeout` to it (milliseconds, in the `BEGIN`'s round trip),
+//!   MariaDB `SET SESSION innodb_lock_wait_timeout` (whole seconds, rounded down, at least 1;
+//!   the value stays on the pooled connection). A copy whose claim waits on another copy's
+//!   uncommitted claim, or whose handler waits on a row lock, stops waiting when its lock runs
+//!   out (PostgreSQL 55P03, MariaDB 1205, both transient), rolls back, and frees its connection
+//!   and its concurrent call: without the bound the wait, and the connection, lasted until the
+//!   other copy ended, whatever became of this copy's lock. With lock renewal on, a wait that
+//!   outlasts the lock as it stood at the begin is retried in process with the renewed lock.
+//!   SQLite waits at `BEGIN IMMEDIATE`, which is already given up when the lock is lost.
 //! - **Cancelled begins.** `begin` runs in a task of its own on every store, so a caller that
 //!   gives up midway never leaves a transaction open on a pooled connection.
 //! - **Transient errors.** [`twice::Inbox::classify`] calls transient: PostgreSQL SQLSTATE
@@ -456,7 +475,7 @@ fn find_sqlx_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a sqlx::
 /// connection goes back to the pool. The task costs a spawn per begin, a few microseconds.
 pub(crate) async fn begin_detached<DB: Database>(
     pool: &Pool<DB>,
-    statement: Option<&'static str>,
+    statement: Option<String>,
 ) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
     let pool = pool.clone();
     let begun = tokio::spawn(async move {
@@ -472,6 +491,11 @@ pub(crate) async fn begin_detached<DB: Database>(
             "beginning a transaction failed: {e}"
         )))),
     }
+}
+
+/// A lock wait in whole milliseconds, at least 1 (0 turns PostgreSQL's `lock_timeout` off).
+fn wait_millis(wait: Duration) -> u128 {
+    wait.as_millis().max(1)
 }
 
 /// Whether a non-database sqlx error is worth retrying.

@@ -180,6 +180,17 @@ impl Inbox for SqlxInbox<MySql> {
         crate::begin_detached(&self.pool, None).await
     }
 
+    /// As [`Inbox::begin`], after `SET SESSION innodb_lock_wait_timeout` to the time left on
+    /// the lock in whole seconds (rounded down, at least 1; the variable has no finer unit), in
+    /// the same round trip. The value stays on the pooled connection after the transaction.
+    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
+        let Some(wait) = lock_wait else { return crate::begin_detached(&self.pool, None).await };
+        let seconds = wait.as_secs().clamp(1, 1 << 30);
+        let statement =
+            format!("SET SESSION innodb_lock_wait_timeout = {seconds}; START TRANSACTION");
+        crate::begin_detached(&self.pool, Some(statement)).await
+    }
+
     async fn claim<'a>(
         &'a self,
         tx: &'a mut Self::Tx,

@@ -120,6 +120,24 @@ impl SqlxInbox<Postgres> {
     }
 }
 
+/// Begins an inbox transaction at READ COMMITTED whatever the session's default
+/// (`default_transaction_isolation`, `SET SESSION CHARACTERISTICS`), and bounds its lock waits
+/// by `lock_wait` (`SET LOCAL lock_timeout`), in one round trip, safely against cancellation.
+///
+/// A claim that waited for a concurrent claim of the same key and found it committed must see
+/// that row: at REPEATABLE READ and SERIALIZABLE the row is not in the transaction's snapshot
+/// and `ON CONFLICT DO NOTHING` fails with a serialization failure (40001) instead.
+async fn begin_read_committed(
+    pool: &sqlx::PgPool,
+    lock_wait: Option<Duration>,
+) -> Result<Transaction<'static, Postgres>, StoreError> {
+    let mut statement = "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned();
+    if let Some(wait) = lock_wait {
+        statement.push_str(&format!("; SET LOCAL lock_timeout = {}", crate::wait_millis(wait)));
+    }
+    crate::begin_detached(pool, Some(statement)).await
+}
+
 impl crate::sealed::Sealed for Postgres {}
 
 impl crate::Backend for Postgres {
@@ -146,8 +164,16 @@ impl Inbox for SqlxInbox<Postgres> {
         Some(self.pool.options().get_max_connections())
     }
 
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's default: see
+    /// [`begin_read_committed`].
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        crate::begin_detached(&self.pool, None).await
+        begin_read_committed(&self.pool, None).await
+    }
+
+    /// As [`Inbox::begin`], with `SET LOCAL lock_timeout` to the time left on the lock, in the
+    /// same round trip.
+    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
+        begin_read_committed(&self.pool, lock_wait).await
     }
 
     async fn claim<'a>(
@@ -193,7 +219,7 @@ impl Inbox for SqlxInbox<Postgres> {
         let t = self.table();
         // A record removed between the insert and the read is inserted again.
         for _ in 0..3 {
-            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let mut tx = begin_read_committed(&self.pool, None).await?;
             let inserted = sqlx::query(&format!(
                 "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
                  VALUES ($1, $2, $3, 0, $4) ON CONFLICT (consumer, message_id) DO NOTHING"
@@ -312,7 +338,7 @@ impl Purge for SqlxInbox<Postgres> {
         let t = self.table();
         let mut total = 0;
         loop {
-            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let mut tx = begin_read_committed(&self.pool, None).await?;
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
                 .bind(format!("twice-purge:{t}"))
                 .fetch_one(&mut *tx)

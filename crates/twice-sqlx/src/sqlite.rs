@@ -75,7 +75,7 @@ pub fn connect_options(path: impl AsRef<Path>) -> SqliteConnectOptions {
 pub(crate) async fn begin_immediate(
     pool: &sqlx::SqlitePool,
 ) -> Result<Transaction<'static, Sqlite>, StoreError> {
-    crate::begin_detached(pool, Some("BEGIN IMMEDIATE")).await
+    crate::begin_detached(pool, Some("BEGIN IMMEDIATE".to_owned())).await
 }
 
 impl SqlxInbox<Sqlite> {

@@ -601,7 +601,7 @@ where
         let begun = tokio::select! {
             biased;
             () = &mut lock_lost => return Attempt::Done(Verdict::LockLost),
-            r = self.inbox.begin() => r,
+            r = self.inbox.begin_within(self.lock_wait(lock)) => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
@@ -680,6 +680,12 @@ where
                 Attempt::HandlerFailed
             }
         }
+    }
+
+    /// How long the message's lock holds from now; `None` without a lock.
+    fn lock_wait(&self, lock: &LockState) -> Option<Duration> {
+        let until = lock.locked_until();
+        (until != Timestamp::MAX).then(|| until.duration_since(self.clock.now()))
     }
 
     async fn claim_and_handle(
@@ -780,7 +786,7 @@ where
         let begun = tokio::select! {
             biased;
             () = &mut lock_lost => return (Attempt::Done(Verdict::LockLost), FORGET),
-            r = self.inbox.begin() => r,
+            r = self.inbox.begin_within(self.lock_wait(lock)) => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
