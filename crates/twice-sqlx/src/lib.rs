@@ -15,7 +15,8 @@
 //! |-------------------|----------------------------------------------------------------|
 //! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
 //! | `message_id`      | the message id                                                 |
-//! | `processed_at_ms` | when the claim was made, ms since the Unix epoch (indexed)     |
+//! | `processed_at_ms` | when the claim was made (the processor's clock), ms since the Unix epoch |
+//! | `purge_after_ms`  | when the row may be purged (the database's clock), indexed; NULL: never |
 //! | `state`           | dedup-only records: 0 claimed (work under way), 1 done; claims are 1 |
 //! | `owner`           | dedup-only records: the token of the attempt that made the record |
 //!
@@ -126,10 +127,20 @@
 //!
 //! # Retention
 //!
-//! Claimed ids are kept for [`InboxOptions::retention`] (default 7 days) and purged in bounded
-//! batches by [`Purge::purge`] or [`run_purger`], oldest first, along the index on
-//! `processed_at_ms`; one purger at a time across instances (PostgreSQL: an advisory lock;
-//! MariaDB: `GET_LOCK`; SQLite: the write lock).
+//! Every row carries its own end of retention, `purge_after_ms`: the database's clock when the
+//! row is made plus the [`InboxOptions::retention`] (default 7 days; `None`: kept forever) of
+//! the instance that made it. So consumers sharing a table each keep their own retention
+//! whichever instance purges, and application clocks that drift change nothing. [`Purge::purge`]
+//! or [`run_purger`] delete rows whose `purge_after_ms` is before the database's clock, in
+//! bounded batches along its index; one purger at a time across instances (PostgreSQL: an
+//! advisory lock; MariaDB: `GET_LOCK`; SQLite: the write lock). Rows made before the column
+//! existed get the migrating instance's retention from their claim time.
+//!
+//! Choose a retention of at least `max(message time to live, duplicate-detection window,
+//! LockDuration × MaxDeliveryCount + MaxAutoLockRenewalDuration)` for the entity
+//! ([`twice::redelivery_horizon`]; the processor refuses to start with less): a copy that comes
+//! back after its id was purged would be processed again. With an unlimited time to live, also
+//! cover the longest backlog an abandoned message may wait in.
 //!
 //! # Example
 //!
@@ -425,6 +436,19 @@ impl<DB: Database> SqlxInbox<DB> {
     fn table(&self) -> &str {
         &self.options.table
     }
+
+    /// The retention in ms, added to the database's clock to stamp each row's `purge_after_ms`;
+    /// `None` keeps rows forever.
+    fn retention_ms(&self) -> Option<i64> {
+        self.options.retention.map(|r| i64::try_from(r.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    /// A migration statement with the table name and the migrating instance's retention (ms,
+    /// or `NULL`) filled in.
+    fn migration_sql(&self, statement: &str) -> String {
+        let retention = self.retention_ms().map_or_else(|| "NULL".to_owned(), |r| r.to_string());
+        statement.replace("{t}", self.table()).replace("{r}", &retention)
+    }
 }
 
 /// Checks that a table name is a plain identifier, so it can be spliced into SQL.
@@ -520,16 +544,18 @@ fn millis(now: Timestamp) -> i64 {
 
 /// Purging claimed ids older than the retention.
 pub trait Purge: Send + Sync {
-    /// Deletes ids claimed before `now - retention`, in batches, unless another purger holds
-    /// the purge lock; returns how many rows were deleted.
+    /// Deletes the rows whose retention is over, every consumer's by its own retention (each
+    /// row carries `purge_after_ms`, stamped from the database's clock by the instance that made
+    /// it), compared with the database's clock, in batches, unless another purger holds the
+    /// purge lock; returns how many rows were deleted.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: each batch is its own transaction; a cancelled batch rolls back.
-    fn purge(&self, now: Timestamp) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    fn purge(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
-/// Purges `store` every `interval` until `shutdown` resolves. Errors are logged and the next
+/// Purges `store` every `interval` (measured on `clock`) until `shutdown` resolves. Errors are logged and the next
 /// round tries again.
 ///
 /// # Cancel safety
@@ -546,7 +572,7 @@ pub async fn run_purger<P: Purge>(
         let purged = tokio::select! {
             biased;
             () = &mut shutdown => return,
-            r = store.purge(clock.now()) => r,
+            r = store.purge() => r,
         };
         match purged {
             Ok(0) => {}

@@ -304,10 +304,13 @@ impl ProcessorOptions {
 }
 
 /// The longest time after which `entity` may still deliver a message again, by the rule
-/// `max(duplicate-detection window, MaxDeliveryCount × LockDuration +
+/// `max(message time to live, duplicate-detection window, MaxDeliveryCount × LockDuration +
 /// MaxAutoLockRenewalDuration)`; `None` when deliveries are unlimited (forever).
 ///
-/// It is a floor, not a bound: a message abandoned into a long backlog comes back later still.
+/// Choose the inbox retention at least this long. A message abandoned into a backlog comes
+/// back when its turn comes, up to its time to live; when the transport does not report a
+/// finite time to live ([`EntityInfo::message_time_to_live`]) the horizon is a floor, not a
+/// bound, and the retention should also cover the longest backlog the entity may hold.
 pub fn redelivery_horizon(
     entity: &EntityInfo,
     max_auto_lock_renewal: Duration,
@@ -315,7 +318,11 @@ pub fn redelivery_horizon(
     let deliveries = entity.max_delivery_count?;
     let redelivery =
         entity.lock_duration.saturating_mul(deliveries).saturating_add(max_auto_lock_renewal);
-    Some(redelivery.max(entity.duplicate_detection_window.unwrap_or_default()))
+    Some(
+        redelivery
+            .max(entity.duplicate_detection_window.unwrap_or_default())
+            .max(entity.message_time_to_live.unwrap_or_default()),
+    )
 }
 
 /// Refuses a retention shorter than the redelivery horizon, with the numbers in the error.
@@ -336,6 +343,9 @@ pub(crate) fn check_retention(
         };
         if let Some(w) = entity.duplicate_detection_window {
             s.push_str(&format!("; duplicate-detection window {}", format_duration(w)));
+        }
+        if let Some(ttl) = entity.message_time_to_live {
+            s.push_str(&format!("; message time to live {}", format_duration(ttl)));
         }
         s
     };
@@ -1361,5 +1371,23 @@ pub(crate) async fn keep_lock<I, H, F, Fut>(
                 clock.sleep_until((now + Duration::from_secs(1)).min(until)).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_redelivery_horizon_covers_the_message_time_to_live() {
+        let mut entity = EntityInfo::new("orders");
+        let renewal = Duration::from_secs(300);
+        // 10 deliveries × 60 s + 5 min.
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(900)));
+        entity.message_time_to_live = Some(Duration::from_secs(14 * 24 * 3600));
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(14 * 24 * 3600)));
+        let week = Some(Duration::from_secs(7 * 24 * 3600));
+        let refused = check_retention(&entity, week, renewal).expect_err("a week is too short");
+        assert!(refused.to_string().contains("time to live"), "{refused}");
     }
 }
