@@ -68,6 +68,20 @@
 //! - *Two copies at once.* The second claim waits for the first transaction; first commits →
 //!   second completes as a duplicate; first rolls back → second does the work.
 //! - *A crash between commit and complete.* The redelivery meets the claim and completes.
+//! - *The session's isolation level is REPEATABLE READ or SERIALIZABLE.* The PostgreSQL store
+//!   begins every inbox transaction at READ COMMITTED, so a copy that waited on a committed
+//!   claim completes as a duplicate instead of failing with a serialization failure.
+//! - *The lock runs out while the claim waits on another copy's claim.* The transaction is
+//!   begun with [`Inbox::begin_within`] and the time left on the lock; the store bounds its lock
+//!   waits by it (PostgreSQL `lock_timeout`, MariaDB `innodb_lock_wait_timeout`), so the copy
+//!   rolls back and frees its connection and its concurrent call when the lock runs out,
+//!   instead of holding them until the other copy ends.
+//! - *A registered business key is a deferred constraint.* Its violation surfaces at COMMIT;
+//!   the commit's error is classified like a handler's, and the message completes as a
+//!   duplicate by business key.
+//! - *Consumers share an inbox table with different retention.* Each row is purged by its own
+//!   consumer's retention, against the database's clock; choose a retention of at least
+//!   [`redelivery_horizon`] (time to live, duplicate-detection window, lock × deliveries).
 //!
 //! # Modes
 //!
