@@ -15,7 +15,8 @@
 //! |-------------------|----------------------------------------------------------------|
 //! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
 //! | `message_id`      | the message id                                                 |
-//! | `processed_at_ms` | when the claim was made, ms since the Unix epoch (indexed)     |
+//! | `processed_at_ms` | when the claim was made (the processor's clock), ms since the Unix epoch |
+//! | `purge_after_ms`  | when the row may be purged (the database's clock), indexed; NULL: never |
 //! | `state`           | dedup-only records: 0 claimed (work under way), 1 done; claims are 1 |
 //! | `owner`           | dedup-only records: the token of the attempt that made the record |
 //!
@@ -61,6 +62,25 @@
 //!   InnoDB lists a transaction for the connection), which is 0 after a deadlock victim's
 //!   rollback. SQLite needs no check: its COMMIT fails when the transaction is gone. A failed
 //!   check is [`StoreError::TransactionAborted`], a handler error.
+//! - **Isolation level.** PostgreSQL inbox transactions begin with `BEGIN ISOLATION LEVEL READ
+//!   COMMITTED`, whatever the session's default (`default_transaction_isolation`, `SET SESSION
+//!   CHARACTERISTICS`): at REPEATABLE READ or SERIALIZABLE a claim that waited for a concurrent
+//!   claim which then committed would fail with a serialization failure (40001) instead of
+//!   finding a duplicate, because the committed row is outside its snapshot. The handler's work
+//!   runs at READ COMMITTED too; a handler that needs more locks explicitly (`SELECT .. FOR
+//!   UPDATE`). MariaDB's claim behaves the same at every level (a record lock and a locking
+//!   read), so its transactions keep the session's level.
+//! - **Lock waits bounded by the message lock.** The processor begins each message's
+//!   transaction with [`twice::Inbox::begin_within`] and the time left on the message's lock:
+//!   PostgreSQL sets `SET LOCAL lock_timeout` to it (milliseconds, in the `BEGIN`'s round trip),
+//!   MariaDB `SET SESSION innodb_lock_wait_timeout` (whole seconds, rounded down, at least 1;
+//!   the value stays on the pooled connection). A copy whose claim waits on another copy's
+//!   uncommitted claim, or whose handler waits on a row lock, stops waiting when its lock runs
+//!   out (PostgreSQL 55P03, MariaDB 1205, both transient), rolls back, and frees its connection
+//!   and its concurrent call: without the bound the wait, and the connection, lasted until the
+//!   other copy ended, whatever became of this copy's lock. With lock renewal on, a wait that
+//!   outlasts the lock as it stood at the begin is retried in process with the renewed lock.
+//!   SQLite waits at `BEGIN IMMEDIATE`, which is already given up when the lock is lost.
 //! - **Cancelled begins.** `begin` runs in a task of its own on every store, so a caller that
 //!   gives up midway never leaves a transaction open on a pooled connection.
 //! - **Transient errors.** [`twice::Inbox::classify`] calls transient: PostgreSQL SQLSTATE
@@ -107,10 +127,20 @@
 //!
 //! # Retention
 //!
-//! Claimed ids are kept for [`InboxOptions::retention`] (default 7 days) and purged in bounded
-//! batches by [`Purge::purge`] or [`run_purger`], oldest first, along the index on
-//! `processed_at_ms`; one purger at a time across instances (PostgreSQL: an advisory lock;
-//! MariaDB: `GET_LOCK`; SQLite: the write lock).
+//! Every row carries its own end of retention, `purge_after_ms`: the database's clock when the
+//! row is made plus the [`InboxOptions::retention`] (default 7 days; `None`: kept forever) of
+//! the instance that made it. So consumers sharing a table each keep their own retention
+//! whichever instance purges, and application clocks that drift change nothing. [`Purge::purge`]
+//! or [`run_purger`] delete rows whose `purge_after_ms` is before the database's clock, in
+//! bounded batches along its index; one purger at a time across instances (PostgreSQL: an
+//! advisory lock; MariaDB: `GET_LOCK`; SQLite: the write lock). Rows made before the column
+//! existed get the migrating instance's retention from their claim time.
+//!
+//! Choose a retention of at least `max(message time to live, duplicate-detection window,
+//! LockDuration × MaxDeliveryCount + MaxAutoLockRenewalDuration)` for the entity
+//! ([`twice::redelivery_horizon`]; the processor refuses to start with less): a copy that comes
+//! back after its id was purged would be processed again. With an unlimited time to live, also
+//! cover the longest backlog an abandoned message may wait in.
 //!
 //! # Example
 //!
@@ -406,6 +436,19 @@ impl<DB: Database> SqlxInbox<DB> {
     fn table(&self) -> &str {
         &self.options.table
     }
+
+    /// The retention in ms, added to the database's clock to stamp each row's `purge_after_ms`;
+    /// `None` keeps rows forever.
+    fn retention_ms(&self) -> Option<i64> {
+        self.options.retention.map(|r| i64::try_from(r.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    /// A migration statement with the table name and the migrating instance's retention (ms,
+    /// or `NULL`) filled in.
+    fn migration_sql(&self, statement: &str) -> String {
+        let retention = self.retention_ms().map_or_else(|| "NULL".to_owned(), |r| r.to_string());
+        statement.replace("{t}", self.table()).replace("{r}", &retention)
+    }
 }
 
 /// Checks that a table name is a plain identifier, so it can be spliced into SQL.
@@ -456,7 +499,7 @@ fn find_sqlx_error<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a sqlx::
 /// connection goes back to the pool. The task costs a spawn per begin, a few microseconds.
 pub(crate) async fn begin_detached<DB: Database>(
     pool: &Pool<DB>,
-    statement: Option<&'static str>,
+    statement: Option<String>,
 ) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
     let pool = pool.clone();
     let begun = tokio::spawn(async move {
@@ -472,6 +515,11 @@ pub(crate) async fn begin_detached<DB: Database>(
             "beginning a transaction failed: {e}"
         )))),
     }
+}
+
+/// A lock wait in whole milliseconds, at least 1 (0 turns PostgreSQL's `lock_timeout` off).
+fn wait_millis(wait: Duration) -> u128 {
+    wait.as_millis().max(1)
 }
 
 /// Whether a non-database sqlx error is worth retrying.
@@ -496,16 +544,18 @@ fn millis(now: Timestamp) -> i64 {
 
 /// Purging claimed ids older than the retention.
 pub trait Purge: Send + Sync {
-    /// Deletes ids claimed before `now - retention`, in batches, unless another purger holds
-    /// the purge lock; returns how many rows were deleted.
+    /// Deletes the rows whose retention is over, every consumer's by its own retention (each
+    /// row carries `purge_after_ms`, stamped from the database's clock by the instance that made
+    /// it), compared with the database's clock, in batches, unless another purger holds the
+    /// purge lock; returns how many rows were deleted.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: each batch is its own transaction; a cancelled batch rolls back.
-    fn purge(&self, now: Timestamp) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    fn purge(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
-/// Purges `store` every `interval` until `shutdown` resolves. Errors are logged and the next
+/// Purges `store` every `interval` (measured on `clock`) until `shutdown` resolves. Errors are logged and the next
 /// round tries again.
 ///
 /// # Cancel safety
@@ -522,7 +572,7 @@ pub async fn run_purger<P: Purge>(
         let purged = tokio::select! {
             biased;
             () = &mut shutdown => return,
-            r = store.purge(clock.now()) => r,
+            r = store.purge() => r,
         };
         match purged {
             Ok(0) => {}

@@ -61,7 +61,20 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
         &["ALTER TABLE {t} ADD COLUMN state TINYINT NOT NULL DEFAULT 1, \
            ADD COLUMN owner VARBINARY(64) NULL"],
     ),
+    // Each row's own end of retention, from the database's clock; existing rows get the
+    // migrating instance's retention from their claim time ({r}: ms, or NULL).
+    (
+        4,
+        &[
+            "ALTER TABLE {t} ADD COLUMN purge_after_ms BIGINT NULL, \
+             ADD KEY {t}_purge_after (purge_after_ms)",
+            "UPDATE {t} SET purge_after_ms = processed_at_ms + {r} WHERE purge_after_ms IS NULL",
+        ],
+    ),
 ];
+
+/// The database's clock in ms since the Unix epoch.
+const DB_NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 
 impl SqlxInbox<MySql> {
     /// Runs the embedded migrations not yet applied, under `GET_LOCK` so that instances starting
@@ -90,7 +103,7 @@ impl SqlxInbox<MySql> {
                     continue;
                 }
                 for statement in *statements {
-                    sqlx::query(&statement.replace("{t}", t)).execute(&mut *conn).await?;
+                    sqlx::query(&self.migration_sql(statement)).execute(&mut *conn).await?;
                 }
                 sqlx::query(&format!(
                     "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES (?, UNIX_TIMESTAMP(NOW(3)) * 1000)"
@@ -117,11 +130,13 @@ impl SqlxInbox<MySql> {
         validate_key(consumer, message_id)?;
         let t = self.table();
         let inserted = sqlx::query(&format!(
-            "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms) VALUES (?, ?, ?)"
+            "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
+             VALUES (?, ?, ?, {DB_NOW_MS} + ?)"
         ))
         .bind(consumer)
         .bind(message_id.as_str())
         .bind(millis(now))
+        .bind(self.retention_ms())
         .execute(&mut *conn)
         .await?
         .rows_affected();
@@ -180,6 +195,17 @@ impl Inbox for SqlxInbox<MySql> {
         crate::begin_detached(&self.pool, None).await
     }
 
+    /// As [`Inbox::begin`], after `SET SESSION innodb_lock_wait_timeout` to the time left on
+    /// the lock in whole seconds (rounded down, at least 1; the variable has no finer unit), in
+    /// the same round trip. The value stays on the pooled connection after the transaction.
+    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
+        let Some(wait) = lock_wait else { return crate::begin_detached(&self.pool, None).await };
+        let seconds = wait.as_secs().clamp(1, 1 << 30);
+        let statement =
+            format!("SET SESSION innodb_lock_wait_timeout = {seconds}; START TRANSACTION");
+        crate::begin_detached(&self.pool, Some(statement)).await
+    }
+
     async fn claim<'a>(
         &'a self,
         tx: &'a mut Self::Tx,
@@ -232,13 +258,14 @@ impl Inbox for SqlxInbox<MySql> {
         for _ in 0..3 {
             let mut tx = crate::begin_detached(&self.pool, None).await?;
             let inserted = sqlx::query(&format!(
-                "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
-                 VALUES (?, ?, ?, 0, ?)"
+                "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
+                 purge_after_ms) VALUES (?, ?, ?, 0, ?, {DB_NOW_MS} + ?)"
             ))
             .bind(consumer)
             .bind(message_id.as_str())
             .bind(millis(now))
             .bind(owner)
+            .bind(self.retention_ms())
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -338,9 +365,7 @@ impl Inbox for SqlxInbox<MySql> {
 }
 
 impl Purge for SqlxInbox<MySql> {
-    async fn purge(&self, now: Timestamp) -> Result<u64, StoreError> {
-        let Some(retention) = self.options.retention else { return Ok(0) };
-        let cutoff = millis(now.saturating_sub(retention));
+    async fn purge(&self) -> Result<u64, StoreError> {
         let t = self.table();
         let mut conn = self.pool.acquire().await?;
         let lock = format!("twice-purge:{t}");
@@ -355,9 +380,9 @@ impl Purge for SqlxInbox<MySql> {
             loop {
                 // Each bounded DELETE commits on its own (autocommit), so locks stay short.
                 let deleted = sqlx::query(&format!(
-                    "DELETE FROM {t} WHERE processed_at_ms < ? ORDER BY processed_at_ms LIMIT ?"
+                    "DELETE FROM {t} WHERE purge_after_ms < {DB_NOW_MS} \
+                     ORDER BY purge_after_ms LIMIT ?"
                 ))
-                .bind(cutoff)
                 .bind(self.options.purge_batch_size)
                 .execute(&mut *conn)
                 .await?

@@ -43,7 +43,20 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
             "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS owner TEXT",
         ],
     ),
+    (
+        // Each row's own end of retention, from the database's clock; existing rows get the
+        // migrating instance's retention from their claim time ({r}: ms, or NULL).
+        3,
+        &[
+            "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS purge_after_ms BIGINT",
+            "UPDATE {t} SET purge_after_ms = processed_at_ms + {r} WHERE purge_after_ms IS NULL",
+            "CREATE INDEX IF NOT EXISTS {t}_purge_after ON {t} (purge_after_ms)",
+        ],
+    ),
 ];
+
+/// The database's clock in ms since the Unix epoch.
+const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 impl SqlxInbox<Postgres> {
     /// Runs the embedded migrations not yet applied, under an advisory lock so that instances
@@ -72,7 +85,7 @@ impl SqlxInbox<Postgres> {
                 continue;
             }
             for statement in *statements {
-                sqlx::query(&statement.replace("{t}", t)).execute(&mut *tx).await?;
+                sqlx::query(&self.migration_sql(statement)).execute(&mut *tx).await?;
             }
             sqlx::query(&format!(
                 "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ($1, (extract(epoch from now()) * 1000)::bigint)"
@@ -95,12 +108,13 @@ impl SqlxInbox<Postgres> {
         validate_key(consumer, message_id)?;
         let t = self.table();
         let inserted = sqlx::query(&format!(
-            "INSERT INTO {t} (consumer, message_id, processed_at_ms) VALUES ($1, $2, $3) \
-             ON CONFLICT (consumer, message_id) DO NOTHING"
+            "INSERT INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
+             VALUES ($1, $2, $3, {DB_NOW_MS} + $4) ON CONFLICT (consumer, message_id) DO NOTHING"
         ))
         .bind(consumer)
         .bind(message_id.as_str())
         .bind(millis(now))
+        .bind(self.retention_ms())
         .execute(&mut *conn)
         .await?
         .rows_affected();
@@ -118,6 +132,24 @@ impl SqlxInbox<Postgres> {
         .await?;
         Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
     }
+}
+
+/// Begins an inbox transaction at READ COMMITTED whatever the session's default
+/// (`default_transaction_isolation`, `SET SESSION CHARACTERISTICS`), and bounds its lock waits
+/// by `lock_wait` (`SET LOCAL lock_timeout`), in one round trip, safely against cancellation.
+///
+/// A claim that waited for a concurrent claim of the same key and found it committed must see
+/// that row: at REPEATABLE READ and SERIALIZABLE the row is not in the transaction's snapshot
+/// and `ON CONFLICT DO NOTHING` fails with a serialization failure (40001) instead.
+async fn begin_read_committed(
+    pool: &sqlx::PgPool,
+    lock_wait: Option<Duration>,
+) -> Result<Transaction<'static, Postgres>, StoreError> {
+    let mut statement = "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned();
+    if let Some(wait) = lock_wait {
+        statement.push_str(&format!("; SET LOCAL lock_timeout = {}", crate::wait_millis(wait)));
+    }
+    crate::begin_detached(pool, Some(statement)).await
 }
 
 impl crate::sealed::Sealed for Postgres {}
@@ -146,8 +178,16 @@ impl Inbox for SqlxInbox<Postgres> {
         Some(self.pool.options().get_max_connections())
     }
 
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's default: see
+    /// [`begin_read_committed`].
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        crate::begin_detached(&self.pool, None).await
+        begin_read_committed(&self.pool, None).await
+    }
+
+    /// As [`Inbox::begin`], with `SET LOCAL lock_timeout` to the time left on the lock, in the
+    /// same round trip.
+    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
+        begin_read_committed(&self.pool, lock_wait).await
     }
 
     async fn claim<'a>(
@@ -193,15 +233,17 @@ impl Inbox for SqlxInbox<Postgres> {
         let t = self.table();
         // A record removed between the insert and the read is inserted again.
         for _ in 0..3 {
-            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let mut tx = begin_read_committed(&self.pool, None).await?;
             let inserted = sqlx::query(&format!(
-                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
-                 VALUES ($1, $2, $3, 0, $4) ON CONFLICT (consumer, message_id) DO NOTHING"
+                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
+                 purge_after_ms) VALUES ($1, $2, $3, 0, $4, {DB_NOW_MS} + $5) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING"
             ))
             .bind(consumer)
             .bind(message_id.as_str())
             .bind(millis(now))
             .bind(owner)
+            .bind(self.retention_ms())
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -305,14 +347,12 @@ impl Inbox for SqlxInbox<Postgres> {
 }
 
 impl Purge for SqlxInbox<Postgres> {
-    async fn purge(&self, now: Timestamp) -> Result<u64, StoreError> {
-        let Some(retention) = self.options.retention else { return Ok(0) };
-        let cutoff = millis(now.saturating_sub(retention));
+    async fn purge(&self) -> Result<u64, StoreError> {
         let batch = i64::from(self.options.purge_batch_size);
         let t = self.table();
         let mut total = 0;
         loop {
-            let mut tx = crate::begin_detached(&self.pool, None).await?;
+            let mut tx = begin_read_committed(&self.pool, None).await?;
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
                 .bind(format!("twice-purge:{t}"))
                 .fetch_one(&mut *tx)
@@ -324,9 +364,8 @@ impl Purge for SqlxInbox<Postgres> {
             }
             let deleted = sqlx::query(&format!(
                 "DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} \
-                 WHERE processed_at_ms < $1 ORDER BY processed_at_ms LIMIT $2))"
+                 WHERE purge_after_ms < {DB_NOW_MS} ORDER BY purge_after_ms LIMIT $1))"
             ))
-            .bind(cutoff)
             .bind(batch)
             .execute(&mut *tx)
             .await?

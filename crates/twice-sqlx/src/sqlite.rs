@@ -55,7 +55,20 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
             "ALTER TABLE {t} ADD COLUMN owner TEXT",
         ],
     ),
+    (
+        // Each row's own end of retention, from the database's clock; existing rows get the
+        // migrating instance's retention from their claim time ({r}: ms, or NULL).
+        3,
+        &[
+            "ALTER TABLE {t} ADD COLUMN purge_after_ms INTEGER",
+            "UPDATE {t} SET purge_after_ms = processed_at_ms + {r} WHERE purge_after_ms IS NULL",
+            "CREATE INDEX IF NOT EXISTS {t}_purge_after ON {t} (purge_after_ms)",
+        ],
+    ),
 ];
+
+/// The database's clock in ms since the Unix epoch.
+const DB_NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
 /// Connection options for an inbox database file: created if missing, WAL, `synchronous =
 /// NORMAL` (durable across a crash of the process; a power loss may lose the last
@@ -75,7 +88,7 @@ pub fn connect_options(path: impl AsRef<Path>) -> SqliteConnectOptions {
 pub(crate) async fn begin_immediate(
     pool: &sqlx::SqlitePool,
 ) -> Result<Transaction<'static, Sqlite>, StoreError> {
-    crate::begin_detached(pool, Some("BEGIN IMMEDIATE")).await
+    crate::begin_detached(pool, Some("BEGIN IMMEDIATE".to_owned())).await
 }
 
 impl SqlxInbox<Sqlite> {
@@ -122,7 +135,7 @@ impl SqlxInbox<Sqlite> {
                 continue;
             }
             for statement in *statements {
-                sqlx::query(&statement.replace("{t}", t)).execute(&mut *tx).await?;
+                sqlx::query(&self.migration_sql(statement)).execute(&mut *tx).await?;
             }
             sqlx::query(&format!(
                 "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES (?1, CAST(unixepoch('subsec') * 1000 AS INTEGER))"
@@ -145,12 +158,13 @@ impl SqlxInbox<Sqlite> {
         validate_key(consumer, message_id)?;
         let t = self.table();
         let inserted = sqlx::query(&format!(
-            "INSERT INTO {t} (consumer, message_id, processed_at_ms) VALUES (?1, ?2, ?3) \
-             ON CONFLICT (consumer, message_id) DO NOTHING"
+            "INSERT INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
+             VALUES (?1, ?2, ?3, {DB_NOW_MS} + ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
         ))
         .bind(consumer)
         .bind(message_id.as_str())
         .bind(millis(now))
+        .bind(self.retention_ms())
         .execute(&mut *conn)
         .await?
         .rows_affected();
@@ -232,13 +246,15 @@ impl Inbox for SqlxInbox<Sqlite> {
         for _ in 0..3 {
             let mut tx = begin_immediate(&self.pool).await?;
             let inserted = sqlx::query(&format!(
-                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner) \
-                 VALUES (?1, ?2, ?3, 0, ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
+                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
+                 purge_after_ms) VALUES (?1, ?2, ?3, 0, ?4, {DB_NOW_MS} + ?5) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING"
             ))
             .bind(consumer)
             .bind(message_id.as_str())
             .bind(millis(now))
             .bind(owner)
+            .bind(self.retention_ms())
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -332,9 +348,7 @@ impl Inbox for SqlxInbox<Sqlite> {
 }
 
 impl Purge for SqlxInbox<Sqlite> {
-    async fn purge(&self, now: Timestamp) -> Result<u64, StoreError> {
-        let Some(retention) = self.options.retention else { return Ok(0) };
-        let cutoff = millis(now.saturating_sub(retention));
+    async fn purge(&self) -> Result<u64, StoreError> {
         let t = self.table();
         let mut total = 0;
         loop {
@@ -342,9 +356,8 @@ impl Purge for SqlxInbox<Sqlite> {
             let mut tx = begin_immediate(&self.pool).await?;
             let deleted = sqlx::query(&format!(
                 "DELETE FROM {t} WHERE (consumer, message_id) IN (SELECT consumer, message_id \
-                 FROM {t} WHERE processed_at_ms < ?1 ORDER BY processed_at_ms LIMIT ?2)"
+                 FROM {t} WHERE purge_after_ms < {DB_NOW_MS} ORDER BY purge_after_ms LIMIT ?1)"
             ))
-            .bind(cutoff)
             .bind(self.options.purge_batch_size)
             .execute(&mut *tx)
             .await?

@@ -67,6 +67,23 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
     /// Cancel safe: a transaction begun but not returned is rolled back.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, Self::Error>> + Send;
 
+    /// Begins the transaction of a message whose lock holds for `lock_wait` more (`None`: no
+    /// lock), for its claim and its handler. A store bounds the transaction's waits for other
+    /// transactions' locks by `lock_wait` where the database can, so that a copy waiting on
+    /// another copy's claim ends its wait, and gives its connection back, when its own lock
+    /// runs out (PostgreSQL: `SET LOCAL lock_timeout`). The default calls [`Inbox::begin`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Inbox::begin`].
+    fn begin_within(
+        &self,
+        lock_wait: Option<Duration>,
+    ) -> impl Future<Output = Result<Self::Tx, Self::Error>> + Send {
+        let _ = lock_wait;
+        self.begin()
+    }
+
     /// Claims `message_id` for `consumer` inside `tx`, recording `now` as the claim time.
     ///
     /// # Cancel safety

@@ -68,6 +68,20 @@
 //! - *Two copies at once.* The second claim waits for the first transaction; first commits →
 //!   second completes as a duplicate; first rolls back → second does the work.
 //! - *A crash between commit and complete.* The redelivery meets the claim and completes.
+//! - *The session's isolation level is REPEATABLE READ or SERIALIZABLE.* The PostgreSQL store
+//!   begins every inbox transaction at READ COMMITTED, so a copy that waited on a committed
+//!   claim completes as a duplicate instead of failing with a serialization failure.
+//! - *The lock runs out while the claim waits on another copy's claim.* The transaction is
+//!   begun with [`Inbox::begin_within`] and the time left on the lock; the store bounds its lock
+//!   waits by it (PostgreSQL `lock_timeout`, MariaDB `innodb_lock_wait_timeout`), so the copy
+//!   rolls back and frees its connection and its concurrent call when the lock runs out,
+//!   instead of holding them until the other copy ends.
+//! - *A registered business key is a deferred constraint.* Its violation surfaces at COMMIT;
+//!   the commit's error is classified like a handler's, and the message completes as a
+//!   duplicate by business key.
+//! - *Consumers share an inbox table with different retention.* Each row is purged by its own
+//!   consumer's retention, against the database's clock; choose a retention of at least
+//!   [`redelivery_horizon`] (time to live, duplicate-detection window, lock × deliveries).
 //!
 //! # Modes
 //!
@@ -304,10 +318,13 @@ impl ProcessorOptions {
 }
 
 /// The longest time after which `entity` may still deliver a message again, by the rule
-/// `max(duplicate-detection window, MaxDeliveryCount × LockDuration +
+/// `max(message time to live, duplicate-detection window, MaxDeliveryCount × LockDuration +
 /// MaxAutoLockRenewalDuration)`; `None` when deliveries are unlimited (forever).
 ///
-/// It is a floor, not a bound: a message abandoned into a long backlog comes back later still.
+/// Choose the inbox retention at least this long. A message abandoned into a backlog comes
+/// back when its turn comes, up to its time to live; when the transport does not report a
+/// finite time to live ([`EntityInfo::message_time_to_live`]) the horizon is a floor, not a
+/// bound, and the retention should also cover the longest backlog the entity may hold.
 pub fn redelivery_horizon(
     entity: &EntityInfo,
     max_auto_lock_renewal: Duration,
@@ -315,7 +332,11 @@ pub fn redelivery_horizon(
     let deliveries = entity.max_delivery_count?;
     let redelivery =
         entity.lock_duration.saturating_mul(deliveries).saturating_add(max_auto_lock_renewal);
-    Some(redelivery.max(entity.duplicate_detection_window.unwrap_or_default()))
+    Some(
+        redelivery
+            .max(entity.duplicate_detection_window.unwrap_or_default())
+            .max(entity.message_time_to_live.unwrap_or_default()),
+    )
 }
 
 /// Refuses a retention shorter than the redelivery horizon, with the numbers in the error.
@@ -336,6 +357,9 @@ pub(crate) fn check_retention(
         };
         if let Some(w) = entity.duplicate_detection_window {
             s.push_str(&format!("; duplicate-detection window {}", format_duration(w)));
+        }
+        if let Some(ttl) = entity.message_time_to_live {
+            s.push_str(&format!("; message time to live {}", format_duration(ttl)));
         }
         s
     };
@@ -601,7 +625,7 @@ where
         let begun = tokio::select! {
             biased;
             () = &mut lock_lost => return Attempt::Done(Verdict::LockLost),
-            r = self.inbox.begin() => r,
+            r = self.inbox.begin_within(self.lock_wait(lock)) => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
@@ -680,6 +704,12 @@ where
                 Attempt::HandlerFailed
             }
         }
+    }
+
+    /// How long the message's lock holds from now; `None` without a lock.
+    fn lock_wait(&self, lock: &LockState) -> Option<Duration> {
+        let until = lock.locked_until();
+        (until != Timestamp::MAX).then(|| until.duration_since(self.clock.now()))
     }
 
     async fn claim_and_handle(
@@ -780,7 +810,7 @@ where
         let begun = tokio::select! {
             biased;
             () = &mut lock_lost => return (Attempt::Done(Verdict::LockLost), FORGET),
-            r = self.inbox.begin() => r,
+            r = self.inbox.begin_within(self.lock_wait(lock)) => r,
         };
         let mut tx = match begun {
             Ok(tx) => tx,
@@ -1355,5 +1385,23 @@ pub(crate) async fn keep_lock<I, H, F, Fut>(
                 clock.sleep_until((now + Duration::from_secs(1)).min(until)).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_redelivery_horizon_covers_the_message_time_to_live() {
+        let mut entity = EntityInfo::new("orders");
+        let renewal = Duration::from_secs(300);
+        // 10 deliveries × 60 s + 5 min.
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(900)));
+        entity.message_time_to_live = Some(Duration::from_secs(14 * 24 * 3600));
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(14 * 24 * 3600)));
+        let week = Some(Duration::from_secs(7 * 24 * 3600));
+        let refused = check_retention(&entity, week, renewal).expect_err("a week is too short");
+        assert!(refused.to_string().contains("time to live"), "{refused}");
     }
 }

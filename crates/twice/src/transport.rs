@@ -86,6 +86,9 @@ pub struct EntityInfo {
     pub duplicate_detection_window: Option<Duration>,
     /// Whether messages must carry a session id.
     pub requires_session: bool,
+    /// The longest a message lives on the entity (its default time to live), when the
+    /// transport knows it and it is finite: until then an abandoned message can come back.
+    pub message_time_to_live: Option<Duration>,
 }
 
 impl EntityInfo {
@@ -98,6 +101,7 @@ impl EntityInfo {
             max_delivery_count: Some(10),
             duplicate_detection_window: None,
             requires_session: false,
+            message_time_to_live: None,
         }
     }
 }

@@ -207,3 +207,39 @@ where
     assert!(queue.dead_letters().await.is_empty());
 }
 on_all_stores!(a_foreign_key_violation_is_retried_on_every_store);
+
+/// PostgreSQL: a registered business key declared `DEFERRABLE INITIALLY DEFERRED` is checked at
+/// COMMIT, after the handler returned `Complete`. The commit's unique violation is classified
+/// by its constraint as a business-key duplicate: the message completes as one, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deferred_business_key_fires_at_commit_as_a_duplicate() {
+    use crate::support::Pg;
+    let Some(f) = <Pg as Fixture>::create().await else { return };
+    create_shipments(&f, false).await;
+    f.exec(
+        "ALTER TABLE shipments ADD CONSTRAINT shipments_order_id UNIQUE (order_id) \
+         DEFERRABLE INITIALLY DEFERRED",
+    )
+    .await;
+    let inbox = Arc::new(
+        f.inbox(InboxOptions::new().table("inbox_deferred").business_key("shipments_order_id"))
+            .await,
+    );
+    let (queue, clock) = queue("orders").await;
+    let shutdown = Shutdown::default();
+    let p = processor::<Pg>(&queue, inbox, Ship::new(), options(&clock)).await;
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    queue.send(order("order-5-placed-a", 5)).await;
+    queue.send(order("order-5-placed-b", 5)).await;
+    until_async("both completed", || async { queue.completed().await == 2 }).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!(shipments(&f).await, 1);
+    assert_eq!(s.duplicates_business_key, 1, "{s:?}");
+    assert_eq!((s.committed, s.completed), (1, 2), "{s:?}");
+    assert_eq!(s.abandoned + s.dead_lettered + s.infrastructure_retries, 0, "{s:?}");
+    assert_eq!(inbox_rows(&f, "inbox_deferred").await, 1, "the losing claim rolled back");
+}

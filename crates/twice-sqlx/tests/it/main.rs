@@ -9,5 +9,6 @@ mod support;
 mod crash;
 mod dedup;
 mod edges;
+mod isolation;
 mod processor;
 mod store;

@@ -113,7 +113,16 @@ async fn purge_deletes_old_claims_in_batches<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError> + Purge,
 {
-    let inbox = f
+    // 20 claims of a consumer whose retention is over at once, 10 of one that keeps them.
+    let gone = f
+        .inbox(
+            InboxOptions::new()
+                .table("inbox_purge")
+                .retention(Some(Duration::ZERO))
+                .purge_batch_size(7),
+        )
+        .await;
+    let kept = f
         .inbox(
             InboxOptions::new()
                 .table("inbox_purge")
@@ -122,18 +131,64 @@ where
         )
         .await;
     for i in 0..30_i64 {
-        // 20 claims older than the retention, 10 within it.
-        let at = if i < 20 { T0 } else { T0 + Duration::from_secs(7200) };
+        let (inbox, consumer) = if i < 20 { (&gone, "gone") } else { (&kept, "kept") };
         let id = MessageId::new(format!("m-{i}"));
-        let claim = inbox.record("c", &id, "owner", at).await.expect("record");
+        let claim = inbox.record(consumer, &id, "owner", T0).await.expect("record");
         assert_eq!(claim, Claim::Claimed);
     }
-    let now = T0 + Duration::from_secs(3600 + 10);
-    assert_eq!(inbox.purge(now).await.expect("purge"), 20, "{}", F::NAME);
+    tokio::time::sleep(Duration::from_millis(20)).await; // past the database's millisecond
+    assert_eq!(kept.purge().await.expect("purge"), 20, "{}", F::NAME);
     assert_eq!(inbox_rows(&f, "inbox_purge").await, 10);
-    assert_eq!(inbox.purge(now).await.expect("purge"), 0);
+    assert_eq!(kept.purge().await.expect("purge"), 0);
 }
 on_all_stores!(purge_deletes_old_claims_in_batches);
+
+/// Two consumers share a table with different retention: whichever instance purges, each
+/// consumer's rows go by that consumer's retention, measured on the database's clock (an
+/// application clock hours off changes nothing).
+async fn purge_keeps_each_consumers_retention_on_the_database_clock<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError> + Purge,
+{
+    let table = "inbox_retention";
+    let short = f.inbox(InboxOptions::new().table(table).retention(Some(Duration::ZERO))).await;
+    let long =
+        f.inbox(InboxOptions::new().table(table).retention(Some(Duration::from_secs(3600)))).await;
+    // The application's clock is two hours ahead of the database's.
+    let app_now = twice::SharedClock::system().now() + Duration::from_secs(7200);
+    for i in 0..3 {
+        let id = MessageId::new(format!("m-{i}"));
+        for (inbox, consumer) in [(&short, "short"), (&long, "long")] {
+            let mut tx = inbox.begin().await.expect("begin");
+            assert_eq!(
+                inbox.claim(&mut tx, consumer, &id, app_now).await.expect("claim"),
+                Claim::Claimed
+            );
+            inbox.commit(tx).await.expect("commit");
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await; // past the database's millisecond
+    let rows = |consumer: &'static str| {
+        let f = &f;
+        async move {
+            f.count(&format!("SELECT COUNT(*) FROM {table} WHERE consumer = '{consumer}'")).await
+        }
+    };
+    // The short retention's instance purges: the long consumer's rows stay.
+    assert_eq!(short.purge().await.expect("purge"), 3, "{}", F::NAME);
+    assert_eq!((rows("short").await, rows("long").await), (0, 3), "{}", F::NAME);
+    for i in 0..3 {
+        let id = MessageId::new(format!("n-{i}"));
+        let mut tx = short.begin().await.expect("begin");
+        short.claim(&mut tx, "short", &id, app_now).await.expect("claim");
+        short.commit(tx).await.expect("commit");
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The long retention's instance purges: the short consumer's rows go all the same.
+    assert_eq!(long.purge().await.expect("purge"), 3, "{}", F::NAME);
+    assert_eq!((rows("short").await, rows("long").await), (0, 3), "{}", F::NAME);
+}
+on_all_stores!(purge_keeps_each_consumers_retention_on_the_database_clock);
 
 async fn migrations_run_once_and_can_be_skipped<F: Fixture>(f: F)
 where

@@ -39,6 +39,13 @@ pub trait Fixture: Send + Sync + Sized + 'static {
         max: u32,
         acquire_timeout: Duration,
     ) -> impl Future<Output = Pool<Self::DB>> + Send;
+    /// A second pool on the same database with `max` connections whose sessions run
+    /// `statement` when they connect (a session default such as the isolation level).
+    fn pool_after_connect(
+        &self,
+        max: u32,
+        statement: &'static str,
+    ) -> impl Future<Output = Pool<Self::DB>> + Send;
     /// Whether the pool's one connection is inside a transaction, asked on that connection.
     fn in_transaction(pool: &Pool<Self::DB>) -> impl Future<Output = bool> + Send;
     /// Runs a statement inside the handler's transaction.
@@ -127,6 +134,16 @@ impl Fixture for Pg {
         sqlx::postgres::PgPoolOptions::new()
             .max_connections(max)
             .acquire_timeout(acquire_timeout)
+            .connect_with(self.db_.options())
+            .await
+            .expect("pool")
+    }
+    async fn pool_after_connect(&self, max: u32, statement: &'static str) -> Pool<Postgres> {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move { sqlx::query(statement).execute(conn).await.map(drop) })
+            })
             .connect_with(self.db_.options())
             .await
             .expect("pool")
@@ -227,6 +244,16 @@ impl Fixture for Maria {
         sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(max)
             .acquire_timeout(acquire_timeout)
+            .connect_with(self.db_.options())
+            .await
+            .expect("pool")
+    }
+    async fn pool_after_connect(&self, max: u32, statement: &'static str) -> Pool<MySql> {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move { sqlx::query(statement).execute(conn).await.map(drop) })
+            })
             .connect_with(self.db_.options())
             .await
             .expect("pool")
@@ -332,6 +359,16 @@ impl Fixture for Lite {
             .await
             .expect("pool")
     }
+    async fn pool_after_connect(&self, max: u32, statement: &'static str) -> Pool<Sqlite> {
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move { sqlx::query(statement).execute(conn).await.map(drop) })
+            })
+            .connect_with(twice_sqlx::sqlite::connect_options(self.db.path()))
+            .await
+            .expect("pool")
+    }
     async fn in_transaction(pool: &Pool<Sqlite>) -> bool {
         // SQLite refuses a BEGIN inside a transaction (it has no other way to ask in SQL).
         let mut conn = pool.acquire().await.expect("acquire");
@@ -388,6 +425,30 @@ macro_rules! on_all_stores {
                     super::$scenario(f).await;
                 }
             }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                if let Some(f) = <$crate::support::Pg as $crate::support::Fixture>::create().await {
+                    super::$scenario(f).await;
+                }
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn mariadb() {
+                if let Some(f) =
+                    <$crate::support::Maria as $crate::support::Fixture>::create().await
+                {
+                    super::$scenario(f).await;
+                }
+            }
+        }
+    };
+}
+
+/// Runs `scenario` on the stores with server sessions (PostgreSQL and MariaDB):
+/// `on_server_stores!(name)` makes a module `name` with one test per store.
+#[macro_export]
+macro_rules! on_server_stores {
+    ($scenario:ident) => {
+        mod $scenario {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn postgres() {
                 if let Some(f) = <$crate::support::Pg as $crate::support::Fixture>::create().await {
