@@ -190,7 +190,9 @@ async fn main() -> anyhow::Result<()> {
     let client = ServiceBusClient::from_connection_string(&cs)?;
 
     let db = PgDatabase::create("twice_sbbench").await?;
-    println!("| concurrency | pgbench, same SQL (tps) | processor over the client (msgs/s) | ratio |");
+    println!(
+        "| concurrency | pgbench, same SQL (tps) | processor over the client (msgs/s) | ratio |"
+    );
     println!("|---:|---:|---:|---:|");
     for (calls, queue) in [(16, "p16"), (1, "p1")] {
         // A thousand messages at 1 call: it is slow, and the rate is steady long before.

@@ -473,6 +473,30 @@ impl Shared {
         }
     }
 
+    async fn peek(
+        &self,
+        session: Option<&SessionHold>,
+        from: Option<SequenceNumber>,
+        max: u32,
+    ) -> Result<Vec<ReceivedMessage>, Error> {
+        let body = vec![
+            ("from-sequence-number", Value::Long(from.map_or(1, SequenceNumber::get).max(0))),
+            ("message-count", Value::Int(i32::try_from(max.max(1)).unwrap_or(i32::MAX))),
+        ];
+        let reply = self.management(session, "com.microsoft:peek-message", body).await?;
+        let mut out = Vec::new();
+        for item in reply.get("messages").and_then(Value::as_seq).unwrap_or(&[]) {
+            let Some(raw) = item.get("message").and_then(Value::as_binary) else { continue };
+            let mut message =
+                mapping::decode_received(raw).map_err(|e| Error::Invalid(e.to_string()))?;
+            // A peeked message is not locked, whatever its annotations say.
+            message.lock_token = None;
+            message.locked_until = None;
+            out.push(message);
+        }
+        Ok(out)
+    }
+
     async fn receive_deferred(
         &self,
         session: Option<&SessionHold>,
@@ -597,6 +621,23 @@ impl Receiver {
         seqs: &[SequenceNumber],
     ) -> Result<Vec<ServiceBusDelivery>, Error> {
         self.shared.receive_deferred(None, seqs).await
+    }
+
+    /// Peeks at up to `max` messages from sequence number `from` on (`None`: from the first),
+    /// through `$management` (`com.microsoft:peek-message`): nothing is locked, no delivery
+    /// count grows, and the messages stay for every receiver. Works on queues, subscriptions
+    /// and their `$DeadLetterQueue`s; to page through an entity, ask again from the last
+    /// sequence number plus one. An empty result means nothing from `from` on.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a peek changes nothing.
+    pub async fn peek_messages(
+        &self,
+        from: Option<SequenceNumber>,
+        max: u32,
+    ) -> Result<Vec<ReceivedMessage>, Error> {
+        self.shared.peek(None, from, max).await
     }
 
     /// Detaches the link; buffered messages go back when their locks expire.
