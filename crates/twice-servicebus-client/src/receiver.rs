@@ -88,6 +88,10 @@ impl ReceiverOptions {
     }
 }
 
+/// How long [`Receiver::release_and_close`] waits for transfers sent before the service saw
+/// the credit taken back.
+const IN_FLIGHT_WAIT: Duration = Duration::from_millis(200);
+
 /// How a delivery is settled.
 #[derive(Clone, Debug)]
 enum Via {
@@ -638,6 +642,36 @@ impl Receiver {
         max: u32,
     ) -> Result<Vec<ReceivedMessage>, Error> {
         self.shared.peek(None, from, max).await
+    }
+
+    /// Releases `held` (messages this receiver took and did not settle) and every message
+    /// already buffered or on its way, after taking back the link's credit so that none of
+    /// them is delivered to this receiver again, then detaches the link. The messages are
+    /// available to other receivers at once (with no delivery counted), rather than when
+    /// their locks expire as after [`Receiver::close`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: messages not yet released when the future is dropped stay locked until
+    /// their locks expire.
+    pub async fn release_and_close(&self, held: Vec<ServiceBusDelivery>) {
+        let mut guard = self.link.lock().await;
+        let mut all = held;
+        if let Some(link) = guard.as_mut() {
+            link.conn.engine.stop_credit(link.handle, link.id);
+            // Transfers the service sent before it saw the credit go.
+            while let Ok(Some(LinkEvent::Delivery(d))) =
+                tokio::time::timeout(IN_FLIGHT_WAIT, link.events.recv()).await
+            {
+                all.extend(self.shared.delivery(link, d));
+            }
+        }
+        for d in &all {
+            let _ = self.shared.settle(d, Settle::Release, None).await;
+        }
+        if let Some(l) = guard.take() {
+            l.conn.engine.detach(l.handle, l.id);
+        }
     }
 
     /// Detaches the link; buffered messages go back when their locks expire.
