@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod chaos;
 mod data;
 mod demo;
+mod dlq;
 mod serve;
 
 /// Message handling that stays correct when the broker delivers twice.
@@ -30,6 +31,9 @@ enum Command {
     /// Check, repair or export a broker's data directory (the broker must not be running for
     /// a repair).
     Data(data::DataArgs),
+    /// Look into a namespace's dead-letter queues (twice serve or Service Bus): list the
+    /// counts, show, resubmit, purge or export dead-lettered messages.
+    Dlq(dlq::DlqArgs),
     /// Run the whole system in separate processes (twice serve, processors, PostgreSQL) under
     /// SIGKILLs, SIGSTOPs and a database restart, and check that every acknowledged order
     /// was handled exactly once.
@@ -42,6 +46,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.command);
+    // `twice dlq` explains its own errors in one line.
+    let hints = !matches!(cli.command, Command::Dlq(_));
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -54,6 +60,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Serve(args) => serve::run(args).await,
             Command::Data(args) => data::run(args),
+            Command::Dlq(args) => dlq::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ChaosWorker(args) => chaos::worker::run(args).await,
         }
@@ -62,7 +69,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if let Some(hint) = hint_for(&e) {
+            if let Some(hint) = hint_for(&e).filter(|_| hints) {
                 eprintln!("hint: {hint}");
             }
             ExitCode::FAILURE
@@ -85,6 +92,8 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
 fn init_logging(command: &Command) {
     let default = match command {
         Command::Serve(_) | Command::Data(_) | Command::Chaos(_) => "warn",
+        // Its errors are reported on stderr, once; the client's retries are not news.
+        Command::Dlq(_) => "error",
         // A processor of a chaos run meets lost connections on purpose.
         Command::Demo(_) | Command::ChaosWorker(_) => "error",
     };

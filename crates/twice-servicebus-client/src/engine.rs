@@ -91,6 +91,10 @@ enum Cmd {
         id: u64,
         add: u32,
     },
+    StopCredit {
+        handle: u32,
+        id: u64,
+    },
     Send {
         handle: u32,
         id: u64,
@@ -125,6 +129,7 @@ impl std::fmt::Debug for Cmd {
         f.write_str(match self {
             Cmd::Attach(..) => "Attach",
             Cmd::Flow { .. } => "Flow",
+            Cmd::StopCredit { .. } => "StopCredit",
             Cmd::Send { .. } => "Send",
             Cmd::Dispose { .. } => "Dispose",
             Cmd::Detach { .. } => "Detach",
@@ -297,6 +302,12 @@ impl Engine {
     /// Grants a receiver link `add` more credit.
     pub(crate) fn flow(&self, handle: u32, id: u64, add: u32) {
         let _ = self.cmds.send(Cmd::Flow { handle, id, add });
+    }
+
+    /// Takes back a receiver link's credit: the peer sends nothing more on it (beyond what was
+    /// already on its way).
+    pub(crate) fn stop_credit(&self, handle: u32, id: u64) {
+        let _ = self.cmds.send(Cmd::StopCredit { handle, id });
     }
 
     /// Sends a message on a sender link; waits for the peer's outcome unless `settled`.
@@ -478,6 +489,14 @@ impl Actor {
                     self.links.get_mut(&handle).filter(|l| l.id == id && !l.detach_sent)
                 {
                     l.credit = l.credit.saturating_add(add);
+                    self.link_flow(handle);
+                }
+            }
+            Cmd::StopCredit { handle, id } => {
+                if let Some(l) =
+                    self.links.get_mut(&handle).filter(|l| l.id == id && !l.detach_sent)
+                {
+                    l.credit = 0;
                     self.link_flow(handle);
                 }
             }

@@ -41,6 +41,7 @@
 //! - Receive in peek-lock with link credit sized from `max_concurrent_calls`, or
 //!   receive-and-delete; complete, abandon with properties, dead-letter with reason and
 //!   description, defer, receive deferred messages, renew locks through `$management`;
+//!   peek without locking (queues, subscriptions and their dead-letter queues);
 //!   sessions (accept next or named, renew the session lock, get and set state).
 //! - Send single messages, batches, scheduled messages and cancel them; [`StableIdSender`]
 //!   derives message ids from a business key and an event type and resends with the same id.

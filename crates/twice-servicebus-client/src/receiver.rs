@@ -88,6 +88,10 @@ impl ReceiverOptions {
     }
 }
 
+/// How long [`Receiver::release_and_close`] waits for transfers sent before the service saw
+/// the credit taken back.
+const IN_FLIGHT_WAIT: Duration = Duration::from_millis(200);
+
 /// How a delivery is settled.
 #[derive(Clone, Debug)]
 enum Via {
@@ -473,6 +477,30 @@ impl Shared {
         }
     }
 
+    async fn peek(
+        &self,
+        session: Option<&SessionHold>,
+        from: Option<SequenceNumber>,
+        max: u32,
+    ) -> Result<Vec<ReceivedMessage>, Error> {
+        let body = vec![
+            ("from-sequence-number", Value::Long(from.map_or(1, SequenceNumber::get).max(0))),
+            ("message-count", Value::Int(i32::try_from(max.max(1)).unwrap_or(i32::MAX))),
+        ];
+        let reply = self.management(session, "com.microsoft:peek-message", body).await?;
+        let mut out = Vec::new();
+        for item in reply.get("messages").and_then(Value::as_seq).unwrap_or(&[]) {
+            let Some(raw) = item.get("message").and_then(Value::as_binary) else { continue };
+            let mut message =
+                mapping::decode_received(raw).map_err(|e| Error::Invalid(e.to_string()))?;
+            // A peeked message is not locked, whatever its annotations say.
+            message.lock_token = None;
+            message.locked_until = None;
+            out.push(message);
+        }
+        Ok(out)
+    }
+
     async fn receive_deferred(
         &self,
         session: Option<&SessionHold>,
@@ -597,6 +625,53 @@ impl Receiver {
         seqs: &[SequenceNumber],
     ) -> Result<Vec<ServiceBusDelivery>, Error> {
         self.shared.receive_deferred(None, seqs).await
+    }
+
+    /// Peeks at up to `max` messages from sequence number `from` on (`None`: from the first),
+    /// through `$management` (`com.microsoft:peek-message`): nothing is locked, no delivery
+    /// count grows, and the messages stay for every receiver. Works on queues, subscriptions
+    /// and their `$DeadLetterQueue`s; to page through an entity, ask again from the last
+    /// sequence number plus one. An empty result means nothing from `from` on.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a peek changes nothing.
+    pub async fn peek_messages(
+        &self,
+        from: Option<SequenceNumber>,
+        max: u32,
+    ) -> Result<Vec<ReceivedMessage>, Error> {
+        self.shared.peek(None, from, max).await
+    }
+
+    /// Releases `held` (messages this receiver took and did not settle) and every message
+    /// already buffered or on its way, after taking back the link's credit so that none of
+    /// them is delivered to this receiver again, then detaches the link. The messages are
+    /// available to other receivers at once (with no delivery counted), rather than when
+    /// their locks expire as after [`Receiver::close`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: messages not yet released when the future is dropped stay locked until
+    /// their locks expire.
+    pub async fn release_and_close(&self, held: Vec<ServiceBusDelivery>) {
+        let mut guard = self.link.lock().await;
+        let mut all = held;
+        if let Some(link) = guard.as_mut() {
+            link.conn.engine.stop_credit(link.handle, link.id);
+            // Transfers the service sent before it saw the credit go.
+            while let Ok(Some(LinkEvent::Delivery(d))) =
+                tokio::time::timeout(IN_FLIGHT_WAIT, link.events.recv()).await
+            {
+                all.extend(self.shared.delivery(link, d));
+            }
+        }
+        for d in &all {
+            let _ = self.shared.settle(d, Settle::Release, None).await;
+        }
+        if let Some(l) = guard.take() {
+            l.conn.engine.detach(l.handle, l.id);
+        }
     }
 
     /// Detaches the link; buffered messages go back when their locks expire.

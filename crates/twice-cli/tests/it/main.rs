@@ -2,4 +2,5 @@
 
 mod data;
 mod demo;
+mod dlq;
 mod serve;

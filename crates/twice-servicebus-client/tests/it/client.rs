@@ -391,3 +391,101 @@ async fn a_message_larger_than_a_frame_is_split_and_arrives_whole() {
     assert_eq!(body(&got[1]), big);
     assert_eq!(body(&got[2]), "small");
 }
+
+#[tokio::test]
+async fn peeks_a_queue_and_its_dead_letter_queue_without_locking() {
+    let s = Serve::start().await;
+    let client = s.client();
+    let sender = client.sender("q");
+    for i in 0..4 {
+        sender.send_message(Message::new(format!("m{i}"))).await.unwrap();
+    }
+    let queue = client.receiver("q", ReceiverOptions::new().prefetch(10));
+    let peeked = queue.peek_messages(None, 10).await.unwrap();
+    let bodies: Vec<String> =
+        peeked.iter().map(|m| String::from_utf8_lossy(m.body()).into_owned()).collect();
+    assert_eq!(bodies, ["m0", "m1", "m2", "m3"]);
+    assert!(peeked.iter().all(|m| m.lock_token.is_none()), "a peeked message has no lock");
+    // From a sequence number on, and no more than asked.
+    let from = peeked[2].sequence_number;
+    let later = queue.peek_messages(Some(from), 1).await.unwrap();
+    assert_eq!(later.len(), 1);
+    assert_eq!(later[0].sequence_number, from);
+    // Nothing was locked: every message is still received.
+    let mut received = Vec::new();
+    while received.len() < 4 {
+        let got = queue.receive_messages(10, WAIT).await.unwrap();
+        assert!(!got.is_empty(), "a peeked message was not received");
+        received.extend(got);
+    }
+    assert_eq!(received.len(), 4);
+    for d in &received[..2] {
+        queue.dead_letter_message(d, DeadLetterReason::new("Poison", "bad json")).await.unwrap();
+    }
+    let dlq = client.receiver("q/$DeadLetterQueue", ReceiverOptions::new());
+    let dead = dlq.peek_messages(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 2);
+    assert_eq!(dead[0].dead_letter_reason.as_deref(), Some("Poison"));
+    assert_eq!(dead[1].dead_letter_error_description.as_deref(), Some("bad json"));
+    assert_eq!(String::from_utf8_lossy(dead[0].body()), "m0");
+    // Peeking twice sees the same messages: the first peek locked nothing.
+    assert_eq!(dlq.peek_messages(None, 10).await.unwrap().len(), 2);
+    // Past the last message: nothing, not an error.
+    let past = twice::SequenceNumber::new(dead[1].sequence_number.get() + 1);
+    assert!(dlq.peek_messages(Some(past), 10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn peeks_a_subscription_and_its_dead_letter_queue() {
+    let s = Serve::start().await;
+    s.broker.create_topic("t", Default::default()).await.unwrap();
+    s.broker.create_subscription("t", "s", Default::default()).await.unwrap();
+    let client = s.client();
+    client.sender("t").send_message(Message::new("event")).await.unwrap();
+    let sub = client.receiver("t/Subscriptions/s", ReceiverOptions::new());
+    assert_eq!(sub.peek_messages(None, 10).await.unwrap().len(), 1);
+    let d = sub.receive_messages(1, WAIT).await.unwrap().pop().unwrap();
+    sub.dead_letter_message(&d, DeadLetterReason::new("Stale", "too old")).await.unwrap();
+    assert!(sub.peek_messages(None, 10).await.unwrap().is_empty());
+    let dlq = client.receiver("t/Subscriptions/s/$DeadLetterQueue", ReceiverOptions::new());
+    let dead = dlq.peek_messages(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].dead_letter_reason.as_deref(), Some("Stale"));
+}
+
+#[tokio::test]
+async fn peeking_a_missing_entity_is_not_found() {
+    let s = Serve::start().await;
+    let err = s
+        .client()
+        .receiver("nope", ReceiverOptions::new())
+        .peek_messages(None, 1)
+        .await
+        .unwrap_err();
+    assert!(err.is_not_found(), "{err}");
+}
+
+#[tokio::test]
+async fn released_messages_are_available_at_once_and_not_delivered_again_to_the_closing_receiver() {
+    let s = Serve::start().await;
+    let client = s.client();
+    let sender = client.sender("q");
+    for i in 0..3 {
+        sender.send_message(Message::new(format!("m{i}"))).await.unwrap();
+    }
+    let receiver = client.receiver("q", ReceiverOptions::new().prefetch(2));
+    let mut held = Vec::new();
+    while held.len() < 2 {
+        held.extend(receiver.receive_messages(2, WAIT).await.unwrap());
+    }
+    receiver.release_and_close(held).await;
+    // No lock expiry needed (the clock does not move): all three are there for another.
+    let other = client.receiver("q", ReceiverOptions::new().prefetch(10));
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        let batch = other.receive_messages(10, WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "only {} of 3 messages came back", got.len());
+        got.extend(batch);
+    }
+    assert!(got.iter().all(|d| d.message().delivery_count <= 2));
+}

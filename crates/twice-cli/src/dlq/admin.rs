@@ -1,0 +1,493 @@
+//! The runtime counts of a namespace's queues and subscriptions, from the Service Bus
+//! administration API (ATOM over HTTP): `twice serve`'s `--http` port, or `https://<namespace>`
+//! on 443 for Azure. Every request carries `Authorization: SharedAccessSignature …` signed for
+//! the namespace, which needs the `Manage` claim.
+//!
+//! A small HTTP/1.1 client (one `GET` per connection, `Connection: close`) is all it takes;
+//! TLS is rustls with the webpki roots, as the AMQP client uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+/// How long one request may take, connection included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most entries a list returns at once.
+const PAGE: usize = 100;
+
+/// An error of the administration API, one line each.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AdminError {
+    #[error("cannot reach the administration API at {url}: {reason}")]
+    Unreachable { url: String, reason: String },
+    #[error(
+        "unauthorized: the administration API at {url} refused the key (it needs the Manage claim): {detail}"
+    )]
+    Unauthorized { url: String, detail: String },
+    #[error("no entity '{0}' in the namespace")]
+    NotFound(String),
+    #[error("the administration API answered {status} for {path}: {detail}")]
+    Status { status: u16, path: String, detail: String },
+    #[error("the administration API at {url} did not answer HTTP: {reason}")]
+    Protocol { url: String, reason: String },
+}
+
+/// How requests are signed.
+#[derive(Clone)]
+pub(crate) enum Auth {
+    /// A key and its name: a token is signed per request.
+    Key { name: String, key: String },
+    /// A signature given as is.
+    Signature(String),
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Auth::Key { name, .. } => write!(f, "Key({name})"),
+            Auth::Signature(_) => f.write_str("Signature(<redacted>)"),
+        }
+    }
+}
+
+/// Where the administration API is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AdminUrl {
+    pub(crate) https: bool,
+    pub(crate) host: String,
+    pub(crate) port: u16,
+}
+
+impl AdminUrl {
+    pub(crate) fn parse(s: &str) -> Result<Self, String> {
+        let (https, rest) = if let Some(r) = s.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = s.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(format!("expected http://HOST[:PORT] or https://HOST[:PORT], got {s:?}"));
+        };
+        let authority = rest.trim_end_matches('/');
+        if authority.is_empty() || authority.contains('/') {
+            return Err(format!("expected a URL without a path, got {s:?}"));
+        }
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+                let port = p.parse().map_err(|_| format!("bad port in {s:?}"))?;
+                (h.to_owned(), port)
+            }
+            _ => (authority.to_owned(), if https { 443 } else { 80 }),
+        };
+        Ok(Self { https, host, port })
+    }
+
+    fn base(&self) -> String {
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}:{}", self.host, self.port)
+    }
+}
+
+impl std::fmt::Display for AdminUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.base())
+    }
+}
+
+/// A queue or subscription with its counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct EntityCounts {
+    /// `queue` or `topic/Subscriptions/name`.
+    pub(crate) path: String,
+    pub(crate) active: u64,
+    pub(crate) dead_letter: u64,
+    pub(crate) scheduled: u64,
+    /// `MessageCount` less the three others: the administration API has no deferred count of
+    /// its own.
+    pub(crate) deferred: u64,
+}
+
+/// What resubmitting to an entity must know of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dedup {
+    /// `None`: the entity has no duplicate detection.
+    pub(crate) window: Option<Duration>,
+}
+
+/// The administration API of one namespace.
+#[derive(Debug)]
+pub(crate) struct AdminClient {
+    url: AdminUrl,
+    auth: Auth,
+}
+
+impl AdminClient {
+    pub(crate) fn new(url: AdminUrl, auth: Auth) -> Self {
+        Self { url, auth }
+    }
+
+    fn token(&self) -> String {
+        match &self.auth {
+            Auth::Signature(s) => s.clone(),
+            Auth::Key { name, key } => {
+                // The namespace's root: the token covers every entity.
+                let scheme = if self.url.https { "https" } else { "http" };
+                let audience = format!("{scheme}://{}/", self.url.host);
+                twice_servicebus_client::SasKeyProvider::new(name, key)
+                    .sign(&audience)
+                    .token()
+                    .to_owned()
+            }
+        }
+    }
+
+    /// Every queue and subscription with its counts, queues first, in the API's order.
+    pub(crate) async fn list(&self) -> Result<Vec<EntityCounts>, AdminError> {
+        let mut out = Vec::new();
+        for entry in self.feed("$Resources/queues").await? {
+            out.push(counts_of(&entry));
+        }
+        for topic in self.feed("$Resources/topics").await? {
+            let name = title(&topic);
+            for entry in self.feed(&format!("{name}/Subscriptions")).await? {
+                let mut c = counts_of(&entry);
+                c.path = format!("{name}/Subscriptions/{}", c.path);
+                out.push(c);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The duplicate detection of a queue or topic.
+    pub(crate) async fn dedup(&self, entity: &str) -> Result<Dedup, AdminError> {
+        let body = self.get(entity).await?;
+        // An unknown path is answered with an empty feed, not an entry.
+        if !body.contains("<entry") {
+            return Err(AdminError::NotFound(entity.to_owned()));
+        }
+        let on = element(&body, "RequiresDuplicateDetection").is_some_and(|v| v == "true");
+        let window = element(&body, "DuplicateDetectionHistoryTimeWindow")
+            .and_then(|v| iso_duration(&v))
+            .unwrap_or(Duration::from_secs(600));
+        Ok(Dedup { window: on.then_some(window) })
+    }
+
+    /// The entries of a feed, every page.
+    async fn feed(&self, path: &str) -> Result<Vec<String>, AdminError> {
+        let mut entries = Vec::new();
+        loop {
+            let body = self.get(&format!("{path}?$skip={}&$top={PAGE}", entries.len())).await?;
+            let page: Vec<String> = blocks(&body, "entry");
+            let n = page.len();
+            entries.extend(page);
+            if n < PAGE {
+                return Ok(entries);
+            }
+        }
+    }
+
+    async fn get(&self, path_and_query: &str) -> Result<String, AdminError> {
+        let sep = if path_and_query.contains('?') { '&' } else { '?' };
+        let target = format!("/{path_and_query}{sep}api-version=2021-05");
+        let request = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: application/atom+xml\r\nConnection: close\r\n\r\n",
+            encode_path(&target),
+            self.url.host,
+            self.token()
+        );
+        let raw = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request.as_bytes()))
+            .await
+            .map_err(|_| self.unreachable("no answer within 30 s"))??;
+        let (status, body) = parse_response(&raw)
+            .map_err(|reason| AdminError::Protocol { url: self.url.base(), reason })?;
+        let entity = path_and_query.split('?').next().unwrap_or_default().to_owned();
+        match status {
+            200..=299 => Ok(body),
+            401 | 403 => Err(AdminError::Unauthorized {
+                url: self.url.base(),
+                detail: element(&body, "Detail").unwrap_or(body),
+            }),
+            404 => Err(AdminError::NotFound(entity)),
+            _ => Err(AdminError::Status {
+                status,
+                path: entity,
+                detail: element(&body, "Detail").unwrap_or(body),
+            }),
+        }
+    }
+
+    fn unreachable(&self, reason: impl ToString) -> AdminError {
+        AdminError::Unreachable { url: self.url.base(), reason: reason.to_string() }
+    }
+
+    async fn exchange(&self, request: &[u8]) -> Result<Vec<u8>, AdminError> {
+        let tcp = TcpStream::connect((self.url.host.as_str(), self.url.port))
+            .await
+            .map_err(|e| self.unreachable(e))?;
+        if !self.url.https {
+            return roundtrip(tcp, request).await.map_err(|e| self.unreachable(e));
+        }
+        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| self.unreachable(e))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let name = rustls_pki_types::ServerName::try_from(self.url.host.clone())
+            .map_err(|e| self.unreachable(e))?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .map_err(|e| self.unreachable(format!("tls: {e}")))?;
+        roundtrip(tls, request).await.map_err(|e| self.unreachable(e))
+    }
+}
+
+async fn roundtrip<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    request: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    s.write_all(request).await?;
+    s.flush().await?;
+    let mut out = Vec::new();
+    match s.read_to_end(&mut out).await {
+        Ok(_) => Ok(out),
+        // A TLS peer that closes without close_notify after a whole response.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(out),
+        Err(e) => Err(e),
+    }
+}
+
+/// Percent-encodes what a path may not hold as is (`$` stays: the API's own paths use it).
+fn encode_path(target: &str) -> String {
+    let mut out = String::with_capacity(target.len());
+    for b in target.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' => out.push(char::from(b)),
+            b'-' | b'_' | b'.' | b'~' | b'/' | b'$' | b'?' | b'&' | b'=' => out.push(char::from(b)),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+/// The status and body of an HTTP/1.1 response read to its end.
+fn parse_response(raw: &[u8]) -> Result<(u16, String), String> {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| "the response has no end of headers".to_owned())?;
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let body = &raw[split + 4..];
+    let mut lines = head.lines();
+    let status_line = lines.next().unwrap_or_default();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .filter(|_| status_line.starts_with("HTTP/1."))
+        .ok_or_else(|| format!("not an HTTP status line: {status_line:?}"))?;
+    let mut chunked = false;
+    let mut length = None;
+    for line in lines {
+        let Some((k, v)) = line.split_once(':') else { continue };
+        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+        if k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked") {
+            chunked = true;
+        } else if k == "content-length" {
+            length = v.parse::<usize>().ok();
+        }
+    }
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        match length {
+            Some(n) if n <= body.len() => body[..n].to_vec(),
+            Some(_) => return Err("the response ended before its Content-Length".into()),
+            None => body.to_vec(),
+        }
+    };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or_else(|| "a chunk size without its line end".to_owned())?;
+        let size_text = String::from_utf8_lossy(&b[..eol]);
+        let size_text = size_text.split(';').next().unwrap_or_default().trim().to_owned();
+        let size = usize::from_str_radix(&size_text, 16)
+            .map_err(|_| format!("a bad chunk size {size_text:?}"))?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if b.len() < size {
+            return Err("the response ended inside a chunk".into());
+        }
+        out.extend_from_slice(&b[..size]);
+        b = b.get(size + 2..).unwrap_or_default();
+    }
+}
+
+/// The blocks `<name …>…</name>` of a document, whatever their namespace prefix.
+fn blocks(xml: &str, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = xml;
+    while let Some((_, inner_start)) = open_tag(rest, name) {
+        let after = &rest[inner_start..];
+        let Some((end, close_len)) = close_tag(after, name) else { break };
+        out.push(after[..end].to_owned());
+        rest = &rest[inner_start + end + close_len..];
+    }
+    out
+}
+
+/// The text of the first element `name` (any prefix), unescaped.
+fn element(xml: &str, name: &str) -> Option<String> {
+    let (_, inner_start) = open_tag(xml, name)?;
+    let after = &xml[inner_start..];
+    let (end, _) = close_tag(after, name)?;
+    Some(unescape(after[..end].trim()))
+}
+
+/// Where the first opening tag of `name` starts and where its content starts.
+fn open_tag(xml: &str, name: &str) -> Option<(usize, usize)> {
+    let mut from = 0;
+    while let Some(i) = xml[from..].find('<') {
+        let at = from + i;
+        let tag_end = at + xml[at..].find('>')?;
+        let tag = &xml[at + 1..tag_end];
+        let tag_name = tag.split(|c: char| c.is_whitespace() || c == '/').next().unwrap_or("");
+        let local = tag_name.rsplit(':').next().unwrap_or("");
+        if local == name && !tag.starts_with('/') && !tag.ends_with('/') {
+            return Some((at, tag_end + 1));
+        }
+        from = tag_end + 1;
+    }
+    None
+}
+
+/// Where the closing tag of `name` starts in `xml`, and its length.
+fn close_tag(xml: &str, name: &str) -> Option<(usize, usize)> {
+    let mut from = 0;
+    while let Some(i) = xml[from..].find("</") {
+        let at = from + i;
+        let end = at + xml[at..].find('>')?;
+        let local = xml[at + 2..end].trim().rsplit(':').next().unwrap_or("");
+        if local == name {
+            return Some((at, end + 1 - at));
+        }
+        from = end + 1;
+    }
+    None
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&amp;", "&")
+}
+
+fn title(entry: &str) -> String {
+    element(entry, "title").unwrap_or_default()
+}
+
+fn counts_of(entry: &str) -> EntityCounts {
+    let n = |name: &str| element(entry, name).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let (active, dead_letter, scheduled) =
+        (n("ActiveMessageCount"), n("DeadLetterMessageCount"), n("ScheduledMessageCount"));
+    let transfers = n("TransferMessageCount") + n("TransferDeadLetterMessageCount");
+    let total = n("MessageCount");
+    EntityCounts {
+        path: title(entry),
+        active,
+        dead_letter,
+        scheduled,
+        deferred: total.saturating_sub(active + dead_letter + scheduled + transfers),
+    }
+}
+
+/// An ISO 8601 duration as the API writes them (`PT10M`, `P1DT2H`, `PT0.5S`).
+fn iso_duration(s: &str) -> Option<Duration> {
+    let rest = s.strip_prefix('P')?;
+    let (date, time) = rest.split_once('T').unwrap_or((rest, ""));
+    let mut secs = 0f64;
+    let mut add = |part: &str, units: &[(char, f64)]| -> Option<()> {
+        let mut num = String::new();
+        for c in part.chars() {
+            if c.is_ascii_digit() || c == '.' {
+                num.push(c);
+            } else {
+                let unit = units.iter().find(|(u, _)| *u == c)?.1;
+                secs += num.parse::<f64>().ok()? * unit;
+                num.clear();
+            }
+        }
+        num.is_empty().then_some(())
+    };
+    add(date, &[('D', 86_400.0), ('W', 604_800.0)])?;
+    add(time, &[('H', 3600.0), ('M', 60.0), ('S', 1.0)])?;
+    Duration::try_from_secs_f64(secs).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_with_and_without_ports() {
+        let u = AdminUrl::parse("http://127.0.0.1:5300").unwrap();
+        assert_eq!((u.https, u.host.as_str(), u.port), (false, "127.0.0.1", 5300));
+        let u = AdminUrl::parse("https://ns.servicebus.windows.net/").unwrap();
+        assert_eq!((u.https, u.port), (true, 443));
+        assert!(AdminUrl::parse("ftp://x").is_err());
+        assert!(AdminUrl::parse("http://x/path").is_err());
+    }
+
+    #[test]
+    fn responses_parse_with_a_length_or_in_chunks() {
+        let (s, b) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcdef").unwrap();
+        assert_eq!((s, b.as_str()), (200, "abc"));
+        let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        let (s, b) = parse_response(chunked).unwrap();
+        assert_eq!((s, b.as_str()), (404, "abcde"));
+        assert!(parse_response(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn counts_come_from_the_entry_whatever_the_prefix() {
+        let entry = r#"<title type="text">orders</title><content><QueueDescription><MessageCount>9</MessageCount><CountDetails xmlns:d2p1="x"><d2p1:ActiveMessageCount>3</d2p1:ActiveMessageCount><d2p1:DeadLetterMessageCount>2</d2p1:DeadLetterMessageCount><d2p1:ScheduledMessageCount>1</d2p1:ScheduledMessageCount><d2p1:TransferDeadLetterMessageCount>0</d2p1:TransferDeadLetterMessageCount><d2p1:TransferMessageCount>0</d2p1:TransferMessageCount></CountDetails></QueueDescription></content>"#;
+        let c = counts_of(entry);
+        assert_eq!(
+            c,
+            EntityCounts {
+                path: "orders".into(),
+                active: 3,
+                dead_letter: 2,
+                scheduled: 1,
+                deferred: 3
+            }
+        );
+        let feed =
+            "<feed><entry><title>a</title></entry><entry><title>b&amp;c</title></entry></feed>";
+        let titles: Vec<String> = blocks(feed, "entry").iter().map(|e| title(e)).collect();
+        assert_eq!(titles, ["a", "b&c"]);
+    }
+
+    #[test]
+    fn iso_durations_parse() {
+        assert_eq!(iso_duration("PT10M"), Some(Duration::from_secs(600)));
+        assert_eq!(iso_duration("P1DT2H"), Some(Duration::from_secs(93_600)));
+        assert_eq!(iso_duration("PT0.5S"), Some(Duration::from_millis(500)));
+        assert_eq!(iso_duration("10M"), None);
+    }
+}
