@@ -80,8 +80,14 @@ fn main() -> ExitCode {
 /// A hint for errors a user can fix.
 fn hint_for(e: &anyhow::Error) -> Option<String> {
     let text = format!("{e:#}");
-    if text.contains("postgres") || text.contains("mysql") || text.contains("connect") {
+    if text.contains("postgres://") || text.contains("mysql://") || text.contains("sqlite:") {
         return Some("check that the database server is running and the URL is right".into());
+    }
+    if text.contains("cannot connect") || text.contains("Connection refused") {
+        return Some(
+            "check that the server is running and that the address (host and port) is right"
+                .into(),
+        );
     }
     None
 }

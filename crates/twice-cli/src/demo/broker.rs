@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use crate::dlq::admin::AdminUrl;
 use twice::{
     DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
     SequenceNumber, SharedClock, Timestamp, Transport, TransportError,
@@ -105,6 +106,8 @@ pub(crate) enum DemoBroker {
     },
     ServiceBus {
         connection_string: String,
+        /// Where its administration API is, when not where the connection string says.
+        admin_url: Option<AdminUrl>,
     },
 }
 
@@ -115,6 +118,7 @@ impl DemoBroker {
         dir: &Path,
         clock: SharedClock,
         run_id: &str,
+        admin_url: Option<AdminUrl>,
     ) -> anyhow::Result<Self> {
         Ok(match kind {
             BrokerKind::Embedded => Self::Embedded(
@@ -153,7 +157,7 @@ impl DemoBroker {
                 });
                 Self::Serve { broker, connection_string, stop: std::sync::Mutex::new(Some(stop)) }
             }
-            BrokerKind::ServiceBus(s) => Self::ServiceBus { connection_string: s.clone() },
+            BrokerKind::ServiceBus(s) => Self::ServiceBus { connection_string: s.clone(), admin_url },
         })
     }
 
@@ -208,9 +212,9 @@ impl DemoBroker {
                 broker.create_queue(name, properties).await?;
                 ServiceBusQueue::connect(connection_string, name, Some(broker.clone()))?.into()
             }
-            Self::ServiceBus { connection_string } => {
+            Self::ServiceBus { connection_string, admin_url } => {
                 let queue = ServiceBusQueue::connect(connection_string, name, None)?;
-                queue.check_and_empty(lock).await?;
+                queue.check_and_empty(lock, admin_url.clone()).await?;
                 queue.into()
             }
         })
@@ -280,15 +284,25 @@ impl ServiceBusQueue {
 
     /// Checks that the queue exists, and empties it and its dead-letter queue of what an
     /// earlier run left, so that the counts at the end are this run's.
-    async fn check_and_empty(&self, lock: Duration) -> anyhow::Result<()> {
+    async fn check_and_empty(
+        &self,
+        lock: Duration,
+        admin_url: Option<AdminUrl>,
+    ) -> anyhow::Result<()> {
         let mut left = 0_usize;
         let dlq = self.dead_letter_receiver()?;
+        let mut created = false;
         for receiver in [&self.receiver, &dlq] {
             loop {
                 let got = match receiver.receive_messages(500, Duration::from_secs(1)).await {
                     Ok(got) => got,
+                    Err(e) if e.is_not_found() && !created => {
+                        self.create(lock, admin_url.clone()).await?;
+                        created = true;
+                        continue;
+                    }
                     Err(e) if e.is_not_found() => {
-                        bail_missing_queue(&self.name, lock)?;
+                        bail_missing_queue(&self.name, lock, "it is still not found after creating it")?;
                         unreachable!()
                     }
                     Err(e) => {
@@ -315,6 +329,23 @@ impl ServiceBusQueue {
         Ok(())
     }
 
+    /// Creates the queue through the namespace's administration API (`twice serve --http`,
+    /// the emulator's, Azure's), which needs the `Manage` claim; explains how else when that
+    /// fails.
+    async fn create(&self, lock: Duration, admin_url: Option<AdminUrl>) -> anyhow::Result<()> {
+        let cs: twice_servicebus_client::ConnectionString =
+            self.connection_string.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let admin = crate::dlq::admin::AdminClient::for_connection_string(&cs, admin_url)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        match admin.create_queue(&self.name, lock, 10, DUPLICATE_WINDOW).await {
+            Ok(()) => {
+                eprintln!("note: created the queue {} in the namespace {}", self.name, cs.host());
+                Ok(())
+            }
+            Err(e) => bail_missing_queue(&self.name, lock, &e.to_string()),
+        }
+    }
+
     fn dead_letter_receiver(&self) -> anyhow::Result<twice_servicebus_client::Receiver> {
         let (receiver, _) = twice_servicebus_client::connect(
             &self.connection_string,
@@ -326,13 +357,15 @@ impl ServiceBusQueue {
 }
 
 /// The queues a namespace must have for the demo, and how to make them.
-fn bail_missing_queue(name: &str, lock: Duration) -> anyhow::Result<()> {
+fn bail_missing_queue(name: &str, lock: Duration, why: &str) -> anyhow::Result<()> {
     let secs = lock.as_secs();
     anyhow::bail!(
-        "the queue {name:?} does not exist in the Service Bus namespace. The demo needs two queues, \
+        "the queue {name:?} does not exist in the Service Bus namespace, and the demo could not \
+         create it through the administration API ({why}). The demo needs two queues, \
          \"orders-naive\" and \"orders-twice\", with LockDuration PT{secs}S (--lock-seconds), \
-         MaxDeliveryCount 10 and duplicate detection. twice serve makes entities only from its \
-         configuration (no client can create one), so start it with --config FILE holding:\n\
+         MaxDeliveryCount 10 and duplicate detection. Create them with a key that has the Manage \
+         claim (twice serve serves the administration API on --http, 127.0.0.1:5300 by default), \
+         or start twice serve with --config FILE holding:\n\
          {{\"UserConfig\":{{\"Namespaces\":[{{\"Name\":\"sbemulatorns\",\"Queues\":[\n  \
          {{\"Name\":\"orders-naive\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}},\n  \
          {{\"Name\":\"orders-twice\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}}]}}]}}}}\n\
@@ -449,7 +482,18 @@ impl DemoTransport {
                         page.iter().for_each(&mut note);
                     }
                 }
-                None => drain(&q.dead_letter_receiver()?, &mut note).await?,
+                None => {
+                    // Peeked, not received: the dead-lettered messages stay for `twice dlq`.
+                    let dlq = q.dead_letter_receiver()?;
+                    let mut from = None;
+                    loop {
+                        let page = dlq.peek_messages(from, 500).await?;
+                        let Some(last) = page.last() else { break };
+                        from = Some(last.sequence_number.next());
+                        page.iter().for_each(&mut note);
+                    }
+                    dlq.close().await;
+                }
             },
         }
         Ok(out)

@@ -67,6 +67,11 @@ pub(crate) struct DemoArgs {
     /// RabbitMQ and NATS the queues are named after the run and deleted at the end.
     #[arg(long, value_name = "URL", default_value = "embedded", value_parser = BrokerKind::parse)]
     broker: BrokerKind,
+    /// With a connection string: the namespace's administration API, through which missing
+    /// queues are created (default: `http://HOST:5300` for the emulator and `twice serve`,
+    /// `https://HOST` for Azure).
+    #[arg(long, value_name = "URL", value_parser = crate::dlq::admin::AdminUrl::parse)]
+    admin_url: Option<crate::dlq::admin::AdminUrl>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -228,8 +233,14 @@ where
     let lock = Duration::from_secs(args.lock_seconds);
     let broker_run = format!("{:08x}", rand::random::<u32>());
     let broker =
-        DemoBroker::open(&args.broker, &workdir.path().join("broker"), clock.clone(), &broker_run)
-            .await?;
+        DemoBroker::open(
+            &args.broker,
+            &workdir.path().join("broker"),
+            clock.clone(),
+            &broker_run,
+            args.admin_url.clone(),
+        )
+        .await?;
     let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
     let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
     let result = run_queues::<DB>(

@@ -127,6 +127,26 @@ impl AdminClient {
         Self { url, auth }
     }
 
+    /// The administration API of the namespace a connection string names: at `url`, else
+    /// `http://HOST:5300` for the emulator (and `twice serve`'s default `--http`) or
+    /// `https://HOST` for Azure; signed with the connection string's key or signature.
+    pub(crate) fn for_connection_string(
+        cs: &twice_servicebus_client::ConnectionString,
+        url: Option<AdminUrl>,
+    ) -> Result<Self, String> {
+        let url = url.unwrap_or_else(|| AdminUrl {
+            https: !cs.is_emulator(),
+            host: cs.host().to_owned(),
+            port: if cs.is_emulator() { 5300 } else { 443 },
+        });
+        let auth = match (cs.key_name(), cs.key(), cs.signature()) {
+            (Some(name), Some(key), _) => Auth::Key { name: name.to_owned(), key: key.to_owned() },
+            (_, _, Some(sig)) => Auth::Signature(sig.to_owned()),
+            _ => return Err("the connection string has neither a key nor a signature".to_owned()),
+        };
+        Ok(Self::new(url, auth))
+    }
+
     fn token(&self) -> String {
         match &self.auth {
             Auth::Signature(s) => s.clone(),
@@ -187,14 +207,53 @@ impl AdminClient {
         }
     }
 
+    /// Creates a queue with these properties (the others at the service's defaults).
+    pub(crate) async fn create_queue(
+        &self,
+        name: &str,
+        lock: Duration,
+        max_delivery_count: u32,
+        duplicate_window: Duration,
+    ) -> Result<(), AdminError> {
+        let body = format!(
+            concat!(
+                r#"<entry xmlns="http://www.w3.org/2005/Atom"><content type="application/xml">"#,
+                r#"<QueueDescription xmlns="http://schemas.microsoft.com/netservices/2010/10/servicebus/connect" "#,
+                r#"xmlns:i="http://www.w3.org/2001/XMLSchema-instance">"#,
+                "<LockDuration>PT{}S</LockDuration>",
+                "<RequiresDuplicateDetection>true</RequiresDuplicateDetection>",
+                "<DuplicateDetectionHistoryTimeWindow>PT{}S</DuplicateDetectionHistoryTimeWindow>",
+                "<MaxDeliveryCount>{}</MaxDeliveryCount>",
+                "</QueueDescription></content></entry>"
+            ),
+            lock.as_secs(),
+            duplicate_window.as_secs(),
+            max_delivery_count
+        );
+        self.request("PUT", name, Some(&body)).await.map(|_| ())
+    }
+
     async fn get(&self, path_and_query: &str) -> Result<String, AdminError> {
+        self.request("GET", path_and_query, None).await
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        body: Option<&str>,
+    ) -> Result<String, AdminError> {
         let sep = if path_and_query.contains('?') { '&' } else { '?' };
         let target = format!("/{path_and_query}{sep}api-version=2021-05");
+        let content = body.map_or(String::new(), |b| {
+            format!("Content-Type: application/atom+xml\r\nContent-Length: {}\r\n", b.len())
+        });
         let request = format!(
-            "GET {} HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: application/atom+xml\r\nConnection: close\r\n\r\n",
+            "{method} {} HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: application/atom+xml\r\n{content}Connection: close\r\n\r\n{}",
             encode_path(&target),
             self.url.host,
-            self.token()
+            self.token(),
+            body.unwrap_or_default()
         );
         let raw = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request.as_bytes()))
             .await

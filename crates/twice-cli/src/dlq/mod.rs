@@ -9,7 +9,7 @@
 //! window while the dead-lettered one is completed: such messages are left where they are with
 //! a warning, unless `--new-id` gives the copies new ids.
 
-mod admin;
+pub(crate) mod admin;
 
 use std::collections::BTreeSet;
 use std::io::{IsTerminal as _, Write as _};
@@ -165,17 +165,8 @@ impl Ctx {
     }
 
     fn admin(&self) -> anyhow::Result<AdminClient> {
-        let url = self.admin_url.clone().unwrap_or_else(|| AdminUrl {
-            https: !self.parsed.is_emulator(),
-            host: self.parsed.host().to_owned(),
-            port: if self.parsed.is_emulator() { 5300 } else { 443 },
-        });
-        let auth = match (self.parsed.key_name(), self.parsed.key(), self.parsed.signature()) {
-            (Some(name), Some(key), _) => Auth::Key { name: name.to_owned(), key: key.to_owned() },
-            (_, _, Some(sig)) => Auth::Signature(sig.to_owned()),
-            _ => bail!("the connection string has neither a key nor a signature"),
-        };
-        Ok(AdminClient::new(url, auth))
+        AdminClient::for_connection_string(&self.parsed, self.admin_url.clone())
+            .map_err(|e| anyhow!(e))
     }
 }
 

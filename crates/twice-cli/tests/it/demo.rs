@@ -186,9 +186,23 @@ fn serve_child(
     dir: &std::path::Path,
     config: Option<&str>,
 ) -> (twice_testkit::process::Child, String) {
+    serve_child_http(dir, config, None)
+}
+
+/// [`serve_child`], with the HTTP port (and its administration API) on `http` when given.
+fn serve_child_http(
+    dir: &std::path::Path,
+    config: Option<&str>,
+    http: Option<u16>,
+) -> (twice_testkit::process::Child, String) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_twice"));
-    cmd.args(["serve", "--no-http", "--amqp", &format!("127.0.0.1:{port}")])
+    cmd.args(["serve", "--amqp", &format!("127.0.0.1:{port}")]);
+    match http {
+        Some(http) => cmd.args(["--http", &format!("127.0.0.1:{http}")]),
+        None => cmd.arg("--no-http"),
+    };
+    cmd
         .args(["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5"])
         .arg("--data-dir")
         .arg(dir.join("data"));
@@ -231,4 +245,25 @@ fn demo_on_a_namespace_without_its_queues_says_how_to_make_them() {
     assert!(stderr.contains(r#"the queue "orders-naive" does not exist"#), "{stderr}");
     assert!(stderr.contains(r#""Name":"orders-twice""#), "{stderr}");
     assert!(stderr.contains("--config"), "{stderr}");
+}
+
+#[test]
+fn demo_creates_its_queues_through_the_administration_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (_serve, cs) = serve_child_http(dir.path(), None, Some(http));
+    let admin = format!("http://127.0.0.1:{http}");
+    let (success, json) = run_demo_orders(100, &["--broker", &cs, "--admin-url", &admin]);
+    assert_eq!(json["broker"], "servicebus");
+    check_orders(100, success, &json);
+    // The poison messages stay in the dead-letter queue, for `twice dlq` to look at.
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["dlq", "list", "--connection-string", &cs, "--admin-url", &admin])
+        .output()
+        .expect("running twice dlq");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    let poison = n(&json, &["poison"]);
+    let line = listed.lines().find(|l| l.starts_with("orders-twice")).expect("orders-twice listed");
+    let counts: Vec<u64> = line.split_whitespace().skip(1).filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(counts.get(1), Some(&poison), "{listed}");
 }
