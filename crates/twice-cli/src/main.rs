@@ -85,8 +85,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
     }
     if text.contains("cannot connect") || text.contains("Connection refused") {
         return Some(
-            "check that the server is running and that the address (host and port) is right"
-                .into(),
+            "check that the server is running and that the address (host and port) is right".into(),
         );
     }
     None

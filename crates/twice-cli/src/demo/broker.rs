@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use crate::dlq::admin::AdminUrl;
+use anyhow::Context as _;
 use twice::{
     DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
     SequenceNumber, SharedClock, Timestamp, Transport, TransportError,
@@ -157,7 +157,9 @@ impl DemoBroker {
                 });
                 Self::Serve { broker, connection_string, stop: std::sync::Mutex::new(Some(stop)) }
             }
-            BrokerKind::ServiceBus(s) => Self::ServiceBus { connection_string: s.clone(), admin_url },
+            BrokerKind::ServiceBus(s) => {
+                Self::ServiceBus { connection_string: s.clone(), admin_url }
+            }
         })
     }
 
@@ -302,7 +304,11 @@ impl ServiceBusQueue {
                         continue;
                     }
                     Err(e) if e.is_not_found() => {
-                        bail_missing_queue(&self.name, lock, "it is still not found after creating it")?;
+                        bail_missing_queue(
+                            &self.name,
+                            lock,
+                            "it is still not found after creating it",
+                        )?;
                         unreachable!()
                     }
                     Err(e) => {

@@ -232,15 +232,14 @@ where
     let clock = SharedClock::system();
     let lock = Duration::from_secs(args.lock_seconds);
     let broker_run = format!("{:08x}", rand::random::<u32>());
-    let broker =
-        DemoBroker::open(
-            &args.broker,
-            &workdir.path().join("broker"),
-            clock.clone(),
-            &broker_run,
-            args.admin_url.clone(),
-        )
-        .await?;
+    let broker = DemoBroker::open(
+        &args.broker,
+        &workdir.path().join("broker"),
+        clock.clone(),
+        &broker_run,
+        args.admin_url.clone(),
+    )
+    .await?;
     let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
     let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
     let result = run_queues::<DB>(

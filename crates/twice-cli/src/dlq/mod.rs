@@ -24,7 +24,7 @@ use twice_servicebus_client::{
     ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
 };
 
-use admin::{AdminClient, AdminError, AdminUrl, Auth};
+use admin::{AdminClient, AdminError, AdminUrl};
 
 /// The variable a connection string is read from when `--connection-string` is not given.
 const CONNECTION_STRING_VAR: &str = "TWICE_CONNECTION_STRING";

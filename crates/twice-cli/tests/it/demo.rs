@@ -202,10 +202,7 @@ fn serve_child_http(
         Some(http) => cmd.args(["--http", &format!("127.0.0.1:{http}")]),
         None => cmd.arg("--no-http"),
     };
-    cmd
-        .args(["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5"])
-        .arg("--data-dir")
-        .arg(dir.join("data"));
+    cmd.args(["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5"]).arg("--data-dir").arg(dir.join("data"));
     if let Some(config) = config {
         let path = dir.join("Config.json");
         std::fs::write(&path, config).unwrap();
