@@ -49,7 +49,10 @@ async fn open_queue(dir: &str, queue: &str) -> Result<Broker, Error> {
     let relaxed = std::env::var("TWICE_CHILD_RELAXED").is_ok_and(|v| v == "1");
     let options = BrokerOptions::durable(dir).with_relaxed_delivery_counts(relaxed);
     let broker = Broker::open(options).await?;
-    match broker.create_queue(queue, QueueProperties::default()).await {
+    // The largest quota Service Bus offers: a backlog of millions of messages fits.
+    let properties = QueueProperties::default()
+        .with_max_size_in_megabytes(twice_broker::config::MAX_MAX_SIZE_IN_MEGABYTES);
+    match broker.create_queue(queue, properties).await {
         Ok(()) | Err(Error::EntityAlreadyExists(_)) => Ok(broker),
         Err(e) => Err(e),
     }
