@@ -125,6 +125,37 @@ async fn main() -> anyhow::Result<()> {
     rates.push(consume(&broker.receiver("raw").await?, n).await?);
     rates.push(process(broker.receiver("processor").await?, n).await?);
     println!("| embedded (durable) | {:.0} | {:.0} |", rates[0], rates[1]);
+
+    // The Service Bus client against `twice serve` on the same durable broker.
+    let mut rates = Vec::new();
+    for q in ["sb-raw", "sb-processor"] {
+        broker.create_queue(q, QueueProperties::default()).await?;
+    }
+    let options = twice_servicebus::ServerOptions::new()
+        .amqp_addr(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .http_addr(None);
+    let server = twice_servicebus::Server::bind(options, broker.clone()).await?;
+    let client = twice_servicebus_client::ServiceBusClient::from_connection_string(
+        &server.connection_string(),
+    )?;
+    tokio::spawn(server.run(std::future::pending()));
+    for q in ["sb-raw", "sb-processor"] {
+        let sender = std::sync::Arc::new(client.sender(q));
+        fill(n, move |m| {
+            let s = std::sync::Arc::clone(&sender);
+            async move {
+                s.send_message(m).await?;
+                Ok(())
+            }
+        })
+        .await?;
+    }
+    let receiver_options =
+        || twice_servicebus_client::ReceiverOptions::new().max_concurrent_calls(CONCURRENCY);
+    rates.push(consume(&client.receiver("sb-raw", receiver_options().prefetch(200)), n).await?);
+    rates.push(process(client.receiver("sb-processor", receiver_options()), n).await?);
+    println!("| Service Bus client → twice serve (durable) | {:.0} | {:.0} |", rates[0], rates[1]);
+    client.close().await;
     broker.shutdown().await;
 
     // RabbitMQ, quorum queues.
@@ -172,5 +203,44 @@ async fn main() -> anyhow::Result<()> {
     rates.push(consume(&transports[0], n).await?);
     rates.push(process(processor_transport, n).await?);
     println!("| NATS 2.9 JetStream (file) | {:.0} | {:.0} |", rates[0], rates[1]);
+
+    // pgbench with the processor's transaction (the claim alone: the handler only completes),
+    // at the same concurrency, in the same run.
+    match pgbench_claim()? {
+        Some(tps) => {
+            println!("| pgbench, the claim's SQL, {CONCURRENCY} clients | | {tps:.0} tps |")
+        }
+        None => println!("| pgbench | | (not installed) |"),
+    }
     Ok(())
+}
+
+/// pgbench running the claim transaction at [`CONCURRENCY`] clients for 10 s, in a fresh
+/// database; transactions per second, or `None` without pgbench.
+fn pgbench_claim() -> anyhow::Result<Option<f64>> {
+    let db = tokio::task::block_in_place(|| {
+        tokio::runtime::Handle::current().block_on(PgDatabase::create("twice_pgbench"))
+    })?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../twice-sqlx/bench/claim_only.pgbench.sql");
+    let setup = "CREATE TABLE pgb_inbox (consumer text NOT NULL, message_id text NOT NULL, \
+        processed_at_ms bigint NOT NULL, PRIMARY KEY (consumer, message_id)); \
+        CREATE INDEX pgb_inbox_processed_at ON pgb_inbox (processed_at_ms)";
+    let created = std::process::Command::new("psql")
+        .args(["-h", "127.0.0.1", "-U", "postgres", "-qAt", "-d", db.name(), "-c", setup])
+        .status();
+    if !created.is_ok_and(|s| s.success()) {
+        return Ok(None);
+    }
+    let Ok(out) = std::process::Command::new("pgbench")
+        .args(["-h", "127.0.0.1", "-U", "postgres", "-n", "-j", "2", "-T", "10"])
+        .args(["-c", &CONCURRENCY.to_string(), "-f", script, db.name()])
+        .output()
+    else {
+        return Ok(None);
+    };
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with("tps"))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .and_then(|t| t.parse().ok()))
 }
