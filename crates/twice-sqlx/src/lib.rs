@@ -125,6 +125,12 @@
 //! from the schema when the store is created) is matched against that text, and only after the
 //! code has said "unique violation".
 //!
+//! Such a message is completed without its work, so each one is logged at warn level with the
+//! constraint, and `twice::Processor::on_business_key_duplicate` reports it to the
+//! application (count them and alert: a handler bug that writes a constant key turns every
+//! later message into one). A constraint checked at COMMIT (PostgreSQL `DEFERRABLE INITIALLY
+//! DEFERRED`) is classified the same way, reported with `at_commit`.
+//!
 //! # Retention
 //!
 //! Every row carries its own end of retention, `purge_after_ms`: the database's clock when the

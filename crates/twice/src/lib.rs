@@ -144,7 +144,8 @@ pub use inbox::{Claim, Inbox};
 pub use message::{Message, MessageState, Properties, ReceivedMessage, Value};
 pub use outcome::Outcome;
 pub use processor::{
-    HANDLER_FAILED, MISSING_MESSAGE_ID, Mode, Processor, ProcessorOptions, redelivery_horizon,
+    BusinessKeyDuplicate, HANDLER_FAILED, MISSING_MESSAGE_ID, Mode, Processor, ProcessorOptions,
+    redelivery_horizon,
 };
 pub use retry::{REDELIVERY_COUNT_PROPERTY, RetryPolicy, redelivery_count};
 pub use session::{SessionProcessor, SessionProcessorOptions};

@@ -148,6 +148,7 @@ use crate::error::{
     format_duration,
 };
 use crate::handler::{Context, Handler};
+use crate::ids::MessageId;
 use crate::inbox::{Claim, Inbox};
 use crate::message::{Properties, ReceivedMessage};
 use crate::outcome::Outcome;
@@ -394,6 +395,24 @@ pub(crate) fn check_connections<I: Inbox>(
 
 type ErrorCallback = Arc<dyn Fn(&ProcessError) + Send + Sync>;
 type CommitHook = Arc<dyn Fn(&ReceivedMessage) + Send + Sync>;
+pub(crate) type BusinessKeyHook = Arc<dyn Fn(&BusinessKeyDuplicate) + Send + Sync>;
+
+/// A message completed as a duplicate because its work broke a unique business key: what
+/// [`Processor::on_business_key_duplicate`] reports. Each one is also logged at warn level.
+///
+/// Count them: a handler bug that writes a constant key makes every later message such a
+/// duplicate, silently completed without its work.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BusinessKeyDuplicate {
+    /// The message completed without its work.
+    pub message_id: MessageId,
+    /// The unique constraint (or index) that refused the work, as the inbox classified it.
+    pub constraint: String,
+    /// Whether the constraint fired at COMMIT (a deferred constraint) rather than at a
+    /// statement.
+    pub at_commit: bool,
+}
 
 /// What every message's processing shares, whatever the transport.
 pub(crate) struct Core<I, H> {
@@ -406,6 +425,7 @@ pub(crate) struct Core<I, H> {
     pub(crate) counters: Arc<Counters>,
     pub(crate) on_error: Option<ErrorCallback>,
     pub(crate) on_committed: Option<CommitHook>,
+    pub(crate) on_business_key: Option<BusinessKeyHook>,
 }
 
 impl<I, H> Core<I, H> {
@@ -413,6 +433,24 @@ impl<I, H> Core<I, H> {
         match &self.on_error {
             Some(f) => f(&error),
             None => tracing::warn!(consumer = %self.consumer, "{error}"),
+        }
+    }
+
+    /// Logs a completion by business key at warn level and tells the hook.
+    fn business_key_duplicate(&self, id: &MessageId, constraint: &str, at_commit: bool) {
+        tracing::warn!(
+            consumer = %self.consumer,
+            message_id = %id,
+            %constraint,
+            at_commit,
+            "completed as a duplicate by business key, without its work"
+        );
+        if let Some(f) = &self.on_business_key {
+            f(&BusinessKeyDuplicate {
+                message_id: id.clone(),
+                constraint: constraint.to_owned(),
+                at_commit,
+            });
         }
     }
 }
@@ -915,7 +953,7 @@ where
         self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
         match class {
             ErrorClass::BusinessKeyDuplicate { constraint } => {
-                tracing::debug!(message_id = %id, %constraint, "duplicate by business key at commit");
+                self.business_key_duplicate(id, &constraint, true);
                 Attempt::Done(Verdict::Complete(Some(Counter::DuplicateBusinessKey)))
             }
             ErrorClass::Permanent => {
@@ -947,7 +985,7 @@ where
                     _ => self.inbox.classify(error.error()),
                 };
                 if let ErrorClass::BusinessKeyDuplicate { constraint } = &class {
-                    tracing::debug!(message_id = %id, %constraint, "duplicate by business key");
+                    self.business_key_duplicate(id, constraint, false);
                     return Verdict::Complete(Some(Counter::DuplicateBusinessKey));
                 }
                 self.counters.inc(Counter::HandlerErrors);
@@ -1107,6 +1145,7 @@ pub struct Processor<T: Transport, I: Inbox, H> {
     counters: Arc<Counters>,
     on_error: Option<ErrorCallback>,
     on_committed: Option<CommitHook>,
+    on_business_key: Option<BusinessKeyHook>,
 }
 
 impl<T: Transport, I: Inbox, H> fmt::Debug for Processor<T, I, H> {
@@ -1145,6 +1184,7 @@ where
             counters: Arc::default(),
             on_error: None,
             on_committed: None,
+            on_business_key: None,
         }
     }
 
@@ -1162,6 +1202,17 @@ where
     #[must_use]
     pub fn on_committed(mut self, f: impl Fn(&ReceivedMessage) + Send + Sync + 'static) -> Self {
         self.on_committed = Some(Arc::new(f));
+        self
+    }
+
+    /// Calls `f` for every message completed as a duplicate by business key (besides the
+    /// warn-level log line each gets), so the application can count them and alert.
+    #[must_use]
+    pub fn on_business_key_duplicate(
+        mut self,
+        f: impl Fn(&BusinessKeyDuplicate) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_business_key = Some(Arc::new(f));
         self
     }
 
@@ -1225,6 +1276,7 @@ where
             counters: self.counters.clone(),
             on_error: self.on_error.clone(),
             on_committed: self.on_committed.clone(),
+            on_business_key: self.on_business_key.clone(),
         });
         let transport = self.transport;
         let clock = options.clock.clone();

@@ -182,6 +182,7 @@ pub struct SessionProcessor<T: SessionTransport, I: Inbox, H> {
     counters: Arc<Counters>,
     on_error: Option<ErrorCallback>,
     on_committed: Option<CommitHook>,
+    on_business_key: Option<crate::processor::BusinessKeyHook>,
 }
 
 impl<T: SessionTransport, I: Inbox, H> fmt::Debug for SessionProcessor<T, I, H> {
@@ -220,6 +221,7 @@ where
             counters: Arc::default(),
             on_error: None,
             on_committed: None,
+            on_business_key: None,
         }
     }
 
@@ -236,6 +238,16 @@ where
     #[must_use]
     pub fn on_committed(mut self, f: impl Fn(&ReceivedMessage) + Send + Sync + 'static) -> Self {
         self.on_committed = Some(Arc::new(f));
+        self
+    }
+
+    /// As [`Processor::on_business_key_duplicate`](crate::Processor::on_business_key_duplicate).
+    #[must_use]
+    pub fn on_business_key_duplicate(
+        mut self,
+        f: impl Fn(&crate::BusinessKeyDuplicate) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_business_key = Some(Arc::new(f));
         self
     }
 
@@ -296,6 +308,7 @@ where
             counters: self.counters.clone(),
             on_error: self.on_error.clone(),
             on_committed: self.on_committed.clone(),
+            on_business_key: self.on_business_key.clone(),
         });
         let transport = self.transport;
         let semaphore = Arc::new(Semaphore::new(options.max_concurrent_sessions));

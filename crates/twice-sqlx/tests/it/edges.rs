@@ -227,7 +227,12 @@ async fn a_deferred_business_key_fires_at_commit_as_a_duplicate() {
     );
     let (queue, clock) = queue("orders").await;
     let shutdown = Shutdown::default();
+    let at_commit = Arc::new(std::sync::Mutex::new(Vec::new()));
     let p = processor::<Pg>(&queue, inbox, Ship::new(), options(&clock)).await;
+    let p = p.on_business_key_duplicate({
+        let at_commit = Arc::clone(&at_commit);
+        move |d: &twice::BusinessKeyDuplicate| at_commit.lock().unwrap().push(d.at_commit)
+    });
     let counters = p.counters();
     let task = tokio::spawn(p.run(shutdown.wait()));
     queue.send(order("order-5-placed-a", 5)).await;
@@ -236,6 +241,7 @@ async fn a_deferred_business_key_fires_at_commit_as_a_duplicate() {
     shutdown.trigger();
     task.await.expect("join").expect("run");
 
+    assert_eq!(*at_commit.lock().unwrap(), vec![true], "reported as fired at COMMIT");
     let s = counters.snapshot();
     assert_eq!(shipments(&f).await, 1);
     assert_eq!(s.duplicates_business_key, 1, "{s:?}");

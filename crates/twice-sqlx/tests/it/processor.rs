@@ -336,8 +336,15 @@ where
     );
     let (queue, clock) = queue("orders").await;
     let shutdown = Shutdown::default();
+    let reported = Arc::new(std::sync::Mutex::new(Vec::new()));
     let p =
         processor::<F>(&queue, inbox, Ship::new(), options(&clock).max_concurrent_calls(2)).await;
+    let p = p.on_business_key_duplicate({
+        let reported = Arc::clone(&reported);
+        move |d: &twice::BusinessKeyDuplicate| {
+            reported.lock().unwrap().push((d.message_id.as_str().to_owned(), d.constraint.clone()));
+        }
+    });
     let counters = p.counters();
     let task = tokio::spawn(p.run(shutdown.wait()));
     queue.send(order("order-5-placed-a", 5)).await;
@@ -354,6 +361,12 @@ where
     assert_eq!(s.abandoned + s.dead_lettered, 0, "{s:?}");
     // The losing message's claim was rolled back with its work.
     assert_eq!(inbox_rows(&f, "inbox_business").await, 1);
+    // The application hears of it: a constant key written by a buggy handler would otherwise
+    // turn every later message into a silent duplicate.
+    let reported = reported.lock().unwrap().clone();
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    assert!(reported[0].0.starts_with("order-5-placed-"), "{reported:?}");
+    assert_eq!(reported[0].1, "shipments_order_id", "{reported:?}");
 }
 on_all_stores!(business_key_catches_a_republished_event);
 
