@@ -298,9 +298,14 @@ where
     )
     .await;
     let ca = a.counters();
-    let ta = tokio::spawn(a.run(shutdown.wait()));
+    // The first processor stops receiving once its handler runs (its run then waits for that
+    // handler): the redelivery must go to the second, not back into the stuck handler, however
+    // late the second processor's task gets to its first receive.
+    let stop_a = Shutdown::default();
+    let ta = tokio::spawn(a.run(stop_a.wait()));
     queue.send(order("order-9-placed", 9)).await;
     entered.recv().await.expect("first copy entered its handler");
+    stop_a.trigger();
 
     let b = processor::<F>(&queue, inbox.clone(), Ship::new(), options(&clock)).await;
     let cb = b.counters();
