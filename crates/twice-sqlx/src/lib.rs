@@ -544,6 +544,22 @@ fn is_transient_sqlx(error: &sqlx::Error) -> bool {
 /// `1`, done.
 const STATE_CLAIMED: i64 = 0;
 
+/// What a dedup-only record found in place means to `owner`: its own claim (a commit of
+/// unknown outcome, taken back), another attempt's claim in progress, or done.
+fn claim_of_record(
+    processed_at_ms: i64,
+    state: i64,
+    by: Option<&str>,
+    owner: &str,
+) -> twice::Claim {
+    let claimed_at = Some(Timestamp::from_millis(processed_at_ms));
+    match state {
+        STATE_CLAIMED if by == Some(owner) => twice::Claim::Claimed,
+        STATE_CLAIMED => twice::Claim::InProgress { claimed_at },
+        _ => twice::Claim::Duplicate { claimed_at },
+    }
+}
+
 fn millis(now: Timestamp) -> i64 {
     now.as_millis()
 }

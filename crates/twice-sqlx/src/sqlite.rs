@@ -272,12 +272,7 @@ impl Inbox for SqlxInbox<Sqlite> {
             .await?;
             tx.commit().await?;
             let Some((at, state, by)) = row else { continue };
-            let claimed_at = Some(Timestamp::from_millis(at));
-            return Ok(match state {
-                crate::STATE_CLAIMED if by.as_deref() == Some(owner) => Claim::Claimed,
-                crate::STATE_CLAIMED => Claim::InProgress { claimed_at },
-                _ => Claim::Duplicate { claimed_at },
-            });
+            return Ok(crate::claim_of_record(at, state, by.as_deref(), owner));
         }
         Ok(Claim::InProgress { claimed_at: None })
     }
