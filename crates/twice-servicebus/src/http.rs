@@ -1,5 +1,6 @@
 //! The HTTP side port: its listener, and the bodies it serves (health, Prometheus text, the
-//! entity list, and the administration API of [`crate::admin`]).
+//! entity list, the web console of [`crate::console`], and the administration API of
+//! [`crate::admin`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -138,9 +139,8 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
         let shared = shared.clone();
         let admin = admin.clone();
         tokio::spawn(async move {
-            let _ =
-                tokio::time::timeout(REQUEST_TIMEOUT, http_request(stream, &shared, &admin, addr))
-                    .await;
+            let request = http_request(stream, &shared, &admin, addr);
+            let _ = tokio::time::timeout(REQUEST_TIMEOUT, request).await;
             drop(slot);
         });
     }
@@ -184,17 +184,32 @@ async fn respond(
     content_type: &str,
     body: &str,
 ) -> std::io::Result<()> {
-    let response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+    respond_with(stream, status, content_type, &[], body).await
+}
+
+async fn respond_with(
+    stream: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<()> {
+    let mut response = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n",
         body.len()
     );
+    for (name, value) in headers {
+        let _ = write!(response, "{name}: {value}\r\n");
+    }
+    response.push_str("\r\n");
+    response.push_str(body);
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
 }
 
 async fn http_request<B: Backend>(
     mut stream: TcpStream,
-    shared: &Shared<B>,
+    shared: &Arc<Shared<B>>,
     admin: &Admin,
     addr: SocketAddr,
 ) -> std::io::Result<()> {
@@ -244,6 +259,13 @@ async fn http_request<B: Backend>(
     }
     body.truncate(length);
     let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
+    if crate::console::owns(path) {
+        let method = head.method.as_str();
+        let req =
+            crate::console::Request { method, path, query, headers: &head.headers, body: &body };
+        let r = crate::console::handle(shared, addr, &req).await;
+        return respond_with(&mut stream, r.status, r.content_type, &r.headers, &r.body).await;
+    }
     let (status, content_type, body) = match (head.method.as_str(), path) {
         ("GET", "/health") => {
             let (status, body) = health(shared.backend.health());

@@ -92,6 +92,7 @@ pub mod backend;
 mod broker;
 mod conditions;
 mod connection;
+mod console;
 mod grants;
 mod http;
 mod ids;
