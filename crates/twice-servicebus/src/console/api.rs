@@ -26,8 +26,6 @@ const MAX_SEQUENCES: usize = 100;
 const MAX_SCAN: usize = 5_000;
 /// Messages locked per receive while looking.
 const SCAN_BATCH: usize = 100;
-/// How long a receive waits for a dead-letter queue that looks empty.
-const SCAN_WAIT: Duration = Duration::from_millis(200);
 /// The characters of a body (or session state) shown in a preview.
 const PREVIEW_CHARS: usize = 1_000;
 /// The longest entity path accepted.
@@ -134,7 +132,8 @@ pub(super) async fn entities<B: Backend>(shared: &Shared<B>) -> Response {
     let counters = shared.metrics.entities();
     let mut list = Vec::new();
     for s in shared.backend.stats().await {
-        let c = counters.get(&s.path).cloned().unwrap_or_default();
+        // The AMQP side counts under the normalised (lowercase) path.
+        let c = counters.get(&s.path.to_ascii_lowercase()).cloned().unwrap_or_default();
         let sessions = shared.backend.entity(&s.path).await.is_some_and(|k| k.requires_session());
         list.push(serde_json::json!({
             "path": s.path,
@@ -400,14 +399,17 @@ async fn settle_wanted<B: Backend>(
     let mut held = Vec::new();
     let mut scanned = 0usize;
     while !wanted.is_empty() && scanned < MAX_SCAN && out.failure.is_none() {
-        let batch = match backend.receive(dlq, ReceiveMode::PeekLock, SCAN_BATCH, SCAN_WAIT).await {
-            Ok(b) if b.is_empty() => break,
-            Ok(b) => b,
-            Err(e) => {
-                out.failure = Some(e.into());
-                break;
-            }
-        };
+        // No wait: the messages asked for are there now or gone; a wait would also run on the
+        // broker's clock, which a test may hold still.
+        let batch =
+            match backend.receive(dlq, ReceiveMode::PeekLock, SCAN_BATCH, Duration::ZERO).await {
+                Ok(b) if b.is_empty() => break,
+                Ok(b) => b,
+                Err(e) => {
+                    out.failure = Some(e.into());
+                    break;
+                }
+            };
         for m in batch {
             scanned += 1;
             let Some(lock) = m.lock_token else { continue };

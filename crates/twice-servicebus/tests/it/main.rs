@@ -7,6 +7,7 @@
 
 mod admin_sdk;
 mod backend;
+mod console;
 mod fuzz;
 mod fuzz_conn;
 mod gated;
