@@ -69,10 +69,10 @@ async fn the_page_shows_a_dead_lettered_message_and_resubmits_it_in_chromium() {
     Backend::send(&broker, "events", vec![Message::new("created")]).await.unwrap();
     assert_eq!(counts(http, "orders").await, (3, 1));
 
-    // Traffic through AMQP for the rates: a burst every quarter second for at most ten
+    // Traffic through AMQP for the rates: a burst every quarter second for at most twenty
     // seconds (stopped when the scenario ends).
     let traffic = tokio::spawn(async move {
-        for _ in 0..40 {
+        for _ in 0..80 {
             let (_client, _held) =
                 crate::wire::Raw::with_deliveries(amqp_addr, "payments", 4).await;
             tokio::time::sleep(Duration::from_millis(250)).await;
