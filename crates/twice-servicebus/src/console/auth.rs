@@ -34,7 +34,7 @@ pub(super) fn check_host<B>(shared: &Shared<B>, req: &Request<'_>) -> Result<(),
         Ok(())
     } else {
         Err(ApiError::Forbidden(format!(
-            "the console answers only to its own host name, not '{host}'"
+            "the console answers only to its host name (twice serve --hostname), localhost or an IP address, not '{host}'"
         )))
     }
 }

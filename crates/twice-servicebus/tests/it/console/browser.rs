@@ -1,6 +1,7 @@
 //! The console in a real headless Chromium (Debian's `chromium` and `chromium-driver`): the page
 //! loads, shows a dead-lettered message's reason, resubmits it with the key typed in, and the
-//! counts move. On failure a screenshot is saved to `target/console-failure.png`.
+//! counts move; then it peeks the active messages and lists a session queue's sessions. On
+//! failure a screenshot is saved to `target/console-failure.png`.
 //!
 //! With `TWICE_CONSOLE_SCREENSHOT=PATH` the test also saves a picture of the console showing
 //! the dead-lettered message (the README's `docs/console.png` is made so).
@@ -129,5 +130,17 @@ async fn scenario(browser: &Browser, http: SocketAddr, seq: i64) -> anyhow::Resu
     browser.wait_for(&row("dead_letter"), "an empty dead-letter queue", |t| t == "0").await?;
     browser.wait_for(&row("active"), "the message back in the queue", |t| t == "4").await?;
     browser.wait_for("#note", "the empty dead-letter queue", |t| t.contains("empty")).await?;
+    // The active messages, peeked: the copy is among them, under a new sequence number.
+    browser.click("#tab-active").await?;
+    let copy = r#"#messages tr[data-seq] td.body"#;
+    browser.wait_for(copy, "an active message's body", |t| t.contains("\"order\":")).await?;
+    let ids = browser.text("#messages").await?;
+    ensure!(ids.contains("order-1042"), "the resubmitted copy is not listed: {ids}");
+    // A session queue lists its sessions.
+    browser.click(r#"#entities tr[data-path="invoices"] button.open"#).await?;
+    browser.click("#tab-sessions").await?;
+    let cell = |n: u8| format!(r#"#messages tr[data-session="customer-77"] td:nth-child({n})"#);
+    browser.wait_for(&cell(2), "the session's one message", |t| t == "1").await?;
+    browser.wait_for(&cell(3), "that no receiver holds it", |t| t == "no").await?;
     Ok(())
 }
