@@ -425,13 +425,9 @@ async fn settle_wanted<B: Backend>(
                     continue;
                 }
                 if let Err(e) = backend.send(target, vec![copy_of(&m, *new_id)]).await {
-                    let e = ApiError::from(e);
-                    out.failure = Some(match e {
-                        ApiError::NotFound(_) | ApiError::BadRequest(_) => e,
-                        _ => ApiError::Unavailable(format!(
-                            "sending the copy of #{seq} to '{target}' failed ({e}); it stays dead-lettered"
-                        )),
-                    });
+                    let prefix = format!("sending the copy of #{seq} to '{target}' failed: ");
+                    let e = ApiError::from(e).around(&prefix, "; it stays dead-lettered");
+                    out.failure = Some(e);
                     held.push(lock);
                     continue;
                 }

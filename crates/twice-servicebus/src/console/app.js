@@ -15,6 +15,7 @@ const state = {
   from: 0,                 // first sequence number of the shown page
   next: null,              // first sequence number of the next page
   previous: null,          // the last /api/entities answer
+  entities: new Map(),     // its entities by path
   history: [],             // [{send, recv}] rates, oldest first
   readsNeedToken: true,
 };
@@ -105,42 +106,60 @@ function rate(now, before, field, seconds) {
   return Math.max(0, (now[field] - before[field]) / seconds);
 }
 
+// A row of the entities table, made once per entity and updated in place on every poll, so a
+// click never lands on a row that a poll has just replaced.
+function entityRow(e) {
+  const tr = document.createElement("tr");
+  tr.dataset.path = e.path;
+  const name = document.createElement("td");
+  if (e.kind === "topic") {
+    name.textContent = e.path;
+  } else {
+    const b = document.createElement("button");
+    b.className = "link open";
+    b.type = "button";
+    b.textContent = e.path;
+    b.addEventListener("click", () => select(state.entities.get(e.path)));
+    name.appendChild(b);
+  }
+  tr.appendChild(name);
+  cell(tr, e.kind + (e.requires_session ? " (sessions)" : ""));
+  for (const c of ["active", "scheduled", "deferred", "dead_letter", "send-rate", "receive-rate"]) {
+    cell(tr, "", "n " + c);
+  }
+  return tr;
+}
+
 function renderEntities(data) {
   const before = state.previous;
   const seconds = before ? (data.time_ms - before.time_ms) / 1000 : 0;
   const old = new Map((before ? before.entities : []).map((e) => [e.path, e]));
   let send = 0, recv = 0;
   const body = $("entities");
-  body.replaceChildren();
+  const rows = new Map([...body.children].map((tr) => [tr.dataset.path, tr]));
+  state.entities = new Map(data.entities.map((e) => [e.path, e]));
+  let at = 0;
   for (const e of data.entities) {
     const s = rate(e, old.get(e.path), "sends", seconds);
     const r = rate(e, old.get(e.path), "receives", seconds);
     send += s;
     recv += r;
-    const tr = document.createElement("tr");
-    tr.dataset.path = e.path;
-    if (e.path === state.selected) tr.className = "selected";
-    const name = document.createElement("td");
-    if (e.kind === "topic") {
-      name.textContent = e.path;
-    } else {
-      const b = document.createElement("button");
-      b.className = "link open";
-      b.type = "button";
-      b.textContent = e.path;
-      b.addEventListener("click", () => select(e));
-      name.appendChild(b);
-    }
-    tr.appendChild(name);
-    cell(tr, e.kind + (e.requires_session ? " (sessions)" : ""));
-    cell(tr, String(e.active), "n active");
-    cell(tr, String(e.scheduled), "n scheduled");
-    cell(tr, String(e.deferred), "n deferred");
-    cell(tr, String(e.dead_letter), "n dead_letter" + (e.dead_letter > 0 ? " nonzero" : ""));
-    cell(tr, s.toFixed(1), "n send-rate");
-    cell(tr, r.toFixed(1), "n receive-rate");
-    body.appendChild(tr);
+    let tr = rows.get(e.path);
+    rows.delete(e.path);
+    if (!tr) tr = entityRow(e);
+    if (body.children[at] !== tr) body.insertBefore(tr, body.children[at] || null);
+    at += 1;
+    tr.classList.toggle("selected", e.path === state.selected);
+    const set = (c, text) => { const td = tr.querySelector("td." + c); if (td.textContent !== text) td.textContent = text; };
+    set("active", String(e.active));
+    set("scheduled", String(e.scheduled));
+    set("deferred", String(e.deferred));
+    set("dead_letter", String(e.dead_letter));
+    tr.querySelector("td.dead_letter").classList.toggle("nonzero", e.dead_letter > 0);
+    set("send-rate", s.toFixed(1));
+    set("receive-rate", r.toFixed(1));
   }
+  for (const gone of rows.values()) gone.remove();
   if (before) {
     state.history.push({ send, recv });
     if (state.history.length > HISTORY) state.history.shift();

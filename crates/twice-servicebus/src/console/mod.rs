@@ -114,6 +114,9 @@ pub(crate) enum ApiError {
     /// The method is not offered on the path.
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// The broker refused the change as things stand (an entity full, a message too large).
+    #[error("{0}")]
+    Conflict(String),
     /// A POST body that is not `application/json`.
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -133,6 +136,7 @@ impl ApiError {
             ApiError::Forbidden(_) => "403 Forbidden",
             ApiError::NotFound(_) => "404 Not Found",
             ApiError::MethodNotAllowed(_) => "405 Method Not Allowed",
+            ApiError::Conflict(_) => "409 Conflict",
             ApiError::UnsupportedMediaType(_) => "415 Unsupported Media Type",
             ApiError::Unavailable(_) => "503 Service Unavailable",
             ApiError::Internal(_) => "500 Internal Server Error",
@@ -146,9 +150,26 @@ impl ApiError {
             ApiError::Forbidden(_) => "forbidden",
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed(_) => "method_not_allowed",
+            ApiError::Conflict(_) => "conflict",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::Internal(_) => "internal",
+        }
+    }
+
+    /// The same error with `prefix` and `suffix` around its message.
+    fn around(self, prefix: &str, suffix: &str) -> Self {
+        let wrap = |m: String| format!("{prefix}{m}{suffix}");
+        match self {
+            ApiError::BadRequest(m) => ApiError::BadRequest(wrap(m)),
+            ApiError::Unauthorized(m) => ApiError::Unauthorized(wrap(m)),
+            ApiError::Forbidden(m) => ApiError::Forbidden(wrap(m)),
+            ApiError::NotFound(m) => ApiError::NotFound(wrap(m)),
+            ApiError::MethodNotAllowed(m) => ApiError::MethodNotAllowed(wrap(m)),
+            ApiError::Conflict(m) => ApiError::Conflict(wrap(m)),
+            ApiError::UnsupportedMediaType(m) => ApiError::UnsupportedMediaType(wrap(m)),
+            ApiError::Unavailable(m) => ApiError::Unavailable(wrap(m)),
+            ApiError::Internal(m) => ApiError::Internal(wrap(m)),
         }
     }
 
@@ -169,6 +190,9 @@ impl From<BackendError> for ApiError {
             BackendError::Invalid(_) | BackendError::Unsupported(_) => {
                 ApiError::BadRequest(e.to_string())
             }
+            BackendError::QuotaExceeded(_)
+            | BackendError::MessageSizeExceeded(_)
+            | BackendError::AlreadyExists(_) => ApiError::Conflict(e.to_string()),
             BackendError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
             _ => ApiError::Internal(e.to_string()),
         }

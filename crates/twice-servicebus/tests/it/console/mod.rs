@@ -12,7 +12,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use twice::{Clock, Message, ReceivedMessage, SequenceNumber, SessionId, SystemClock};
 use twice_broker::Broker;
 use twice_servicebus::sas::{Claims, Keys};
-use twice_servicebus::{Backend, BackendSession, ReceiveMode, ServerOptions, Settlement};
+use twice_servicebus::{
+    Backend, BackendError, BackendSession, ReceiveMode, ServerOptions, Settlement,
+};
 
 use crate::harness::TestServer;
 
@@ -223,6 +225,47 @@ async fn resubmit_sends_the_copy_then_removes_the_dead_lettered_message() {
             .await;
     assert_eq!(again.json()["missing"], json!([seq]), "{}", again.body);
     assert_eq!(counts(server.http, "q3").await, (1, 0));
+}
+
+#[tokio::test]
+async fn a_copy_the_target_refuses_leaves_the_message_dead_lettered_and_free() {
+    let server = TestServer::start().await;
+    let keep = Message::new("keep me").with_message_id("k-1");
+    let seq = dead_letter(&server.broker, "q9", keep, "poison").await;
+    // Fill `quotaq` (1 MiB) with ever smaller messages until it refuses one of a single byte.
+    for size in [100 * 1024, 10 * 1024, 1024, 100, 1] {
+        let mut full = false;
+        for _ in 0..40 {
+            let filler = Message::new(vec![b'x'; size]);
+            match Backend::send(&server.broker, "quotaq", vec![filler]).await {
+                Ok(_) => {}
+                Err(BackendError::QuotaExceeded(_)) => {
+                    full = true;
+                    break;
+                }
+                Err(e) => panic!("filling quotaq: {e}"),
+            }
+        }
+        assert!(full, "quotaq took 40 messages of {size} bytes");
+    }
+    let auth = root_token(server.http);
+    let origin = format!("http://127.0.0.1:{}", server.http.port());
+    let body = json!({ "entity": "q9", "sequence_numbers": [seq], "to": "quotaq" }).to_string();
+    let r =
+        request(server.http, "POST", "/$console/api/resubmit", &post_json(&auth, &origin), &body)
+            .await;
+    assert_eq!((r.status, r.code().as_str()), (409, "conflict"), "{}", r.body);
+    assert!(r.body.contains("stays dead-lettered"), "{}", r.body);
+    // The dead-lettered message was not completed before its copy was stored: it is there,
+    // and released at once rather than held until its lock expires.
+    assert_eq!(counts(server.http, "q9").await, (0, 1));
+    let dlq = "q9/$deadletterqueue";
+    let got = Backend::receive(&server.broker, dlq, ReceiveMode::PeekLock, 1, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 1, "the message is still locked by the console");
+    assert_eq!(got[0].sequence_number.get(), seq);
+    assert_eq!(got[0].message.body.as_ref(), b"keep me");
 }
 
 #[tokio::test]
