@@ -170,6 +170,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let scheme = if args.tls_cert.is_some() { "amqps (TLS)" } else { "AMQP 1.0" };
     println!("twice serve: Service Bus over {scheme} on {}, {storage}", server.amqp_addr());
     if let Some(http) = server.http_addr() {
+        println!("web console: http://{http}/");
         println!(
             "health and metrics: http://{http}/health  http://{http}/metrics  http://{http}/entities"
         );
