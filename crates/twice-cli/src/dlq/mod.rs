@@ -60,6 +60,10 @@ enum DlqCommand {
         /// Only entities whose path contains this (case-insensitive).
         #[arg(long, value_name = "TEXT")]
         entity: Option<String>,
+        /// One JSON object per entity (`entity`, `active`, `dead_lettered`, `scheduled`,
+        /// `deferred`), for scripts.
+        #[arg(long)]
+        json: bool,
     },
     /// Peek at the dead-letter queue of ENTITY without locking anything.
     Show {
@@ -93,10 +97,10 @@ enum DlqCommand {
     },
 }
 
-/// Options of `twice dlq resubmit`.
+/// Options of `twice dlq resubmit`: `--all`, or filters that a message must all match.
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("select").required(true).multiple(false)
-    .args(["sequence", "reason", "older_than", "all"])))]
+#[command(group(clap::ArgGroup::new("select").required(true).multiple(true)
+    .args(["sequence", "reason", "older_than", "property", "all"])))]
 struct ResubmitArgs {
     /// A queue or `TOPIC/Subscriptions/NAME`.
     entity: String,
@@ -109,8 +113,12 @@ struct ResubmitArgs {
     /// The messages enqueued longer ago than this (`90s`, `30m`, `12h`, `7d`).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     older_than: Option<Duration>,
+    /// The messages with this application property (`KEY=VALUE`, the value compared as
+    /// text; repeatable: every one must match).
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_property)]
+    property: Vec<(String, String)>,
     /// Every message.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["sequence", "reason", "older_than", "property"])]
     all: bool,
     /// Where the copies go. Default: the queue itself. A subscription cannot be sent to: give
     /// its topic (every subscription of the topic whose rules match then gets a copy) or
@@ -121,6 +129,34 @@ struct ResubmitArgs {
     /// property), so duplicate detection does not drop it.
     #[arg(long)]
     new_id: bool,
+}
+
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+impl ResubmitArgs {
+    /// Whether `m` is chosen: `--all`, or every filter given matches.
+    fn chooses(&self, m: &ReceivedMessage, now: Timestamp) -> bool {
+        self.all
+            || ((self.sequence.is_empty() || self.sequence.contains(&m.sequence_number.get()))
+                && self.reason.as_ref().is_none_or(|r| m.dead_letter_reason.as_deref() == Some(r))
+                && self.older_than.is_none_or(|age| m.enqueued_time.saturating_add(age) < now)
+                && self.property.iter().all(|(k, v)| {
+                    m.message.application_properties.get(k).is_some_and(|p| value_text(p) == *v)
+                }))
+    }
+}
+
+/// A property value as text: a string as it is, anything else as JSON.
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::String(s) | Value::Symbol(s) => s.clone(),
+        other => value_json(other).to_string(),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -173,7 +209,7 @@ impl Ctx {
 /// A client error as one line a user can act on.
 fn explain(e: twice_servicebus_client::Error, entity: &str, ctx: &Ctx) -> anyhow::Error {
     if e.is_not_found() {
-        anyhow!("no entity '{entity}' in the namespace {}", ctx.parsed.host())
+        anyhow!("no entity '{}' in the namespace {}", base_entity(entity), ctx.parsed.host())
     } else if e.is_unauthorized() {
         let key = ctx.parsed.key_name().unwrap_or("the signature");
         anyhow!(
@@ -220,7 +256,7 @@ fn progress(len: Option<u64>, what: &str) -> ProgressBar {
 pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     let ctx = Ctx::new(&args)?;
     let result = match args.command {
-        DlqCommand::List { entity } => list(&ctx, entity.as_deref()).await,
+        DlqCommand::List { entity, json } => list(&ctx, entity.as_deref(), json).await,
         DlqCommand::Show { entity, max, json } => show(&ctx, base_entity(&entity), max, json).await,
         DlqCommand::Resubmit(r) => resubmit(&ctx, &r).await,
         DlqCommand::Purge { entity, yes } => purge(&ctx, base_entity(&entity), yes).await,
@@ -231,7 +267,7 @@ pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     result.map(|()| ExitCode::SUCCESS)
 }
 
-async fn list(ctx: &Ctx, filter: Option<&str>) -> anyhow::Result<()> {
+async fn list(ctx: &Ctx, filter: Option<&str>, json: bool) -> anyhow::Result<()> {
     let admin = ctx.admin()?;
     let all = admin.list().await?;
     let filter = filter.map(str::to_ascii_lowercase);
@@ -239,8 +275,21 @@ async fn list(ctx: &Ctx, filter: Option<&str>) -> anyhow::Result<()> {
         .into_iter()
         .filter(|c| filter.as_ref().is_none_or(|f| c.path.to_ascii_lowercase().contains(f)))
         .collect();
-    let width = shown.iter().map(|c| c.path.len()).max().unwrap_or(0).max("ENTITY".len());
     let mut out = std::io::stdout().lock();
+    if json {
+        for c in &shown {
+            let line = serde_json::json!({
+                "entity": c.path,
+                "active": c.active,
+                "dead_lettered": c.dead_letter,
+                "scheduled": c.scheduled,
+                "deferred": c.deferred,
+            });
+            writeln!(out, "{line}")?;
+        }
+        return Ok(());
+    }
+    let width = shown.iter().map(|c| c.path.len()).max().unwrap_or(0).max("ENTITY".len());
     writeln!(
         out,
         "{:width$}  {:>8}  {:>13}  {:>9}  {:>8}",
@@ -457,22 +506,7 @@ async fn resubmit(ctx: &Ctx, args: &ResubmitArgs) -> anyhow::Result<()> {
     let all = peek_all(ctx, &peeker, &path, usize::MAX, &bar).await?;
     bar.finish_and_clear();
     let now = now();
-    let chosen: Vec<&ReceivedMessage> = all
-        .iter()
-        .filter(|m| {
-            if args.all {
-                true
-            } else if !args.sequence.is_empty() {
-                args.sequence.contains(&m.sequence_number.get())
-            } else if let Some(r) = &args.reason {
-                m.dead_letter_reason.as_deref() == Some(r.as_str())
-            } else if let Some(age) = args.older_than {
-                m.enqueued_time.saturating_add(age) < now
-            } else {
-                false
-            }
-        })
-        .collect();
+    let chosen: Vec<&ReceivedMessage> = all.iter().filter(|m| args.chooses(m, now)).collect();
     if chosen.is_empty() {
         println!("nothing in {path} matches; nothing sent");
         return Ok(());
