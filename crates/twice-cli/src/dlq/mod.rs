@@ -1,4 +1,4 @@
-//! `twice dlq`: look into, resubmit, purge and export the dead-letter queues of `twice serve`
+//! `twice dlq`: look into, resubmit, purge, export and watch the dead-letter queues of `twice serve`
 //! or any Service Bus namespace, through the Service Bus client (AMQP) and the administration
 //! API (ATOM over HTTP) for the counts.
 //!
@@ -10,6 +10,7 @@
 //! a warning, unless `--new-id` gives the copies new ids.
 
 pub(crate) mod admin;
+mod watch;
 
 use std::collections::BTreeSet;
 use std::io::{IsTerminal as _, Write as _};
@@ -43,8 +44,8 @@ pub(crate) struct DlqArgs {
     /// prints its own.
     #[arg(long, value_name = "STRING", global = true)]
     connection_string: Option<String>,
-    /// The administration API (ATOM over HTTP), for `list` and the duplicate-detection check
-    /// of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
+    /// The administration API (ATOM over HTTP), for `list`, `watch` and the
+    /// duplicate-detection check of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
     /// connection string, https://HOST (port 443) otherwise, as Azure serves it.
     #[arg(long, value_name = "URL", global = true, value_parser = AdminUrl::parse)]
     admin_url: Option<AdminUrl>,
@@ -95,6 +96,11 @@ enum DlqCommand {
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Read every entity's dead-letter count at an interval, log a warning ("dead-letter count
+    /// rose", with the entity, the counts before and after and the newest message's reason)
+    /// when one rises, and optionally serve the counts as Prometheus metrics for alerts
+    /// (needs the Manage claim, as `list`).
+    Watch(watch::WatchArgs),
 }
 
 /// Options of `twice dlq resubmit`: `--all`, or filters that a message must all match.
@@ -165,11 +171,12 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     let (n, unit) = s.split_at(split);
     let n: u64 = n.parse().map_err(|_| format!("expected a number and a unit, got {s:?}"))?;
     let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
         "s" => 1,
         "m" => 60,
         "h" => 3600,
         "d" => 86_400,
-        _ => return Err(format!("unknown unit in {s:?}: expected s, m, h or d")),
+        _ => return Err(format!("unknown unit in {s:?}: expected ms, s, m, h or d")),
     };
     Ok(Duration::from_secs(n.saturating_mul(secs)))
 }
@@ -253,6 +260,13 @@ fn progress(len: Option<u64>, what: &str) -> ProgressBar {
     bar
 }
 
+impl DlqArgs {
+    /// Whether this is `twice dlq watch`, whose warnings are its output.
+    pub(crate) fn is_watch(&self) -> bool {
+        matches!(self.command, DlqCommand::Watch(_))
+    }
+}
+
 pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     let ctx = Ctx::new(&args)?;
     let result = match args.command {
@@ -263,6 +277,7 @@ pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
         DlqCommand::Export { entity, output } => {
             export(&ctx, base_entity(&entity), output.as_deref()).await
         }
+        DlqCommand::Watch(w) => watch::watch(&ctx, &w).await,
     };
     result.map(|()| ExitCode::SUCCESS)
 }
@@ -715,6 +730,7 @@ mod tests {
         assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(604_800)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5y").is_err());
         assert!(parse_duration("m").is_err());

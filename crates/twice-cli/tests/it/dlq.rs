@@ -397,3 +397,112 @@ async fn a_key_without_the_rights_a_command_needs_is_one_clear_line() {
     assert!(err.contains("unauthorized") && err.contains("Send"), "{err}");
     assert_eq!(s.counts("orders"), [0, 1, 0, 0], "the message stays dead-lettered");
 }
+
+/// `twice dlq watch` as a child process: its metrics address, and its stderr lines as they
+/// come; killed on drop.
+struct Watch {
+    child: Child,
+    metrics: String,
+    log: std::sync::mpsc::Receiver<String>,
+}
+
+impl Watch {
+    fn start(s: &Serve) -> Watch {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_twice"))
+            .args(["dlq", "watch", "--interval", "200ms", "--metrics", "127.0.0.1:0"])
+            .args(["--admin-url", &s.admin_url])
+            .env("TWICE_CONNECTION_STRING", &s.connection_string)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting twice dlq watch");
+        let (tx, log) = std::sync::mpsc::channel();
+        let stderr = BufReader::new(child.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut metrics = None;
+        loop {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "twice dlq watch ended before watching");
+            if let Some(url) = line.trim().strip_prefix("metrics: http://") {
+                metrics = Some(url.trim_end_matches("/metrics").to_owned());
+            }
+            if line.starts_with("watching") {
+                break;
+            }
+        }
+        Watch { child, metrics: metrics.expect("a metrics line"), log }
+    }
+
+    /// The Prometheus text the watcher serves.
+    fn scrape(&self) -> String {
+        use std::io::Write as _;
+        let mut conn = std::net::TcpStream::connect(&self.metrics).unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut response = String::new();
+        conn.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        response
+    }
+
+    /// The first stderr line containing `text`, within ten seconds.
+    fn log_line(&self, text: &str) -> String {
+        // At most a hundred waits of 100 ms, each ended early by a line.
+        for _ in 0..100 {
+            match self.log.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) if line.contains(text) => return line,
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(e) => panic!("the watcher's stderr ended: {e}"),
+            }
+        }
+        panic!("no log line with {text:?} within ten seconds")
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_logs_a_rise_and_serves_it_as_metrics() {
+    let s = Serve::start();
+    let client = s.client();
+    dead_letter(&client, "orders", &[("before", "Old")]).await;
+    let w = Watch::start(&s);
+    let text = w.scrape();
+    assert!(text.contains("twice_dlq_messages{entity=\"orders\"} 1\n"), "{text}");
+    assert!(text.contains("twice_dlq_increases_total{entity=\"orders\"} 0\n"), "the baseline");
+    assert!(text.contains("twice_dlq_messages{entity=\"events/Subscriptions/billing\"} 0\n"));
+
+    dead_letter(&client, "orders", &[("x", "Poison")]).await;
+    let line = w.log_line("dead-letter count rose");
+    assert!(line.contains("WARN"), "{line}");
+    for field in ["entity=orders", "from=1", "to=2", "reason=Poison"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    let text = w.scrape();
+    assert!(text.contains("twice_dlq_messages{entity=\"orders\"} 2\n"), "{text}");
+    assert!(text.contains("twice_dlq_increases_total{entity=\"orders\"} 1\n"), "{text}");
+    assert!(text.contains("# TYPE twice_dlq_messages gauge"), "{text}");
+
+    // A second rise names the newest message's reason, not the first one's.
+    dead_letter(&client, "orders", &[("y", "Timeout")]).await;
+    let line = w.log_line("dead-letter count rose");
+    assert!(line.contains("to=3") && line.contains("reason=Timeout"), "{line}");
+}
+
+#[test]
+fn watch_stops_at_once_when_it_cannot_read_the_counts() {
+    let s = Serve::start();
+    let wrong = s.connection_string.replace("SAS_KEY_VALUE", "not-the-key");
+    let err = failed(&s.dlq_with(&wrong, &["watch", "--interval", "1s"]));
+    assert!(err.contains("unauthorized"), "{err}");
+}
