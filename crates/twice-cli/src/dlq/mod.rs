@@ -79,6 +79,12 @@ enum DlqCommand {
     },
     /// Send copies of dead-lettered messages back, and remove each from the dead-letter queue
     /// once its copy is acknowledged.
+    ///
+    /// A crash between the send and the removal leaves the message in both places (a
+    /// duplicate, which an idempotent receiver absorbs), never in neither. A copy keeps its
+    /// MessageId (and SessionId): a target with duplicate detection would drop a copy whose
+    /// original was enqueued inside its window, so such messages stay dead-lettered with a
+    /// warning; --new-id sends them with new ids instead.
     Resubmit(ResubmitArgs),
     /// Delete every message of the dead-letter queue of ENTITY (asks first).
     Purge {
@@ -100,6 +106,11 @@ enum DlqCommand {
     /// rose", with the entity, the counts before and after and the newest message's reason)
     /// when one rises, and optionally serve the counts as Prometheus metrics for alerts
     /// (needs the Manage claim, as `list`).
+    ///
+    /// The first reading is the baseline. An alert on the metrics:
+    /// `increase(twice_dlq_increases_total[10m]) > 0`. Only the first reading must succeed; a
+    /// later failure is logged, counted in `twice_dlq_read_errors_total`, and retried at the
+    /// next interval. Ctrl-C stops it.
     Watch(watch::WatchArgs),
 }
 
