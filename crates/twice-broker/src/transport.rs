@@ -10,6 +10,8 @@ use twice::{
 };
 
 use crate::broker::Broker;
+use crate::config::EntityDefinition;
+use crate::engine::DEAD_LETTER_SUFFIX;
 use crate::error::Error;
 use crate::session::Session;
 
@@ -26,9 +28,39 @@ pub struct Receiver {
 impl Broker {
     /// A receiver on one entity implementing [`twice::Transport`] (and
     /// [`twice::SessionTransport`] on a session-enabled entity), for the idempotent processor.
+    ///
+    /// Its [`EntityInfo::message_time_to_live`] is the entity's `DefaultMessageTimeToLive`
+    /// (`None`: forever); of a subscription, the shorter of its own and its topic's, since a
+    /// message takes the topic's on its way in. A dead-letter queue keeps its messages
+    /// forever.
     pub async fn receiver(&self, path: &str) -> Result<Receiver, Error> {
-        let info = self.entity_info(path).await?;
+        let mut info = self.entity_info(path).await?;
+        info.message_time_to_live = self.time_to_live(&info.path).await?;
         Ok(Receiver::new(self.clone(), info))
+    }
+
+    /// The longest a message lives on the entity at `path` (a path as
+    /// [`Broker::entity_info`] spells it).
+    async fn time_to_live(&self, path: &str) -> Result<Option<Duration>, Error> {
+        if path.ends_with(DEAD_LETTER_SUFFIX) {
+            return Ok(None);
+        }
+        Ok(match self.get_entity(path).await? {
+            EntityDefinition::Queue { properties, .. } => properties.default_message_time_to_live,
+            EntityDefinition::Topic { properties, .. } => properties.default_message_time_to_live,
+            EntityDefinition::Subscription { topic, properties, .. } => {
+                let topic = self.get_topic(&topic).await?.default_message_time_to_live;
+                shorter(topic, properties.default_message_time_to_live)
+            }
+        })
+    }
+}
+
+/// The shorter of two times to live, `None` being forever.
+fn shorter(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

@@ -32,7 +32,7 @@ enum Command {
     /// a repair).
     Data(data::DataArgs),
     /// Look into a namespace's dead-letter queues (twice serve or Service Bus): list the
-    /// counts, show, resubmit, purge or export dead-lettered messages.
+    /// counts, show, resubmit, purge or export dead-lettered messages, or watch the counts.
     Dlq(dlq::DlqArgs),
     /// Run the whole system in separate processes (twice serve, processors, PostgreSQL) under
     /// SIGKILLs, SIGSTOPs and a database restart, and check that every acknowledged order
@@ -97,6 +97,8 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
 fn init_logging(command: &Command) {
     let default = match command {
         Command::Serve(_) | Command::Data(_) | Command::Chaos(_) => "warn",
+        // The watcher's warnings are what it is for.
+        Command::Dlq(args) if args.is_watch() => "warn",
         // Its errors are reported on stderr, once; the client's retries are not news.
         Command::Dlq(_) => "error",
         // A processor of a chaos run meets lost connections on purpose.
@@ -104,6 +106,11 @@ fn init_logging(command: &Command) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // Colours only for a person: a log read by a program or kept in a file stays plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .try_init();
 }

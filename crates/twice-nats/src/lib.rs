@@ -28,6 +28,7 @@
 //! | MaxDeliveryCount | see below |
 //! | delivery count | `num_delivered` of the delivery |
 //! | duplicate detection | `Nats-Msg-Id` within the stream's duplicate window |
+//! | DefaultMessageTimeToLive | the stream's `max_age`, read on connect (zero: forever; [`NatsOptions::max_age`] when the transport creates the stream) |
 //! | sequence number | the stream sequence |
 //! | `defer`, sessions | none: [`TransportError::Unsupported`] |
 //!
@@ -101,13 +102,14 @@ pub struct NatsOptions {
     lock_duration: Duration,
     max_delivery_count: Option<u32>,
     duplicate_window: Duration,
+    max_age: Duration,
     clock: SharedClock,
 }
 
 impl NatsOptions {
     /// Options for `stream` on the server at `url`, with the defaults: subject = the stream
     /// name in lower case, consumer `twice`, lock (AckWait) 60 s, MaxDeliveryCount 10, duplicate
-    /// window 10 minutes (Service Bus's default), the system clock.
+    /// window 10 minutes (Service Bus's default), no `max_age`, the system clock.
     pub fn new(url: impl Into<String>, stream: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -117,6 +119,7 @@ impl NatsOptions {
             lock_duration: Duration::from_secs(60),
             max_delivery_count: Some(10),
             duplicate_window: Duration::from_secs(600),
+            max_age: Duration::ZERO,
             clock: SharedClock::system(),
         }
     }
@@ -153,6 +156,16 @@ impl NatsOptions {
     #[must_use]
     pub fn duplicate_window(mut self, d: Duration) -> Self {
         self.duplicate_window = d;
+        self
+    }
+
+    /// The stream's `max_age` when this transport creates the stream (default zero: messages
+    /// stay until acknowledged). A stream that exists keeps its own; either way
+    /// [`EntityInfo::message_time_to_live`] is what the server reports on connect, and the
+    /// processor checks the inbox's retention against it.
+    #[must_use]
+    pub fn max_age(mut self, d: Duration) -> Self {
+        self.max_age = d;
         self
     }
 
@@ -275,6 +288,8 @@ impl NatsTransport {
         options.stream = dead_letter_stream_name(&self.inner.options.stream);
         options.subject = self.inner.dead_letter_subject.clone();
         options.max_delivery_count = None;
+        // Dead-lettered messages stay until someone takes them.
+        options.max_age = Duration::ZERO;
         Self::open(options, true).await
     }
 
@@ -289,12 +304,18 @@ impl NatsTransport {
         let context = jetstream::new(client.clone());
         let subject = options.subject_name();
         let dead_letter_subject = (!is_dead_letter).then(|| format!("{subject}.dead-letter"));
-        let create = |name: String, subject: String, retention| stream::Config {
+        // JetStream refuses a duplicate window longer than the stream's `max_age`.
+        let create = |name: String, subject: String, max_age: Duration| stream::Config {
             name,
             subjects: vec![subject],
-            retention,
+            retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
-            duplicate_window: options.duplicate_window,
+            duplicate_window: if max_age.is_zero() {
+                options.duplicate_window
+            } else {
+                options.duplicate_window.min(max_age)
+            },
+            max_age,
             ..stream::Config::default()
         };
         if let Some(dl) = &dead_letter_subject {
@@ -302,17 +323,13 @@ impl NatsTransport {
                 .get_or_create_stream(create(
                     dead_letter_stream_name(&options.stream),
                     dl.clone(),
-                    stream::RetentionPolicy::WorkQueue,
+                    Duration::ZERO,
                 ))
                 .await
                 .map_err(|e| other("creating the dead-letter stream", e))?;
         }
         let stream = context
-            .get_or_create_stream(create(
-                options.stream.clone(),
-                subject.clone(),
-                stream::RetentionPolicy::WorkQueue,
-            ))
+            .get_or_create_stream(create(options.stream.clone(), subject.clone(), options.max_age))
             .await
             .map_err(|e| other("creating the stream", e))?;
         let max_deliver = options.max_delivery_count.map_or(-1, |n| i64::from(n) + 1);
@@ -340,8 +357,13 @@ impl NatsTransport {
         let mut info = EntityInfo::new(options.stream.clone());
         info.lock_duration = options.lock_duration;
         info.max_delivery_count = options.max_delivery_count;
-        info.duplicate_detection_window = Some(options.duplicate_window);
+        // What the server has, which for a stream that existed may differ from the options.
+        let config = &stream.cached_info().config;
+        info.duplicate_detection_window = Some(config.duplicate_window);
         info.requires_session = false;
+        // `max_age` removes a message however often it was delivered; zero keeps it forever.
+        let max_age = config.max_age;
+        info.message_time_to_live = (!max_age.is_zero()).then_some(max_age);
         Ok(Self {
             inner: Arc::new(Inner {
                 options,

@@ -27,6 +27,7 @@
 //! | `complete` | `basic.ack` |
 //! | `abandon`, `release` | `basic.nack` with requeue: the quorum queue counts a delivery either way |
 //! | `dead_letter` | a confirmed publish of the message to the dead-letter queue with the reason in headers, then `basic.ack` |
+//! | DefaultMessageTimeToLive | `x-message-ttl` ([`RabbitMqOptions::message_time_to_live`]); an expired message is dead-lettered |
 //! | MaxDeliveryCount | `x-delivery-limit` = MaxDeliveryCount − 1, with `x-dead-letter-exchange` to the dead-letter queue (`at-least-once`) |
 //! | delivery count | `x-delivery-count` + 1 (the header counts returns; absent on the first delivery) |
 //! | message id | the `message-id` property |
@@ -117,6 +118,7 @@ pub struct RabbitMqOptions {
     lock_duration: Duration,
     consumer_timeout: Duration,
     max_delivery_count: Option<u32>,
+    message_time_to_live: Option<Duration>,
     prefetch: u16,
     declare: bool,
     clock: SharedClock,
@@ -125,7 +127,8 @@ pub struct RabbitMqOptions {
 impl RabbitMqOptions {
     /// Options for `queue` on the broker at `uri` (`amqp://user:pass@host:port/vhost`), with the
     /// defaults: lock 60 s, `consumer_timeout` 30 minutes (RabbitMQ's default), MaxDeliveryCount
-    /// 10, prefetch 64, the queues declared on connect, the system clock.
+    /// 10, no message time to live, prefetch 64, the queues declared on connect, the system
+    /// clock.
     pub fn new(uri: impl Into<String>, queue: impl Into<String>) -> Self {
         Self {
             uri: uri.into(),
@@ -133,6 +136,7 @@ impl RabbitMqOptions {
             lock_duration: Duration::from_secs(60),
             consumer_timeout: Duration::from_secs(30 * 60),
             max_delivery_count: Some(10),
+            message_time_to_live: None,
             prefetch: 64,
             declare: true,
             clock: SharedClock::system(),
@@ -175,6 +179,26 @@ impl RabbitMqOptions {
     /// Deliveries before a message is dead-lettered.
     pub fn get_max_delivery_count(&self) -> Option<u32> {
         self.max_delivery_count
+    }
+
+    /// How long a message may wait in the queue (default `None`: forever). It becomes the
+    /// queue's `x-message-ttl` when the queue is declared, and
+    /// [`EntityInfo::message_time_to_live`], which the processor checks the inbox's retention
+    /// against. An expired message is dead-lettered with the reason `TTLExpiredException`.
+    ///
+    /// AMQP 0-9-1 cannot read a queue's arguments or policies back: a queue declared elsewhere
+    /// (with [`declare`](Self::declare) off) or given a `message-ttl` policy should be
+    /// described here with the same time to live (RabbitMQ applies the shorter of argument
+    /// and policy).
+    #[must_use]
+    pub fn message_time_to_live(mut self, ttl: Option<Duration>) -> Self {
+        self.message_time_to_live = ttl;
+        self
+    }
+
+    /// How long a message may wait in the queue.
+    pub fn get_message_time_to_live(&self) -> Option<Duration> {
+        self.message_time_to_live
     }
 
     /// How many unacknowledged deliveries RabbitMQ sends ahead (`basic.qos`, default 64, at
@@ -326,6 +350,11 @@ impl RabbitMqTransport {
         };
         info.duplicate_detection_window = None;
         info.requires_session = false;
+        info.message_time_to_live = match role {
+            Role::Main => options.message_time_to_live,
+            // Dead-lettered messages stay until someone takes them.
+            Role::DeadLetter => None,
+        };
         let dead_letter_queue = dead_letter_queue_name(&options.queue);
         let transport = Self {
             inner: Arc::new(Inner {
@@ -421,6 +450,12 @@ impl RabbitMqTransport {
                         "x-delivery-limit".into(),
                         AMQPValue::LongLongInt(i64::from(n - 1)),
                     );
+                }
+                if let Some(ttl) = self.inner.options.message_time_to_live {
+                    let millis = i64::try_from(ttl.as_millis()).map_err(|_| {
+                        TransportError::Invalid(format!("message time to live {ttl:?} is too long"))
+                    })?;
+                    args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(millis));
                 }
                 args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
                 args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(dlq.into()));

@@ -71,6 +71,7 @@ mod client;
 mod connstr;
 mod engine;
 mod error;
+mod options;
 mod receiver;
 mod sender;
 mod tls;
@@ -79,9 +80,8 @@ pub mod token;
 pub use client::{ClientOptions, RetryOptions, ServiceBusClient};
 pub use connstr::ConnectionString;
 pub use error::{Error, condition};
-pub use receiver::{
-    ReceiveMode, Receiver, ReceiverOptions, ServiceBusDelivery, SessionClient, SessionReceiver,
-};
+pub use options::{ReceiveMode, ReceiverOptions};
+pub use receiver::{Receiver, ServiceBusDelivery, SessionClient, SessionReceiver};
 pub use sender::{MAX_MESSAGE_ID_LEN, Sender, StableIdSender, stable_message_id};
 pub use tls::TlsOptions;
 pub use token::{AccessToken, SasKeyProvider, SasSignatureProvider, TokenProvider, TokenType};

@@ -17,76 +17,7 @@ use twice_amqp::performative::{AmqpError, Outcome, ROLE_RECEIVER, desc, describe
 use crate::client::{Conn, Inner, Management, ServiceBusClient};
 use crate::engine::{Engine, Incoming, LinkEvent, LinkSpec};
 use crate::error::{Error, condition};
-
-/// How messages are taken from the entity.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReceiveMode {
-    /// Each message is locked for this receiver until it is settled or the lock expires.
-    #[default]
-    PeekLock,
-    /// Each message is removed as it is sent: at most once, no settlement.
-    ReceiveAndDelete,
-}
-
-/// Options of a receiver.
-#[derive(Clone, Debug)]
-pub struct ReceiverOptions {
-    mode: ReceiveMode,
-    prefetch: u32,
-    entity: Option<EntityInfo>,
-}
-
-impl Default for ReceiverOptions {
-    fn default() -> Self {
-        Self { mode: ReceiveMode::PeekLock, prefetch: 2, entity: None }
-    }
-}
-
-impl ReceiverOptions {
-    /// Peek-lock with the credit of one concurrent call.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Peek-lock (default) or receive-and-delete.
-    #[must_use]
-    pub fn mode(mut self, mode: ReceiveMode) -> Self {
-        self.mode = mode;
-        self
-    }
-
-    /// Sizes the link credit for a processor with this many concurrent calls: twice as many
-    /// messages as calls are in flight or buffered, so a finished call finds the next message
-    /// waiting without locking many more than can be worked on.
-    #[must_use]
-    pub fn max_concurrent_calls(mut self, calls: usize) -> Self {
-        self.prefetch = u32::try_from(calls.max(1).saturating_mul(2)).unwrap_or(u32::MAX);
-        self
-    }
-
-    /// The link credit directly: how many messages may be delivered ahead of `receive` calls
-    /// (at least 1).
-    #[must_use]
-    pub fn prefetch(mut self, n: u32) -> Self {
-        self.prefetch = n.max(1);
-        self
-    }
-
-    /// What the processor should know about the entity (lock duration, max delivery count,
-    /// duplicate detection window). AMQP does not carry these; without this the Service Bus
-    /// defaults are assumed.
-    #[must_use]
-    pub fn entity_info(mut self, info: EntityInfo) -> Self {
-        self.entity = Some(info);
-        self
-    }
-
-    /// The credit.
-    pub fn get_prefetch(&self) -> u32 {
-        self.prefetch
-    }
-}
+use crate::options::{ReceiveMode, ReceiverOptions};
 
 /// How long [`Receiver::release_and_close`] waits for transfers sent before the service saw
 /// the credit taken back.
@@ -236,7 +167,7 @@ pub struct Receiver {
 impl ServiceBusClient {
     /// A receiver on `entity`. Nothing is attached until the first `receive`.
     pub fn receiver(&self, entity: &str, options: ReceiverOptions) -> Receiver {
-        let info = options.entity.clone().unwrap_or_else(|| EntityInfo::new(entity));
+        let info = options.entity_info_for(entity);
         Receiver {
             shared: Arc::new(Shared {
                 client: self.inner.clone(),

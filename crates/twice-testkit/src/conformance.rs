@@ -11,6 +11,9 @@
 //! - transport scenarios talk to the transport directly: redelivery after abandon and after
 //!   lock expiry with the count rising, dead-lettering at MaxDeliveryCount and by request with a
 //!   reason, duplicate detection, defer, release, renewal, order, reconnection;
+//! - the session scenario ([`sessions`]): two sessions interleaved on one entity, in order
+//!   through the session receiver and the session processor, or, on a transport without
+//!   sessions, what the plain processor does with them;
 //! - processor scenarios run the [`Processor`] with an SQLite, a PostgreSQL and a MariaDB inbox:
 //!   a poison body, a crash between commit and complete, two copies at the same instant, a lock
 //!   lost while the handler runs. Each must end with the work committed once per message.
@@ -31,6 +34,10 @@ use twice::{
 use twice_sqlx::{InboxOptions, SqlxInbox};
 
 use crate::db::{MariaDatabase, PgDatabase, SqliteDatabase};
+
+pub mod sessions;
+
+pub use sessions::{SESSION_ORDER, SessionEntity};
 
 /// How long a scenario may wait for something that should happen within a few lock durations;
 /// past it the scenario fails instead of hanging.
@@ -115,6 +122,11 @@ pub trait Harness: Send + Sync {
     /// ([`crate::require_service`]).
     fn create(&self, settings: EntitySettings)
     -> impl Future<Output = Option<Self::Entity>> + Send;
+
+    /// The cell of [`SESSION_ORDER`]: a transport with sessions plays
+    /// [`sessions::with_sessions`] on a fresh session-enabled entity; one without plays
+    /// [`sessions::without_sessions`], saying what a user does instead.
+    fn sessions(&self) -> impl Future<Output = Option<String>> + Send;
 }
 
 /// What the kit observed: a cell per capability, in the order of [`CAPABILITIES`].
@@ -127,7 +139,7 @@ pub struct Report {
 }
 
 /// The capabilities, in the order of the table.
-pub const CAPABILITIES: [&str; 14] = [
+pub const CAPABILITIES: [&str; 15] = [
     ABANDON,
     LOCK_EXPIRY,
     MAX_DELIVERY,
@@ -137,6 +149,7 @@ pub const CAPABILITIES: [&str; 14] = [
     RELEASE,
     RENEW,
     ORDER,
+    SESSION_ORDER,
     RECONNECT,
     P_POISON,
     P_CRASH,
@@ -226,6 +239,7 @@ pub async fn run<H: Harness>(harness: &H) -> Option<Report> {
     cells.insert(RELEASE, release(harness).await?);
     cells.insert(RENEW, renew(harness).await?);
     cells.insert(ORDER, order(harness).await?);
+    cells.insert(SESSION_ORDER, harness.sessions().await?);
     cells.insert(RECONNECT, reconnect(harness).await?);
     let stores = processor_scenarios(harness).await?;
     for (capability, by_store) in stores {

@@ -135,3 +135,36 @@ async fn sessions_deliver_in_order_to_one_holder() {
     assert_eq!(next.session_id().as_str(), "odd");
     assert_eq!(SessionReceiver::receive(&next, 10, NOW).await.unwrap().len(), 2);
 }
+
+#[tokio::test]
+async fn entity_info_carries_the_default_message_time_to_live() {
+    use twice_broker::config::{SubscriptionProperties, TopicProperties};
+    let clock = ManualClock::default();
+    let broker = broker(&clock).await;
+    let minute = Duration::from_secs(60);
+    let props = QueueProperties::default().with_default_message_time_to_live(minute);
+    broker.create_queue("short", props).await.unwrap();
+    broker.create_queue("forever", QueueProperties::default()).await.unwrap();
+    let topic = TopicProperties::default().with_default_message_time_to_live(5 * minute);
+    broker.create_topic("events", topic).await.unwrap();
+    let shorter = SubscriptionProperties::default().with_default_message_time_to_live(2 * minute);
+    broker.create_subscription("events", "shorter", shorter).await.unwrap();
+    let longer = SubscriptionProperties::default().with_default_message_time_to_live(9 * minute);
+    broker.create_subscription("events", "longer", longer).await.unwrap();
+    broker.create_subscription("events", "unset", SubscriptionProperties::default()).await.unwrap();
+
+    let ttl = |path: &'static str| {
+        let broker = broker.clone();
+        async move { broker.receiver(path).await.unwrap().entity().message_time_to_live }
+    };
+    assert_eq!(ttl("short").await, Some(minute));
+    assert_eq!(ttl("forever").await, None, "no DefaultMessageTimeToLive is forever");
+    assert_eq!(ttl("events/Subscriptions/shorter").await, Some(2 * minute));
+    assert_eq!(
+        ttl("events/Subscriptions/longer").await,
+        Some(5 * minute),
+        "the topic's is shorter"
+    );
+    assert_eq!(ttl("events/Subscriptions/unset").await, Some(5 * minute));
+    assert_eq!(ttl("short/$DeadLetterQueue").await, None, "dead-lettered messages do not expire");
+}

@@ -20,7 +20,9 @@ const PAGE: usize = 100;
 /// An error of the administration API, one line each.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AdminError {
-    #[error("cannot reach the administration API at {url}: {reason}")]
+    #[error(
+        "cannot reach the administration API at {url}: {reason} (give --admin-url: twice serve prints it on its `health and metrics` line)"
+    )]
     Unreachable { url: String, reason: String },
     #[error(
         "unauthorized: the administration API at {url} refused the key (it needs the Manage claim): {detail}"

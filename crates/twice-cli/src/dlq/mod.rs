@@ -1,4 +1,4 @@
-//! `twice dlq`: look into, resubmit, purge and export the dead-letter queues of `twice serve`
+//! `twice dlq`: look into, resubmit, purge, export and watch the dead-letter queues of `twice serve`
 //! or any Service Bus namespace, through the Service Bus client (AMQP) and the administration
 //! API (ATOM over HTTP) for the counts.
 //!
@@ -10,6 +10,7 @@
 //! a warning, unless `--new-id` gives the copies new ids.
 
 pub(crate) mod admin;
+mod watch;
 
 use std::collections::BTreeSet;
 use std::io::{IsTerminal as _, Write as _};
@@ -43,8 +44,8 @@ pub(crate) struct DlqArgs {
     /// prints its own.
     #[arg(long, value_name = "STRING", global = true)]
     connection_string: Option<String>,
-    /// The administration API (ATOM over HTTP), for `list` and the duplicate-detection check
-    /// of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
+    /// The administration API (ATOM over HTTP), for `list`, `watch` and the
+    /// duplicate-detection check of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
     /// connection string, https://HOST (port 443) otherwise, as Azure serves it.
     #[arg(long, value_name = "URL", global = true, value_parser = AdminUrl::parse)]
     admin_url: Option<AdminUrl>,
@@ -60,6 +61,10 @@ enum DlqCommand {
         /// Only entities whose path contains this (case-insensitive).
         #[arg(long, value_name = "TEXT")]
         entity: Option<String>,
+        /// One JSON object per entity (`entity`, `active`, `dead_lettered`, `scheduled`,
+        /// `deferred`), for scripts.
+        #[arg(long)]
+        json: bool,
     },
     /// Peek at the dead-letter queue of ENTITY without locking anything.
     Show {
@@ -74,6 +79,12 @@ enum DlqCommand {
     },
     /// Send copies of dead-lettered messages back, and remove each from the dead-letter queue
     /// once its copy is acknowledged.
+    ///
+    /// A crash between the send and the removal leaves the message in both places (a
+    /// duplicate, which an idempotent receiver absorbs), never in neither. A copy keeps its
+    /// MessageId (and SessionId): a target with duplicate detection would drop a copy whose
+    /// original was enqueued inside its window, so such messages stay dead-lettered with a
+    /// warning; --new-id sends them with new ids instead.
     Resubmit(ResubmitArgs),
     /// Delete every message of the dead-letter queue of ENTITY (asks first).
     Purge {
@@ -91,12 +102,22 @@ enum DlqCommand {
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
     },
+    /// Read every entity's dead-letter count at an interval, log a warning ("dead-letter count
+    /// rose", with the entity, the counts before and after and the newest message's reason)
+    /// when one rises, and optionally serve the counts as Prometheus metrics for alerts
+    /// (needs the Manage claim, as `list`).
+    ///
+    /// The first reading is the baseline. An alert on the metrics:
+    /// `increase(twice_dlq_increases_total[10m]) > 0`. Only the first reading must succeed; a
+    /// later failure is logged, counted in `twice_dlq_read_errors_total`, and retried at the
+    /// next interval. Ctrl-C stops it.
+    Watch(watch::WatchArgs),
 }
 
-/// Options of `twice dlq resubmit`.
+/// Options of `twice dlq resubmit`: `--all`, or filters that a message must all match.
 #[derive(Debug, clap::Args)]
-#[command(group(clap::ArgGroup::new("select").required(true).multiple(false)
-    .args(["sequence", "reason", "older_than", "all"])))]
+#[command(group(clap::ArgGroup::new("select").required(true).multiple(true)
+    .args(["sequence", "reason", "older_than", "property", "all"])))]
 struct ResubmitArgs {
     /// A queue or `TOPIC/Subscriptions/NAME`.
     entity: String,
@@ -109,8 +130,12 @@ struct ResubmitArgs {
     /// The messages enqueued longer ago than this (`90s`, `30m`, `12h`, `7d`).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     older_than: Option<Duration>,
+    /// The messages with this application property (`KEY=VALUE`, the value compared as
+    /// text; repeatable: every one must match).
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_property)]
+    property: Vec<(String, String)>,
     /// Every message.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["sequence", "reason", "older_than", "property"])]
     all: bool,
     /// Where the copies go. Default: the queue itself. A subscription cannot be sent to: give
     /// its topic (every subscription of the topic whose rules match then gets a copy) or
@@ -123,17 +148,46 @@ struct ResubmitArgs {
     new_id: bool,
 }
 
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+impl ResubmitArgs {
+    /// Whether `m` is chosen: `--all`, or every filter given matches.
+    fn chooses(&self, m: &ReceivedMessage, now: Timestamp) -> bool {
+        self.all
+            || ((self.sequence.is_empty() || self.sequence.contains(&m.sequence_number.get()))
+                && self.reason.as_ref().is_none_or(|r| m.dead_letter_reason.as_deref() == Some(r))
+                && self.older_than.is_none_or(|age| m.enqueued_time.saturating_add(age) < now)
+                && self.property.iter().all(|(k, v)| {
+                    m.message.application_properties.get(k).is_some_and(|p| value_text(p) == *v)
+                }))
+    }
+}
+
+/// A property value as text: a string as it is, anything else as JSON.
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::String(s) | Value::Symbol(s) => s.clone(),
+        other => value_json(other).to_string(),
+    }
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
     let n: u64 = n.parse().map_err(|_| format!("expected a number and a unit, got {s:?}"))?;
     let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
         "s" => 1,
         "m" => 60,
         "h" => 3600,
         "d" => 86_400,
-        _ => return Err(format!("unknown unit in {s:?}: expected s, m, h or d")),
+        _ => return Err(format!("unknown unit in {s:?}: expected ms, s, m, h or d")),
     };
     Ok(Duration::from_secs(n.saturating_mul(secs)))
 }
@@ -173,7 +227,7 @@ impl Ctx {
 /// A client error as one line a user can act on.
 fn explain(e: twice_servicebus_client::Error, entity: &str, ctx: &Ctx) -> anyhow::Error {
     if e.is_not_found() {
-        anyhow!("no entity '{entity}' in the namespace {}", ctx.parsed.host())
+        anyhow!("no entity '{}' in the namespace {}", base_entity(entity), ctx.parsed.host())
     } else if e.is_unauthorized() {
         let key = ctx.parsed.key_name().unwrap_or("the signature");
         anyhow!(
@@ -217,21 +271,29 @@ fn progress(len: Option<u64>, what: &str) -> ProgressBar {
     bar
 }
 
+impl DlqArgs {
+    /// Whether this is `twice dlq watch`, whose warnings are its output.
+    pub(crate) fn is_watch(&self) -> bool {
+        matches!(self.command, DlqCommand::Watch(_))
+    }
+}
+
 pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
     let ctx = Ctx::new(&args)?;
     let result = match args.command {
-        DlqCommand::List { entity } => list(&ctx, entity.as_deref()).await,
+        DlqCommand::List { entity, json } => list(&ctx, entity.as_deref(), json).await,
         DlqCommand::Show { entity, max, json } => show(&ctx, base_entity(&entity), max, json).await,
         DlqCommand::Resubmit(r) => resubmit(&ctx, &r).await,
         DlqCommand::Purge { entity, yes } => purge(&ctx, base_entity(&entity), yes).await,
         DlqCommand::Export { entity, output } => {
             export(&ctx, base_entity(&entity), output.as_deref()).await
         }
+        DlqCommand::Watch(w) => watch::watch(&ctx, &w).await,
     };
     result.map(|()| ExitCode::SUCCESS)
 }
 
-async fn list(ctx: &Ctx, filter: Option<&str>) -> anyhow::Result<()> {
+async fn list(ctx: &Ctx, filter: Option<&str>, json: bool) -> anyhow::Result<()> {
     let admin = ctx.admin()?;
     let all = admin.list().await?;
     let filter = filter.map(str::to_ascii_lowercase);
@@ -239,8 +301,21 @@ async fn list(ctx: &Ctx, filter: Option<&str>) -> anyhow::Result<()> {
         .into_iter()
         .filter(|c| filter.as_ref().is_none_or(|f| c.path.to_ascii_lowercase().contains(f)))
         .collect();
-    let width = shown.iter().map(|c| c.path.len()).max().unwrap_or(0).max("ENTITY".len());
     let mut out = std::io::stdout().lock();
+    if json {
+        for c in &shown {
+            let line = serde_json::json!({
+                "entity": c.path,
+                "active": c.active,
+                "dead_lettered": c.dead_letter,
+                "scheduled": c.scheduled,
+                "deferred": c.deferred,
+            });
+            writeln!(out, "{line}")?;
+        }
+        return Ok(());
+    }
+    let width = shown.iter().map(|c| c.path.len()).max().unwrap_or(0).max("ENTITY".len());
     writeln!(
         out,
         "{:width$}  {:>8}  {:>13}  {:>9}  {:>8}",
@@ -457,22 +532,7 @@ async fn resubmit(ctx: &Ctx, args: &ResubmitArgs) -> anyhow::Result<()> {
     let all = peek_all(ctx, &peeker, &path, usize::MAX, &bar).await?;
     bar.finish_and_clear();
     let now = now();
-    let chosen: Vec<&ReceivedMessage> = all
-        .iter()
-        .filter(|m| {
-            if args.all {
-                true
-            } else if !args.sequence.is_empty() {
-                args.sequence.contains(&m.sequence_number.get())
-            } else if let Some(r) = &args.reason {
-                m.dead_letter_reason.as_deref() == Some(r.as_str())
-            } else if let Some(age) = args.older_than {
-                m.enqueued_time.saturating_add(age) < now
-            } else {
-                false
-            }
-        })
-        .collect();
+    let chosen: Vec<&ReceivedMessage> = all.iter().filter(|m| args.chooses(m, now)).collect();
     if chosen.is_empty() {
         println!("nothing in {path} matches; nothing sent");
         return Ok(());
@@ -681,6 +741,7 @@ mod tests {
         assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(604_800)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5y").is_err());
         assert!(parse_duration("m").is_err());

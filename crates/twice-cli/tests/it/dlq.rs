@@ -17,7 +17,8 @@ const CONFIG: &str = r#"{
       "Queues": [
         { "Name": "orders", "Properties": { "LockDuration": "PT30S", "MaxDeliveryCount": 5 } },
         { "Name": "payments", "Properties": { "RequiresDuplicateDetection": true,
-          "DuplicateDetectionHistoryTimeWindow": "PT10M" } }
+          "DuplicateDetectionHistoryTimeWindow": "PT10M" } },
+        { "Name": "carts", "Properties": { "RequiresSession": true } }
       ],
       "Topics": [{ "Name": "events", "Properties": {},
         "Subscriptions": [{ "Name": "billing", "Properties": {}, "Rules": [] }] }]
@@ -36,6 +37,11 @@ struct Serve {
 
 impl Serve {
     fn start() -> Serve {
+        Self::start_with(&[])
+    }
+
+    /// As [`Serve::start`], with more arguments for `twice serve`.
+    fn start_with(extra: &[&str]) -> Serve {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("Config.json");
         std::fs::write(&config, CONFIG).unwrap();
@@ -43,6 +49,7 @@ impl Serve {
             .args(["serve", "--in-memory", "--amqp", "127.0.0.1:0", "--http", "127.0.0.1:0"])
             .arg("--config")
             .arg(&config)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -267,10 +274,9 @@ fn wrong_keys_unknown_entities_and_bad_strings_are_one_clear_line() {
     let err = failed(&s.dlq_with(&wrong, &["list"]));
     assert!(err.contains("unauthorized"), "{err}");
     let err = failed(&s.dlq(&["show", "nope"]));
-    assert!(
-        err.contains("no entity 'nope/$DeadLetterQueue'") || err.contains("no entity 'nope"),
-        "{err}"
-    );
+    assert!(err.contains("no entity 'nope' in the namespace"), "{err}");
+    let err = failed(&s.dlq(&["purge", "nope", "--yes"]));
+    assert!(err.contains("no entity 'nope' in the namespace"), "{err}");
     let err = failed(&s.dlq_with("Endpoint=nothing", &["list"]));
     assert!(err.contains("connection string"), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_twice"))
@@ -280,4 +286,223 @@ fn wrong_keys_unknown_entities_and_bad_strings_are_one_clear_line() {
         .unwrap();
     let err = failed(&out);
     assert!(err.contains("TWICE_CONNECTION_STRING"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_json_has_one_object_per_entity_for_scripts() {
+    let s = Serve::start();
+    let client = s.client();
+    dead_letter(&client, "orders", &[("a", "Poison"), ("b", "Poison")]).await;
+    client.sender("orders").send_message(Message::new("live")).await.unwrap();
+    let listed = json_lines(&ok(&s.dlq(&["list", "--json"])));
+    let paths: Vec<&str> = listed.iter().map(|e| e["entity"].as_str().unwrap()).collect();
+    assert_eq!(paths, ["orders", "payments", "carts", "events/Subscriptions/billing"]);
+    let orders = &listed[0];
+    assert_eq!(orders["active"], 1);
+    assert_eq!(orders["dead_lettered"], 2);
+    assert_eq!(orders["scheduled"], 0);
+    assert_eq!(orders["deferred"], 0);
+    let filtered = json_lines(&ok(&s.dlq(&["list", "--json", "--entity", "pay"])));
+    assert_eq!(filtered.len(), 1);
+    assert_eq!(filtered[0]["entity"], "payments");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resubmit_filters_on_a_property_and_combines_filters() {
+    let s = Serve::start();
+    let client = s.client();
+    let sender = client.sender("orders");
+    for (id, tenant) in [("t1", "acme"), ("t2", "globex"), ("t3", "acme")] {
+        let m = Message::new(id).with_message_id(id).with_property("tenant", tenant);
+        sender.send_message(m).await.unwrap();
+    }
+    let receiver = client.receiver("orders", ReceiverOptions::new().prefetch(10));
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.extend(receiver.receive_messages(10, WAIT).await.unwrap());
+    }
+    for d in &got {
+        let reason = if d.message().message_id().as_str() == "t3" { "Timeout" } else { "Poison" };
+        receiver.dead_letter_message(d, DeadLetterReason::new(reason, "")).await.unwrap();
+    }
+    let out =
+        ok(&s.dlq(&["resubmit", "orders", "--property", "tenant=acme", "--reason", "Poison"]));
+    assert!(out.contains("resubmitted 1 of 1"), "{out}");
+    let d = receiver.receive_messages(1, WAIT).await.unwrap().pop().unwrap();
+    assert_eq!(d.message().message_id().as_str(), "t1", "acme and Poison: only t1");
+    receiver.complete_message(&d).await.unwrap();
+    let out = ok(&s.dlq(&["resubmit", "orders", "--property", "tenant=acme"]));
+    assert!(out.contains("resubmitted 1 of 1"), "{out}");
+    assert_eq!(s.counts("orders"), [1, 1, 0, 0], "t3 back, t2 (globex) still dead-lettered");
+    // Usage errors are clap's: the error line, then a hint.
+    let usage = |args: &[&str]| {
+        let out = s.dlq(args);
+        assert!(!out.status.success(), "expected a usage error for {args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = usage(&["resubmit", "orders", "--property", "tenant"]);
+    assert!(err.contains("KEY=VALUE"), "{err}");
+    let err = usage(&["resubmit", "orders", "--all", "--reason", "Poison"]);
+    assert!(err.contains("--all") && err.contains("cannot be used with"), "{err}");
+    assert_eq!(s.counts("orders"), [1, 1, 0, 0], "a refused command moves nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resubmit_to_a_session_enabled_queue_keeps_the_session_id() {
+    use twice::SessionReceiver as _;
+    let s = Serve::start();
+    let client = s.client();
+    let cart = twice::SessionId::new("cart-7");
+    let sent = Message::new("add").with_message_id("c1").with_session_id(cart.as_str());
+    client.sender("carts").send_message(sent).await.unwrap();
+    let sessions = client.session_receiver("carts", ReceiverOptions::new());
+    let session = sessions.accept_session(&cart).await.unwrap();
+    let d = session.receive(1, WAIT).await.unwrap().pop().unwrap();
+    session.dead_letter(&d, DeadLetterReason::new("Poison", "")).await.unwrap();
+    session.close().await.unwrap();
+    assert_eq!(s.counts("carts"), [0, 1, 0, 0]);
+
+    let out = ok(&s.dlq(&["resubmit", "carts", "--all"]));
+    assert!(out.contains("resubmitted 1 of 1"), "{out}");
+    assert_eq!(s.counts("carts"), [1, 0, 0, 0]);
+    let session = sessions.accept_next_session(WAIT).await.unwrap().expect("the session is back");
+    assert_eq!(session.session_id(), &cart);
+    let d = session.receive(1, WAIT).await.unwrap().pop().expect("the copy, in its session");
+    assert_eq!(d.message().message_id().as_str(), "c1");
+    assert_eq!(d.message().message.session_id.as_ref(), Some(&cart));
+    session.complete(&d).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_without_the_rights_a_command_needs_is_one_clear_line() {
+    let mut s = Serve::start_with(&[
+        "--sas-key",
+        "RootManageSharedAccessKey=SAS_KEY_VALUE",
+        "--sas-key",
+        "reader=READER_KEY:Listen",
+    ]);
+    // With keys of its own, the server prints the connection string without the key.
+    s.connection_string =
+        s.connection_string.replace("<the key of RootManageSharedAccessKey>", "SAS_KEY_VALUE");
+    dead_letter(&s.client(), "orders", &[("a", "Poison")]).await;
+    let reader = s
+        .connection_string
+        .replace("RootManageSharedAccessKey", "reader")
+        .replace("SAS_KEY_VALUE", "READER_KEY");
+    let err = failed(&s.dlq_with(&reader, &["list"]));
+    assert!(err.contains("unauthorized") && err.contains("Manage"), "{err}");
+    let shown = json_lines(&ok(&s.dlq_with(&reader, &["show", "orders", "--json"])));
+    assert_eq!(shown.len(), 1, "peeking needs Listen only");
+    let err = failed(&s.dlq_with(&reader, &["resubmit", "orders", "--all", "--new-id"]));
+    assert!(err.contains("unauthorized") && err.contains("Send"), "{err}");
+    assert_eq!(s.counts("orders"), [0, 1, 0, 0], "the message stays dead-lettered");
+}
+
+/// `twice dlq watch` as a child process: its metrics address, and its stderr lines as they
+/// come; killed on drop.
+struct Watch {
+    child: Child,
+    metrics: String,
+    log: std::sync::mpsc::Receiver<String>,
+}
+
+impl Watch {
+    fn start(s: &Serve) -> Watch {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_twice"))
+            .args(["dlq", "watch", "--interval", "200ms", "--metrics", "127.0.0.1:0"])
+            .args(["--admin-url", &s.admin_url])
+            .env("TWICE_CONNECTION_STRING", &s.connection_string)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting twice dlq watch");
+        let (tx, log) = std::sync::mpsc::channel();
+        let stderr = BufReader::new(child.stderr.take().expect("stderr"));
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut metrics = None;
+        loop {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "twice dlq watch ended before watching");
+            if let Some(url) = line.trim().strip_prefix("metrics: http://") {
+                metrics = Some(url.trim_end_matches("/metrics").to_owned());
+            }
+            if line.starts_with("watching") {
+                break;
+            }
+        }
+        Watch { child, metrics: metrics.expect("a metrics line"), log }
+    }
+
+    /// The Prometheus text the watcher serves.
+    fn scrape(&self) -> String {
+        use std::io::Write as _;
+        let mut conn = std::net::TcpStream::connect(&self.metrics).unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut response = String::new();
+        conn.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        response
+    }
+
+    /// The first stderr line containing `text`, within ten seconds.
+    fn log_line(&self, text: &str) -> String {
+        // At most a hundred waits of 100 ms, each ended early by a line.
+        for _ in 0..100 {
+            match self.log.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) if line.contains(text) => return line,
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(e) => panic!("the watcher's stderr ended: {e}"),
+            }
+        }
+        panic!("no log line with {text:?} within ten seconds")
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_logs_a_rise_and_serves_it_as_metrics() {
+    let s = Serve::start();
+    let client = s.client();
+    dead_letter(&client, "orders", &[("before", "Old")]).await;
+    let w = Watch::start(&s);
+    let text = w.scrape();
+    assert!(text.contains("twice_dlq_messages{entity=\"orders\"} 1\n"), "{text}");
+    assert!(text.contains("twice_dlq_increases_total{entity=\"orders\"} 0\n"), "the baseline");
+    assert!(text.contains("twice_dlq_messages{entity=\"events/Subscriptions/billing\"} 0\n"));
+
+    dead_letter(&client, "orders", &[("x", "Poison")]).await;
+    let line = w.log_line("dead-letter count rose");
+    assert!(line.contains("WARN"), "{line}");
+    for field in ["entity=orders", "from=1", "to=2", "reason=Poison"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    let text = w.scrape();
+    assert!(text.contains("twice_dlq_messages{entity=\"orders\"} 2\n"), "{text}");
+    assert!(text.contains("twice_dlq_increases_total{entity=\"orders\"} 1\n"), "{text}");
+    assert!(text.contains("# TYPE twice_dlq_messages gauge"), "{text}");
+
+    // A second rise names the newest message's reason, not the first one's.
+    dead_letter(&client, "orders", &[("y", "Timeout")]).await;
+    let line = w.log_line("dead-letter count rose");
+    assert!(line.contains("to=3") && line.contains("reason=Timeout"), "{line}");
+}
+
+#[test]
+fn watch_stops_at_once_when_it_cannot_read_the_counts() {
+    let s = Serve::start();
+    let wrong = s.connection_string.replace("SAS_KEY_VALUE", "not-the-key");
+    let err = failed(&s.dlq_with(&wrong, &["watch", "--interval", "1s"]));
+    assert!(err.contains("unauthorized"), "{err}");
 }

@@ -234,3 +234,41 @@ async fn a_message_jetstream_stopped_delivering_is_moved_to_the_dead_letter_stre
     dlq.complete(&d).await.unwrap();
     assert_eq!(t.message_count().await.unwrap(), 0, "it was deleted from the stream");
 }
+
+#[tokio::test]
+async fn the_message_time_to_live_is_the_max_age_of_the_stream() {
+    let Some((_s, t)) = stream(|o| o).await else { return };
+    assert_eq!(t.entity().message_time_to_live, None, "max_age 0 keeps messages forever");
+
+    let max_age = Duration::from_secs(90);
+    let Some((_s, t)) = stream(|o| o.max_age(max_age)).await else { return };
+    assert_eq!(t.entity().message_time_to_live, Some(max_age));
+    assert_eq!(t.entity().duplicate_detection_window, Some(max_age), "no longer than max_age");
+    let dlq = t.dead_letter_receiver().await.unwrap();
+    assert_eq!(dlq.entity().message_time_to_live, None, "dead-lettered messages stay");
+}
+
+#[tokio::test]
+async fn an_existing_stream_reports_its_own_max_age() {
+    use async_nats::jetstream::stream;
+    let s = TestStream::new("TWICE_NATS");
+    let max_age = Duration::from_secs(1);
+    let client = async_nats::connect(NATS_URL).await;
+    let Some(client) = twice_testkit::require_service("NATS", client) else { return };
+    let js = async_nats::jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: s.name().to_owned(),
+        subjects: vec![s.subject()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        max_age,
+        ..stream::Config::default()
+    })
+    .await
+    .unwrap();
+    let options = NatsOptions::new(NATS_URL, s.name()).max_age(Duration::from_secs(3600));
+    let t = NatsTransport::connect(options).await.unwrap();
+    assert_eq!(t.entity().message_time_to_live, Some(max_age), "the server's, not the option's");
+    t.send(Message::new("x").with_message_id("short-lived")).await.unwrap();
+    tokio::time::sleep(max_age * 2).await;
+    assert!(t.receive(1, Duration::from_millis(300)).await.unwrap().is_empty(), "aged out");
+}

@@ -227,3 +227,27 @@ async fn after_the_connection_is_cut_the_transport_reconnects_and_old_deliveries
     t.complete(&again[0]).await.unwrap();
     t.send(Message::new("y").with_message_id("n")).await.unwrap();
 }
+
+#[tokio::test]
+async fn the_message_time_to_live_is_declared_reported_and_expires_messages() {
+    let ttl = Duration::from_millis(500);
+    let Some((_q, t)) = queue(|o| o.message_time_to_live(Some(ttl))).await else { return };
+    assert_eq!(t.entity().message_time_to_live, Some(ttl));
+    t.send(Message::new("x").with_message_id("short-lived")).await.unwrap();
+    tokio::time::sleep(ttl * 3).await;
+    assert!(t.receive(1, Duration::from_millis(300)).await.unwrap().is_empty(), "expired");
+    let dlq = t.dead_letter_receiver().await.unwrap();
+    assert_eq!(dlq.entity().message_time_to_live, None, "dead-lettered messages stay");
+    let mut got = dlq.receive(1, WAIT).await.unwrap();
+    assert_eq!(got.len(), 1, "the expired message is dead-lettered");
+    let d = got.remove(0);
+    assert_eq!(d.message().message_id().as_str(), "short-lived");
+    assert_eq!(d.message().dead_letter_reason.as_deref(), Some("TTLExpiredException"));
+    dlq.complete(&d).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_queue_without_a_time_to_live_reports_none() {
+    let Some((_q, t)) = queue(|o| o).await else { return };
+    assert_eq!(t.entity().message_time_to_live, None);
+}

@@ -489,3 +489,31 @@ async fn released_messages_are_available_at_once_and_not_delivered_again_to_the_
     }
     assert!(got.iter().all(|d| d.message().delivery_count <= 2));
 }
+
+#[tokio::test]
+async fn the_message_time_to_live_is_what_the_options_say_since_amqp_does_not_carry_it() {
+    use twice::{EntityInfo, Transport as _};
+    use twice_broker::config::QueueProperties;
+    let s = Serve::start().await;
+    let ttl = Duration::from_secs(30);
+    let props = QueueProperties::default().with_default_message_time_to_live(ttl);
+    s.broker.create_queue("short", props).await.unwrap();
+    let client = s.client();
+
+    let told = client.receiver("short", ReceiverOptions::new().message_time_to_live(ttl));
+    assert_eq!(told.entity().message_time_to_live, Some(ttl));
+    let untold = client.receiver("short", ReceiverOptions::new());
+    assert_eq!(untold.entity().message_time_to_live, None, "not read over AMQP");
+
+    let mut info = EntityInfo::new("short");
+    info.lock_duration = Duration::from_secs(5);
+    let both = ReceiverOptions::new().entity_info(info).message_time_to_live(ttl);
+    let both = client.receiver("short", both);
+    assert_eq!(both.entity().lock_duration, Duration::from_secs(5), "entity info is kept");
+    assert_eq!(both.entity().message_time_to_live, Some(ttl));
+
+    // The receiver told the truth: a message older than the time to live is gone.
+    client.sender("short").send_message(Message::new("x").with_message_id("old")).await.unwrap();
+    s.clock.advance(ttl + Duration::from_secs(1));
+    assert!(told.receive_messages(1, BRIEF).await.unwrap().is_empty(), "expired");
+}

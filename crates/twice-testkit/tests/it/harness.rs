@@ -14,9 +14,10 @@ use twice_nats::{NatsOptions, NatsTransport};
 use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport};
 use twice_servicebus::{Server, ServerOptions};
 use twice_servicebus_client::{
-    ClientOptions, Receiver as SbReceiver, ReceiverOptions, Sender, ServiceBusClient,
+    ClientOptions, Receiver as SbReceiver, ReceiverOptions, Sender, ServiceBusClient, SessionClient,
 };
-use twice_testkit::conformance::{Entity, EntitySettings, Harness, Interruption};
+use twice_testkit::conformance::sessions::{with_sessions, without_sessions};
+use twice_testkit::conformance::{Entity, EntitySettings, Harness, Interruption, SessionEntity};
 use twice_testkit::nats::TestStream;
 use twice_testkit::process::ServerRestart;
 use twice_testkit::proxy::Proxy;
@@ -118,6 +119,36 @@ impl Harness for Embedded {
         broker.shutdown().await;
         let opened = Mutex::new(Opened::open(dir.path(), &queue).await);
         Some(EmbeddedEntity { queue, opened, dir })
+    }
+
+    async fn sessions(&self) -> Option<String> {
+        let broker = Broker::open(BrokerOptions::in_memory()).await.expect("opening the broker");
+        let properties = queue_properties(EntitySettings::default()).with_requires_session(true);
+        broker.create_queue(SESSIONS, properties).await.expect("creating the queue");
+        let transport = Arc::new(broker.receiver(SESSIONS).await.expect("a receiver"));
+        with_sessions(EmbeddedSessions { broker, transport }).await
+    }
+}
+
+/// The session-enabled queue of the session scenario.
+const SESSIONS: &str = "kit-sessions";
+
+/// A session-enabled queue of an in-memory embedded broker.
+pub(crate) struct EmbeddedSessions {
+    broker: Broker,
+    transport: Arc<Receiver>,
+}
+
+impl SessionEntity for EmbeddedSessions {
+    type Transport = Receiver;
+
+    fn transport(&self) -> Arc<Receiver> {
+        Arc::clone(&self.transport)
+    }
+
+    async fn send(&self, message: Message) -> Result<(), TransportError> {
+        self.broker.send(SESSIONS, message).await?;
+        Ok(())
     }
 }
 
@@ -254,6 +285,54 @@ impl Harness for ServiceBus {
         let sender = client.sender(queue);
         Some(ServiceBusEntity { transport, dead_letters, sender, addr, serving, dir })
     }
+
+    async fn sessions(&self) -> Option<String> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (serving, server) =
+            Serving::start(dir.path(), SocketAddr::from(([127, 0, 0, 1], 0))).await;
+        let properties = queue_properties(EntitySettings::default()).with_requires_session(true);
+        serving.broker.create_queue(SESSIONS, properties).await.expect("creating the queue");
+        let info = serving.broker.entity_info(SESSIONS).await.expect("the queue");
+        let options = ClientOptions::from_connection_string(&server.connection_string())
+            .expect("the server's connection string")
+            .operation_timeout(Duration::from_secs(10));
+        let client = ServiceBusClient::new(options);
+        let transport = Arc::new(client.session_receiver(
+            SESSIONS,
+            ReceiverOptions::new().max_concurrent_calls(4).entity_info(info),
+        ));
+        let sender = client.sender(SESSIONS);
+        let serving = serving.run(server);
+        with_sessions(ServiceBusSessions { transport, sender, serving, _dir: dir }).await
+    }
+}
+
+/// A session-enabled queue on `twice serve`, reached with the Service Bus client.
+pub(crate) struct ServiceBusSessions {
+    transport: Arc<SessionClient>,
+    sender: Sender,
+    serving: Serving,
+    _dir: TempDir,
+}
+
+impl SessionEntity for ServiceBusSessions {
+    type Transport = SessionClient;
+
+    fn transport(&self) -> Arc<SessionClient> {
+        Arc::clone(&self.transport)
+    }
+
+    async fn send(&self, message: Message) -> Result<(), TransportError> {
+        Ok(self.sender.send_message(message).await?)
+    }
+}
+
+impl Drop for ServiceBusSessions {
+    fn drop(&mut self) {
+        if let Some(s) = self.serving.stop.take() {
+            let _ = s.send(());
+        }
+    }
 }
 
 /// A transport on a server, with its own client's send.
@@ -350,7 +429,16 @@ impl Harness for RabbitMq {
             _guard: queue,
         })
     }
+
+    async fn sessions(&self) -> Option<String> {
+        without_sessions(self, RABBITMQ_INSTEAD_OF_SESSIONS).await
+    }
 }
+
+/// What a RabbitMQ user does for order within a key.
+pub(crate) const RABBITMQ_INSTEAD_OF_SESSIONS: &str = "for order per key, route each key to \
+    one of a fixed set of queues (a consistent-hash exchange, or one queue per partition) and \
+    run each queue with one processor and `max_concurrent_calls(1)`";
 
 /// NATS JetStream (on 127.0.0.1:4222 unless given), through a proxy the kit can cut, or
 /// restarted for real with `restart`.
@@ -393,4 +481,13 @@ impl Harness for Nats {
             _guard: stream,
         })
     }
+
+    async fn sessions(&self) -> Option<String> {
+        without_sessions(self, NATS_INSTEAD_OF_SESSIONS).await
+    }
 }
+
+/// What a NATS user does for order within a key.
+pub(crate) const NATS_INSTEAD_OF_SESSIONS: &str = "for order per key, publish to a subject \
+    per partition (`orders.<partition>`, a stream per partition or subject-mapped partitions) \
+    and run each with its own consumer and `max_concurrent_calls(1)`";

@@ -9,10 +9,13 @@
 
 mod harness;
 
+use twice_testkit::conformance::sessions::no_sessions;
 use twice_testkit::conformance::{self, Report};
 use twice_testkit::process::ServerRestart;
 
-use self::harness::{Embedded, Nats, RabbitMq, ServiceBus};
+use self::harness::{
+    Embedded, NATS_INSTEAD_OF_SESSIONS, Nats, RABBITMQ_INSTEAD_OF_SESSIONS, RabbitMq, ServiceBus,
+};
 
 /// What the embedded broker does differently from Service Bus in the kit.
 fn embedded_expected() -> Report {
@@ -38,6 +41,7 @@ fn rabbitmq_expected() -> Report {
             ),
             (conformance::DEFER, "no: Unsupported"),
             (conformance::RELEASE, "no: the release counts a delivery"),
+            (conformance::SESSION_ORDER, &no_sessions(RABBITMQ_INSTEAD_OF_SESSIONS)),
             (conformance::RECONNECT, conformance::CUT_ONLY),
         ],
     )
@@ -50,6 +54,7 @@ fn nats_expected() -> Report {
         &[
             (conformance::DEFER, "no: Unsupported"),
             (conformance::RELEASE, "no: the release counts a delivery"),
+            (conformance::SESSION_ORDER, &no_sessions(NATS_INSTEAD_OF_SESSIONS)),
             (conformance::RECONNECT, conformance::CUT_ONLY),
         ],
     )
