@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::dlq::admin::AdminUrl;
+use crate::dlq::admin::{AdminClient, AdminUrl};
 use anyhow::Context as _;
 use twice::{
     DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
@@ -215,8 +215,9 @@ impl DemoBroker {
                 ServiceBusQueue::connect(connection_string, name, Some(broker.clone()))?.into()
             }
             Self::ServiceBus { connection_string, admin_url } => {
-                let queue = ServiceBusQueue::connect(connection_string, name, None)?;
+                let mut queue = ServiceBusQueue::connect(connection_string, name, None)?;
                 queue.check_and_empty(lock, admin_url.clone()).await?;
+                queue.admin = queue.counting_admin(admin_url.clone()).await;
                 queue.into()
             }
         })
@@ -263,6 +264,9 @@ pub(crate) struct ServiceBusQueue {
     receiver: twice_servicebus_client::Receiver,
     sender: twice_servicebus_client::Sender,
     broker: Option<Broker>,
+    /// The namespace's administration API, for the counts, when the demo does not run the
+    /// broker itself and the API answers.
+    admin: Option<AdminClient>,
 }
 
 impl ServiceBusQueue {
@@ -281,7 +285,25 @@ impl ServiceBusQueue {
             receiver,
             sender,
             broker,
+            admin: None,
         })
+    }
+
+    /// The administration API, when it answers with this queue's counts: the run then ends
+    /// when they reach zero. Otherwise `None`, and the run ends after a quiet period.
+    async fn counting_admin(&self, admin_url: Option<AdminUrl>) -> Option<AdminClient> {
+        let cs: twice_servicebus_client::ConnectionString = self.connection_string.parse().ok()?;
+        let admin = AdminClient::for_connection_string(&cs, admin_url).ok()?;
+        match admin.counts(&self.name).await {
+            Ok(_) => Some(admin),
+            Err(e) => {
+                eprintln!(
+                    "note: no message counts from the administration API ({e}); the run ends \
+                     once nothing has been delivered for twice the lock duration"
+                );
+                None
+            }
+        }
     }
 
     /// Checks that the queue exists, and empties it and its dead-letter queue of what an
@@ -430,9 +452,10 @@ impl DemoTransport {
         })
     }
 
-    /// How many messages are not yet settled: waiting, locked, or held by a receiver. `None`
-    /// on a Service Bus namespace reached by connection string: Service Bus gives counts only
-    /// through its management API, which the client does not speak.
+    /// How many messages are not yet settled: waiting, locked, or held by a receiver. On a
+    /// Service Bus namespace reached by connection string the counts come from its
+    /// administration API (`twice serve --http`, the emulator's, Azure's); `None` when that
+    /// API does not answer.
     pub(crate) async fn unsettled(&self) -> anyhow::Result<Option<u64>> {
         let counts = |c: twice_broker::MessageCounts| c.active + c.scheduled + c.deferred;
         Ok(Some(match self {
@@ -441,9 +464,13 @@ impl DemoTransport {
             }
             Self::RabbitMq(t) => t.ready_count().await? + t.unsettled(),
             Self::Nats(t) => t.message_count().await?,
-            Self::ServiceBus(q) => match &q.broker {
-                Some(broker) => counts(broker.counts(&q.name).await?),
-                None => return Ok(None),
+            Self::ServiceBus(q) => match (&q.broker, &q.admin) {
+                (Some(broker), _) => counts(broker.counts(&q.name).await?),
+                (None, Some(admin)) => {
+                    let c = admin.counts(&q.name).await?;
+                    c.active + c.scheduled + c.deferred
+                }
+                (None, None) => return Ok(None),
             },
         }))
     }

@@ -181,6 +181,16 @@ impl AdminClient {
         Ok(out)
     }
 
+    /// The counts of one queue or subscription (`topic/Subscriptions/name`).
+    pub(crate) async fn counts(&self, entity: &str) -> Result<EntityCounts, AdminError> {
+        let body = self.get(entity).await?;
+        // An unknown path is answered with an empty feed, not an entry.
+        if !body.contains("<entry") {
+            return Err(AdminError::NotFound(entity.to_owned()));
+        }
+        Ok(EntityCounts { path: entity.to_owned(), ..counts_of(&body) })
+    }
+
     /// The duplicate detection of a queue or topic.
     pub(crate) async fn dedup(&self, entity: &str) -> Result<Dedup, AdminError> {
         let body = self.get(entity).await?;
