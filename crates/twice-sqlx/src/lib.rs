@@ -115,15 +115,26 @@
 //!
 //! # Business keys
 //!
-//! Register the unique constraint (or unique index) that guards a business key with
-//! [`InboxOptions::business_key`]. When a handler's `?` raises its violation, the processor rolls
-//! back and completes the message, counted as a duplicate by business key. Detection uses the
-//! error code (PostgreSQL SQLSTATE `23505`, MariaDB/MySQL error 1062, SQLite extended code 2067
-//! or 1555) and then the constraint's name: PostgreSQL reports it in a field of its own;
-//! MariaDB/MySQL and SQLite report it only inside the error's text, so there the name (MariaDB:
-//! the key named at the end of the message; SQLite: the index's `table.column` list, resolved
-//! from the schema when the store is created) is matched against that text, and only after the
-//! code has said "unique violation".
+//! Register the unique constraint (or unique index) that guards a business key, with its
+//! table, with [`InboxOptions::business_key`]. When a handler's `?` raises its violation, the
+//! processor rolls back and completes the message, counted as a duplicate by business key.
+//! Detection uses the error code (PostgreSQL SQLSTATE `23505`, MariaDB/MySQL error 1062,
+//! SQLite extended code 2067 or 1555) and then which key of which table was violated, so a key
+//! of the same name on another table is never taken for a registered one. `SqlxInbox::new`
+//! resolves each key when the store is created and refuses, with
+//! [`StoreError::BusinessKeyNotFound`], a table that has no unique key of that name:
+//!
+//! - PostgreSQL reports schema, table and constraint in fields of their own; the registered
+//!   table (`schema.table`, or a name found on the `search_path`) is resolved to its schema at
+//!   start, and all three must match.
+//! - SQLite reports only the index's `table.column` list, inside the error's text; the list is
+//!   read from the schema at start and matched against that text.
+//! - MariaDB reports only the key's name, inside the error's text (`Duplicate entry '42' for
+//!   key 'uq_order'`; MySQL 8 writes `'shipments.uq_order'`). So at start the key's name is
+//!   looked up in `information_schema.STATISTICS` of the current database, and a name that
+//!   another table's unique key shares is refused with [`StoreError::AmbiguousBusinessKey`]:
+//!   rename one of the keys. A same-named key added to another table after the start, or one
+//!   in another database written by the handler, is not seen.
 //!
 //! Such a message is completed without its work, so each one is logged at warn level with the
 //! constraint, and `twice::Processor::on_business_key_duplicate` reports it to the
@@ -178,7 +189,7 @@
 //!     .await?;
 //! let inbox = SqlxInbox::new(
 //!     pool.clone(),
-//!     InboxOptions::new().business_key("shipments_order_id"),
+//!     InboxOptions::new().business_key("shipments", "shipments_order_id"),
 //! )
 //! .await?;
 //!
@@ -275,9 +286,27 @@ pub enum StoreError {
         /// Its length in characters.
         len: usize,
     },
-    /// A registered business key names no unique index (SQLite resolves names at start).
-    #[error("business key {0:?} names no unique index in the database")]
-    BusinessKeyNotFound(String),
+    /// A registered business key names no unique key (or unique index) of its table.
+    #[error("business key {key:?} is not a unique key of table {table:?}")]
+    BusinessKeyNotFound {
+        /// The registered table.
+        table: String,
+        /// The registered key name.
+        key: String,
+    },
+    /// A registered business key's name is shared by unique keys of several tables in the
+    /// database, and the store's errors name only the key (MariaDB), so a violation could not
+    /// be matched to its table.
+    #[error(
+        "business key {key:?} is ambiguous: tables {tables:?} each have a unique key of that \
+         name, and the database's errors name only the key; rename one"
+    )]
+    AmbiguousBusinessKey {
+        /// The registered key name.
+        key: String,
+        /// The tables with a unique key of that name.
+        tables: Vec<String>,
+    },
     /// The database aborted or ended the transaction before its commit (on PostgreSQL after
     /// any failed statement; on MariaDB when it chose the transaction as a deadlock victim),
     /// so committing it would keep none of the handler's work.
@@ -297,8 +326,29 @@ pub struct InboxOptions {
     table: String,
     retention: Option<Duration>,
     migrate: bool,
-    business_keys: Vec<String>,
+    business_keys: Vec<BusinessKey>,
     purge_batch_size: u32,
+}
+
+/// A unique key (a unique constraint or unique index) of a table, registered as a business
+/// key with [`InboxOptions::business_key`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BusinessKey {
+    table: String,
+    key: String,
+}
+
+impl BusinessKey {
+    /// The table, as the database resolves a name in a query (PostgreSQL: `schema.table`, or
+    /// a table on the `search_path`).
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The unique constraint's or unique index's name.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
 }
 
 impl Default for InboxOptions {
@@ -356,16 +406,19 @@ impl InboxOptions {
         self.migrate
     }
 
-    /// Registers a unique constraint or unique index, by name, as a business key: its
-    /// violation means "already processed under another message id".
+    /// Registers the unique constraint or unique index `key` of `table` as a business key:
+    /// its violation means "already processed under another message id". A violation of a
+    /// key of the same name on another table is not one. `SqlxInbox::new` checks that the
+    /// table has a unique key of that name, and on MariaDB/MySQL that no other table of the
+    /// database has one (its errors name only the key).
     #[must_use]
-    pub fn business_key(mut self, constraint: impl Into<String>) -> Self {
-        self.business_keys.push(constraint.into());
+    pub fn business_key(mut self, table: impl Into<String>, key: impl Into<String>) -> Self {
+        self.business_keys.push(BusinessKey { table: table.into(), key: key.into() });
         self
     }
 
     /// The registered business keys.
-    pub fn get_business_keys(&self) -> &[String] {
+    pub fn get_business_keys(&self) -> &[BusinessKey] {
         &self.business_keys
     }
 
@@ -386,8 +439,9 @@ impl InboxOptions {
 pub struct SqlxInbox<DB: Database> {
     pool: Pool<DB>,
     options: InboxOptions,
-    /// Resolved business keys: (registered name, what the store's error text names).
-    business_keys: Vec<(String, String)>,
+    /// Resolved business keys: (registered key, what the store's errors name besides the key:
+    /// PostgreSQL the table's schema, SQLite the `table.column` list, MariaDB the table).
+    business_keys: Vec<(BusinessKey, String)>,
     /// MySQL only: the server is MariaDB, which has `@@in_transaction`.
     mariadb: bool,
 }
@@ -418,8 +472,8 @@ impl<DB: Backend> SqlxInbox<DB> {
     ///
     /// # Errors
     ///
-    /// An invalid table name, a failed migration, or (SQLite) a business key that names no
-    /// unique index.
+    /// An invalid table name, a failed migration, a business key that is not a unique key of
+    /// its table, or (MariaDB/MySQL) a business key whose name other tables' unique keys share.
     pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
         validate_table(&options.table)?;
         let mut inbox = Self { pool, options, business_keys: Vec::new(), mariadb: false };

@@ -157,10 +157,13 @@ impl SqlxInbox<MySql> {
 }
 
 /// Whether a 1062/1586 error names `key` as the violated key. The server puts the key name
-/// only in the text, last and quoted: `... for key 'name'` (MariaDB) or `'table.name'` (MySQL 8).
-fn names_key(message: &str, key: &str) -> bool {
+/// only in the text, last and quoted: `... for key 'name'` (MariaDB, which does not name the
+/// table: the key's name was checked at start to belong to one table) or `'table.name'`
+/// (MySQL 8).
+fn names_key(message: &str, key: &crate::BusinessKey) -> bool {
     let m = message.trim_end();
-    m.ends_with(&format!("'{key}'")) || m.ends_with(&format!(".{key}'"))
+    let (table, key) = (key.table(), key.key());
+    m.ends_with(&format!(" '{key}'")) || m.ends_with(&format!(" '{table}.{key}'"))
 }
 
 impl crate::sealed::Sealed for MySql {}
@@ -170,9 +173,30 @@ impl crate::Backend for MySql {
         if inbox.options.migrate {
             inbox.migrate().await?;
         }
-        // The server names the violated constraint itself: keys need no resolving.
-        inbox.business_keys =
-            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        // MariaDB's error names only the key: the key's name must belong to one table of the
+        // database, or a violation on another table would be taken for it.
+        let mut keys = Vec::new();
+        for key in &inbox.options.business_keys {
+            let tables: Vec<String> = sqlx::query_scalar(
+                "SELECT DISTINCT CAST(TABLE_NAME AS CHAR) FROM information_schema.STATISTICS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND INDEX_NAME = ? AND NON_UNIQUE = 0 \
+                 ORDER BY 1",
+            )
+            .bind(key.key())
+            .fetch_all(&inbox.pool)
+            .await?;
+            if !tables.iter().any(|t| t == key.table()) {
+                return Err(StoreError::BusinessKeyNotFound {
+                    table: key.table().to_owned(),
+                    key: key.key().to_owned(),
+                });
+            }
+            if tables.len() > 1 {
+                return Err(StoreError::AmbiguousBusinessKey { key: key.key().to_owned(), tables });
+            }
+            keys.push((key.clone(), key.table().to_owned()));
+        }
+        inbox.business_keys = keys;
         let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&inbox.pool).await?;
         inbox.mariadb = version.contains("MariaDB");
         Ok(())
@@ -339,9 +363,10 @@ impl Inbox for SqlxInbox<MySql> {
         };
         match my.number() {
             errno::DUP_ENTRY | errno::DUP_ENTRY_WITH_KEY_NAME => {
-                match self.business_keys.iter().find(|(_, key)| names_key(my.message(), key)) {
-                    Some((name, _)) => {
-                        ErrorClass::BusinessKeyDuplicate { constraint: name.clone() }
+                let message = my.message();
+                match self.business_keys.iter().find(|(key, _)| names_key(message, key)) {
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
                     }
                     None => ErrorClass::Unknown,
                 }
@@ -400,12 +425,19 @@ mod tests {
 
     #[test]
     fn key_names_are_read_from_the_end_of_the_message() {
+        let key = |table: &str, key: &str| crate::InboxOptions::new().business_key(table, key);
+        let shipments = key("shipments", "shipments_order_id");
+        let shipments = &shipments.get_business_keys()[0];
         let maria = "Duplicate entry '42' for key 'shipments_order_id'";
         let mysql8 = "Duplicate entry '42' for key 'shipments.shipments_order_id'";
-        assert!(names_key(maria, "shipments_order_id"));
-        assert!(names_key(mysql8, "shipments_order_id"));
-        assert!(!names_key(maria, "order_id"));
+        assert!(names_key(maria, shipments));
+        assert!(names_key(mysql8, shipments));
+        let returns = key("returns", "shipments_order_id");
+        assert!(!names_key(mysql8, &returns.get_business_keys()[0]), "MySQL 8 names the table");
+        let suffix = key("shipments", "order_id");
+        assert!(!names_key(maria, &suffix.get_business_keys()[0]));
         // A value that looks like a key name does not fool it.
-        assert!(!names_key("Duplicate entry 'x' for key 'PRIMARY'", "x"));
+        let x = key("shipments", "x");
+        assert!(!names_key("Duplicate entry 'x' for key 'PRIMARY'", &x.get_business_keys()[0]));
     }
 }

@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use sqlx::postgres::PgDatabaseError;
 use sqlx::{Postgres, Transaction};
 use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
 
@@ -152,6 +153,11 @@ async fn begin_read_committed(
     crate::begin_detached(pool, Some(statement)).await
 }
 
+/// A registered table's name without its schema, as PostgreSQL reports it in an error.
+fn table_name(key: &crate::BusinessKey) -> &str {
+    key.table().rsplit_once('.').map_or(key.table(), |(_, table)| table)
+}
+
 impl crate::sealed::Sealed for Postgres {}
 
 impl crate::Backend for Postgres {
@@ -159,9 +165,30 @@ impl crate::Backend for Postgres {
         if inbox.options.migrate {
             inbox.migrate().await?;
         }
-        // The server names the violated constraint itself: keys need no resolving.
-        inbox.business_keys =
-            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        // The server names the violated constraint's schema, table and name: resolve the
+        // registered table to its schema now.
+        let mut keys = Vec::new();
+        for key in &inbox.options.business_keys {
+            let schema: Option<String> = sqlx::query_scalar(
+                "SELECT n.nspname::text FROM pg_index i \
+                 JOIN pg_class ic ON ic.oid = i.indexrelid \
+                 JOIN pg_class tc ON tc.oid = i.indrelid \
+                 JOIN pg_namespace n ON n.oid = tc.relnamespace \
+                 WHERE i.indisunique AND ic.relname = $2 AND tc.oid = to_regclass($1)",
+            )
+            .bind(key.table())
+            .bind(key.key())
+            .fetch_optional(&inbox.pool)
+            .await?;
+            let Some(schema) = schema else {
+                return Err(StoreError::BusinessKeyNotFound {
+                    table: key.table().to_owned(),
+                    key: key.key().to_owned(),
+                });
+            };
+            keys.push((key.clone(), schema));
+        }
+        inbox.business_keys = keys;
         Ok(())
     }
 }
@@ -314,13 +341,21 @@ impl Inbox for SqlxInbox<Postgres> {
         };
         let Some(code) = db.code() else { return ErrorClass::Unknown };
         match &*code {
-            "23505" => match db.constraint() {
-                Some(c) if self.business_keys.iter().any(|(_, name)| name == c) => {
-                    ErrorClass::BusinessKeyDuplicate { constraint: c.to_owned() }
+            "23505" => {
+                let pg = db.try_downcast_ref::<PgDatabaseError>();
+                let violated = pg.map(|pg| (pg.schema(), pg.table(), pg.constraint()));
+                let registered = self.business_keys.iter().find(|(key, schema)| {
+                    violated
+                        == Some((Some(schema.as_str()), Some(table_name(key)), Some(key.key())))
+                });
+                match registered {
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
+                    }
+                    // An unregistered unique key may be a race an upsert would win on retry.
+                    None => ErrorClass::Unknown,
                 }
-                // An unregistered unique key may be a race an upsert would win on retry.
-                _ => ErrorClass::Unknown,
-            },
+            }
             // Serialization failure, deadlock, connection trouble, insufficient resources,
             // shutdown, lock not available.
             c if c.starts_with("40")

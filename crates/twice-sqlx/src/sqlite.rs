@@ -16,7 +16,8 @@ use sqlx::{Sqlite, Transaction};
 use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
 
 use crate::{
-    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
+    BusinessKey, Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis,
+    validate_key,
 };
 
 /// An inbox on SQLite.
@@ -92,24 +93,32 @@ pub(crate) async fn begin_immediate(
 }
 
 impl SqlxInbox<Sqlite> {
-    /// `table.col1, table.col2` of a unique index, as SQLite writes it in a constraint error.
-    async fn index_columns(&self, index: &str) -> Result<String, StoreError> {
+    /// `table.col1, table.col2` of the unique index `key` of `table`, as SQLite writes it in a
+    /// constraint error.
+    async fn index_columns(&self, key: &BusinessKey) -> Result<String, StoreError> {
+        let not_found = || StoreError::BusinessKeyNotFound {
+            table: key.table().to_owned(),
+            key: key.key().to_owned(),
+        };
+        // SQLite names indexes once per database and compares names without case.
         let table: Option<String> = sqlx::query_scalar(
-            "SELECT tbl_name FROM sqlite_master WHERE type = 'index' AND name = ?1",
+            "SELECT m.tbl_name FROM sqlite_master m \
+             JOIN pragma_index_list(m.tbl_name) l ON l.name = m.name \
+             WHERE m.type = 'index' AND m.name = ?1 AND m.tbl_name = ?2 COLLATE NOCASE \
+             AND l.\"unique\" = 1",
         )
-        .bind(index)
+        .bind(key.key())
+        .bind(key.table())
         .fetch_optional(&self.pool)
         .await?;
-        let Some(table) = table else {
-            return Err(StoreError::BusinessKeyNotFound(index.to_owned()));
-        };
+        let table = table.ok_or_else(not_found)?;
         let columns: Vec<String> =
             sqlx::query_scalar("SELECT name FROM pragma_index_info(?1) ORDER BY seqno")
-                .bind(index)
+                .bind(key.key())
                 .fetch_all(&self.pool)
                 .await?;
         if columns.is_empty() {
-            return Err(StoreError::BusinessKeyNotFound(index.to_owned()));
+            return Err(not_found());
         }
         Ok(columns.iter().map(|c| format!("{table}.{c}")).collect::<Vec<_>>().join(", "))
     }
@@ -191,8 +200,8 @@ impl crate::Backend for Sqlite {
         }
         // SQLite's error names the index's columns, not the index: resolve them now.
         let mut keys = Vec::new();
-        for name in &inbox.options.business_keys {
-            keys.push((name.clone(), inbox.index_columns(name).await?));
+        for key in &inbox.options.business_keys {
+            keys.push((key.clone(), inbox.index_columns(key).await?));
         }
         inbox.business_keys = keys;
         Ok(())
@@ -329,8 +338,8 @@ impl Inbox for SqlxInbox<Sqlite> {
                 // SQLite names the columns, not the index: "UNIQUE constraint failed: t.c".
                 let failed = db.message().rsplit_once(": ").map_or("", |(_, cols)| cols.trim());
                 match self.business_keys.iter().find(|(_, cols)| cols == failed) {
-                    Some((name, _)) => {
-                        ErrorClass::BusinessKeyDuplicate { constraint: name.clone() }
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
                     }
                     None => ErrorClass::Unknown,
                 }

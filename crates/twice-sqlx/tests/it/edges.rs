@@ -230,8 +230,12 @@ async fn a_deferred_business_key_fires_at_commit_as_a_duplicate() {
     )
     .await;
     let inbox = Arc::new(
-        f.inbox(InboxOptions::new().table("inbox_deferred").business_key("shipments_order_id"))
-            .await,
+        f.inbox(
+            InboxOptions::new()
+                .table("inbox_deferred")
+                .business_key("shipments", "shipments_order_id"),
+        )
+        .await,
     );
     let (queue, clock) = queue("orders").await;
     let shutdown = Shutdown::default();

@@ -336,8 +336,12 @@ where
 {
     create_shipments(&f, true).await;
     let inbox = Arc::new(
-        f.inbox(InboxOptions::new().table("inbox_business").business_key("shipments_order_id"))
-            .await,
+        f.inbox(
+            InboxOptions::new()
+                .table("inbox_business")
+                .business_key("shipments", "shipments_order_id"),
+        )
+        .await,
     );
     let (queue, clock) = queue("orders").await;
     let shutdown = Shutdown::default();
