@@ -263,6 +263,7 @@ pub mod mysql;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+mod store;
 
 /// The longest consumer name or message id the MariaDB/MySQL store accepts (its column length);
 /// the other stores accept the same, so a consumer can move between stores.
@@ -455,12 +456,9 @@ impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
     }
 }
 
-mod sealed {
-    pub trait Sealed {}
-}
-
-/// A database twice has an inbox store for: `Postgres`, `MySql` or `Sqlite` (sealed).
-pub trait Backend: Database + sealed::Sealed {
+/// A database twice has an inbox store for: `Postgres`, `MySql` or `Sqlite` (sealed: its
+/// supertrait, the dialect, is private).
+pub trait Backend: store::Dialect {
     /// Runs the migrations (unless turned off) and resolves the business keys.
     #[doc(hidden)]
     fn prepare(inbox: &mut SqlxInbox<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -501,13 +499,6 @@ impl<DB: Database> SqlxInbox<DB> {
     /// `None` keeps rows forever.
     fn retention_ms(&self) -> Option<i64> {
         self.options.retention.map(|r| i64::try_from(r.as_millis()).unwrap_or(i64::MAX))
-    }
-
-    /// A migration statement with the table name and the migrating instance's retention (ms,
-    /// or `NULL`) filled in.
-    fn migration_sql(&self, statement: &str) -> String {
-        let retention = self.retention_ms().map_or_else(|| "NULL".to_owned(), |r| r.to_string());
-        statement.replace("{t}", self.table()).replace("{r}", &retention)
     }
 }
 
