@@ -42,17 +42,16 @@
 //! length (255 characters) before the claim. The key columns are binary strings
 //! (`VARBINARY(1020)`, migration 2): with the default case-insensitive collation `ABC` and
 //! `abc` would be one id, and with `utf8mb4_bin`, a PAD SPACE collation, `m` and `m `. When
-//! three or more copies wait on one key and the holder rolls back, InnoDB may pick one waiter as
-//! a deadlock victim (error 1213); the processor treats it as transient and retries that copy
-//! in process, whose next claim then finds the winner's. `REPEATABLE READ` (the default) and `READ COMMITTED`
-//! behave the same for the claim: the wait is on a record lock, not on a snapshot, and the
-//! winner's time is read with a locking read.
+//! three or more copies wait on one key and the holder rolls back, InnoDB picks waiters as
+//! deadlock victims (error 1213; see the edge cases below). `REPEATABLE READ` (the default)
+//! and `READ COMMITTED` behave the same for the claim: the wait is on a record lock, not on a
+//! snapshot, and the winner's time is read with a locking read.
 //!
 //! SQLite notes. Use WAL and a busy timeout (see [`sqlite::connect_options`]); every inbox
 //! transaction is a write transaction, so one runs at a time and a second copy waits at
 //! `BEGIN IMMEDIATE` until the first ends.
 //!
-//! # Edge cases, per store
+//! # Rules at the edges, per store
 //!
 //! - **Aborted transactions.** Before committing a handler's `Complete`, the store checks
 //!   that the transaction can still commit ([`twice::Inbox::check_committable`]): PostgreSQL
@@ -102,6 +101,27 @@
 //!   1292, 1406, 4025, SQLite NOT NULL and CHECK) are permanent: dead-lettered at once.
 //! - **Pool size.** The processor refuses to start when the pool has fewer connections than
 //!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
+//! - **Three or more copies at once (MariaDB).** While the first copy holds its uncommitted
+//!   claim, the others wait on the key's record lock. If the first commits, each waiter's
+//!   `INSERT IGNORE` finds the row and completes as a concurrent duplicate. If it rolls back,
+//!   every waiter holds a shared lock on the key and wants the exclusive one: InnoDB ends the
+//!   deadlock by rolling back all waiters but one (error 1213, transient). The one left makes
+//!   the claim and does the work; each victim is retried in process after the infrastructure
+//!   backoff (on the processor's clock), with no delivery spent, and its new claim waits for
+//!   the winner and completes as a duplicate. A waiter whose lock wait runs out first gets
+//!   1205, also transient, with the same outcome. Nothing is dead-lettered and the work is done
+//!   once. PostgreSQL queues the waiters on the holder's transaction and SQLite at `BEGIN
+//!   IMMEDIATE`: neither deadlocks.
+//! - **Business keys are a table and a key.** [`InboxOptions::business_key`] takes both; a
+//!   violation is a business-key duplicate only when it is that key of that table, so a key of
+//!   the same name on another table (PostgreSQL: the same table name in another schema) is an
+//!   ordinary, unclassified error: retried, never completed without its work. A pair that is
+//!   not a unique key of the table is refused at start ([`StoreError::BusinessKeyNotFound`]).
+//! - **Ambiguous key names (MariaDB/MySQL).** MariaDB's duplicate-key error names the key but
+//!   not its table, so `SqlxInbox::new` refuses, with [`StoreError::AmbiguousBusinessKey`] and
+//!   the tables' names, a business key whose name unique keys of two or more tables in the
+//!   current database share: the match would not be exact. Rename one key. See [Business
+//!   keys](#business-keys) for what each store's error carries.
 //!
 //! # Key order
 //!
@@ -243,6 +263,13 @@
 //! # fn main() {}
 //! ```
 
+// The SQLite module exists only with its feature; without it, the crate docs' link to its
+// connection options goes to the published docs instead of an item that is not built.
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[`sqlite::connect_options`]: \
+           https://docs.rs/twice-sqlx/latest/twice_sqlx/sqlite/fn.connect_options.html"
+)]
 // Without a store feature the shared helpers have no caller; the crate is useless then, but it
 // must still build warning-free.
 #![cfg_attr(

@@ -6,7 +6,7 @@
 //! how PostgreSQL checks a unique index against an uncommitted row): if the first commits, the
 //! insert does nothing; if it rolls back, the insert goes through. No error is raised, so the
 //! transaction stays usable. The table is keyed by `(consumer, message_id)`; rows are appended
-//! to the heap in claim order and the purge walks the index on `processed_at_ms`.
+//! to the heap in claim order and the purge walks the index on `purge_after_ms`.
 
 use std::time::Duration;
 
