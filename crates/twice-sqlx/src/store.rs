@@ -65,8 +65,7 @@ pub trait Dialect: Database {
     ) -> ErrorClass;
 }
 
-/// The statements of an insert into `t` of `columns` with `values`, doing nothing when the
-/// key is present.
+/// An insert into `t` of `columns` with `values` that does nothing when the key is present.
 fn insert<DB: Dialect>(t: &str, columns: &str, values: &[&str]) -> String {
     let values = values.join(", ");
     format!("{} {t} ({columns}) VALUES ({values}){}", DB::INSERT, DB::ON_CONFLICT)
@@ -337,5 +336,40 @@ where
             e if is_transient_sqlx(e) => ErrorClass::Transient,
             _ => ErrorClass::Unknown,
         }
+    }
+}
+
+#[cfg(all(test, feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod tests {
+    use sqlx::{MySql, Postgres, Sqlite};
+
+    use super::{insert, key_is};
+
+    #[test]
+    fn each_dialect_writes_the_claim_in_its_own_sql() {
+        let cols = "consumer, message_id";
+        assert_eq!(
+            insert::<Postgres>("t", cols, &["$1", "$2"]),
+            "INSERT INTO t (consumer, message_id) VALUES ($1, $2) \
+             ON CONFLICT (consumer, message_id) DO NOTHING"
+        );
+        assert_eq!(
+            insert::<MySql>("t", cols, &["?", "?"]),
+            "INSERT IGNORE INTO t (consumer, message_id) VALUES (?, ?)"
+        );
+        assert_eq!(
+            insert::<Sqlite>("t", cols, &["?1", "?2"]),
+            "INSERT INTO t (consumer, message_id) VALUES (?1, ?2) \
+             ON CONFLICT (consumer, message_id) DO NOTHING"
+        );
+        assert_eq!(key_is::<Postgres>(false), "consumer = $1 AND message_id = $2");
+        assert_eq!(
+            key_is::<MySql>(true),
+            "consumer = ? AND message_id = ? AND owner = ? AND state = 0"
+        );
+        assert_eq!(
+            key_is::<Sqlite>(true),
+            "consumer = ?1 AND message_id = ?2 AND owner = ?3 AND state = 0"
+        );
     }
 }
