@@ -42,17 +42,16 @@
 //! length (255 characters) before the claim. The key columns are binary strings
 //! (`VARBINARY(1020)`, migration 2): with the default case-insensitive collation `ABC` and
 //! `abc` would be one id, and with `utf8mb4_bin`, a PAD SPACE collation, `m` and `m `. When
-//! three or more copies wait on one key and the holder rolls back, InnoDB may pick one waiter as
-//! a deadlock victim (error 1213); the processor treats it as transient and retries that copy
-//! in process, whose next claim then finds the winner's. `REPEATABLE READ` (the default) and `READ COMMITTED`
-//! behave the same for the claim: the wait is on a record lock, not on a snapshot, and the
-//! winner's time is read with a locking read.
+//! three or more copies wait on one key and the holder rolls back, InnoDB picks waiters as
+//! deadlock victims (error 1213; see the edge cases below). `REPEATABLE READ` (the default)
+//! and `READ COMMITTED` behave the same for the claim: the wait is on a record lock, not on a
+//! snapshot, and the winner's time is read with a locking read.
 //!
 //! SQLite notes. Use WAL and a busy timeout (see [`sqlite::connect_options`]); every inbox
 //! transaction is a write transaction, so one runs at a time and a second copy waits at
 //! `BEGIN IMMEDIATE` until the first ends.
 //!
-//! # Edge cases, per store
+//! # Rules at the edges, per store
 //!
 //! - **Aborted transactions.** Before committing a handler's `Complete`, the store checks
 //!   that the transaction can still commit ([`twice::Inbox::check_committable`]): PostgreSQL
@@ -102,6 +101,27 @@
 //!   1292, 1406, 4025, SQLite NOT NULL and CHECK) are permanent: dead-lettered at once.
 //! - **Pool size.** The processor refuses to start when the pool has fewer connections than
 //!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
+//! - **Three or more copies at once (MariaDB).** While the first copy holds its uncommitted
+//!   claim, the others wait on the key's record lock. If the first commits, each waiter's
+//!   `INSERT IGNORE` finds the row and completes as a concurrent duplicate. If it rolls back,
+//!   every waiter holds a shared lock on the key and wants the exclusive one: InnoDB ends the
+//!   deadlock by rolling back all waiters but one (error 1213, transient). The one left makes
+//!   the claim and does the work; each victim is retried in process after the infrastructure
+//!   backoff (on the processor's clock), with no delivery spent, and its new claim waits for
+//!   the winner and completes as a duplicate. A waiter whose lock wait runs out first gets
+//!   1205, also transient, with the same outcome. Nothing is dead-lettered and the work is done
+//!   once. PostgreSQL queues the waiters on the holder's transaction and SQLite at `BEGIN
+//!   IMMEDIATE`: neither deadlocks.
+//! - **Business keys are a table and a key.** [`InboxOptions::business_key`] takes both; a
+//!   violation is a business-key duplicate only when it is that key of that table, so a key of
+//!   the same name on another table (PostgreSQL: the same table name in another schema) is an
+//!   ordinary, unclassified error: retried, never completed without its work. A pair that is
+//!   not a unique key of the table is refused at start ([`StoreError::BusinessKeyNotFound`]).
+//! - **Ambiguous key names (MariaDB/MySQL).** MariaDB's duplicate-key error names the key but
+//!   not its table, so `SqlxInbox::new` refuses, with [`StoreError::AmbiguousBusinessKey`] and
+//!   the tables' names, a business key whose name unique keys of two or more tables in the
+//!   current database share: the match would not be exact. Rename one key. See [Business
+//!   keys](#business-keys) for what each store's error carries.
 //!
 //! # Key order
 //!
@@ -115,15 +135,26 @@
 //!
 //! # Business keys
 //!
-//! Register the unique constraint (or unique index) that guards a business key with
-//! [`InboxOptions::business_key`]. When a handler's `?` raises its violation, the processor rolls
-//! back and completes the message, counted as a duplicate by business key. Detection uses the
-//! error code (PostgreSQL SQLSTATE `23505`, MariaDB/MySQL error 1062, SQLite extended code 2067
-//! or 1555) and then the constraint's name: PostgreSQL reports it in a field of its own;
-//! MariaDB/MySQL and SQLite report it only inside the error's text, so there the name (MariaDB:
-//! the key named at the end of the message; SQLite: the index's `table.column` list, resolved
-//! from the schema when the store is created) is matched against that text, and only after the
-//! code has said "unique violation".
+//! Register the unique constraint (or unique index) that guards a business key, with its
+//! table, with [`InboxOptions::business_key`]. When a handler's `?` raises its violation, the
+//! processor rolls back and completes the message, counted as a duplicate by business key.
+//! Detection uses the error code (PostgreSQL SQLSTATE `23505`, MariaDB/MySQL error 1062,
+//! SQLite extended code 2067 or 1555) and then which key of which table was violated, so a key
+//! of the same name on another table is never taken for a registered one. `SqlxInbox::new`
+//! resolves each key when the store is created and refuses, with
+//! [`StoreError::BusinessKeyNotFound`], a table that has no unique key of that name:
+//!
+//! - PostgreSQL reports schema, table and constraint in fields of their own; the registered
+//!   table (`schema.table`, or a name found on the `search_path`) is resolved to its schema at
+//!   start, and all three must match.
+//! - SQLite reports only the index's `table.column` list, inside the error's text; the list is
+//!   read from the schema at start and matched against that text.
+//! - MariaDB reports only the key's name, inside the error's text (`Duplicate entry '42' for
+//!   key 'uq_order'`; MySQL 8 writes `'shipments.uq_order'`). So at start the key's name is
+//!   looked up in `information_schema.STATISTICS` of the current database, and a name that
+//!   another table's unique key shares is refused with [`StoreError::AmbiguousBusinessKey`]:
+//!   rename one of the keys. A same-named key added to another table after the start, or one
+//!   in another database written by the handler, is not seen.
 //!
 //! Such a message is completed without its work, so each one is logged at warn level with the
 //! constraint, and `twice::Processor::on_business_key_duplicate` reports it to the
@@ -178,7 +209,7 @@
 //!     .await?;
 //! let inbox = SqlxInbox::new(
 //!     pool.clone(),
-//!     InboxOptions::new().business_key("shipments_order_id"),
+//!     InboxOptions::new().business_key("shipments", "shipments_order_id"),
 //! )
 //! .await?;
 //!
@@ -232,6 +263,13 @@
 //! # fn main() {}
 //! ```
 
+// The SQLite module exists only with its feature; without it, the crate docs' link to its
+// connection options goes to the published docs instead of an item that is not built.
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[`sqlite::connect_options`]: \
+           https://docs.rs/twice-sqlx/latest/twice_sqlx/sqlite/fn.connect_options.html"
+)]
 // Without a store feature the shared helpers have no caller; the crate is useless then, but it
 // must still build warning-free.
 #![cfg_attr(
@@ -252,6 +290,7 @@ pub mod mysql;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+mod store;
 
 /// The longest consumer name or message id the MariaDB/MySQL store accepts (its column length);
 /// the other stores accept the same, so a consumer can move between stores.
@@ -275,9 +314,27 @@ pub enum StoreError {
         /// Its length in characters.
         len: usize,
     },
-    /// A registered business key names no unique index (SQLite resolves names at start).
-    #[error("business key {0:?} names no unique index in the database")]
-    BusinessKeyNotFound(String),
+    /// A registered business key names no unique key (or unique index) of its table.
+    #[error("business key {key:?} is not a unique key of table {table:?}")]
+    BusinessKeyNotFound {
+        /// The registered table.
+        table: String,
+        /// The registered key name.
+        key: String,
+    },
+    /// A registered business key's name is shared by unique keys of several tables in the
+    /// database, and the store's errors name only the key (MariaDB), so a violation could not
+    /// be matched to its table.
+    #[error(
+        "business key {key:?} is ambiguous: tables {tables:?} each have a unique key of that \
+         name, and the database's errors name only the key; rename one"
+    )]
+    AmbiguousBusinessKey {
+        /// The registered key name.
+        key: String,
+        /// The tables with a unique key of that name.
+        tables: Vec<String>,
+    },
     /// The database aborted or ended the transaction before its commit (on PostgreSQL after
     /// any failed statement; on MariaDB when it chose the transaction as a deadlock victim),
     /// so committing it would keep none of the handler's work.
@@ -297,8 +354,29 @@ pub struct InboxOptions {
     table: String,
     retention: Option<Duration>,
     migrate: bool,
-    business_keys: Vec<String>,
+    business_keys: Vec<BusinessKey>,
     purge_batch_size: u32,
+}
+
+/// A unique key (a unique constraint or unique index) of a table, registered as a business
+/// key with [`InboxOptions::business_key`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BusinessKey {
+    table: String,
+    key: String,
+}
+
+impl BusinessKey {
+    /// The table, as the database resolves a name in a query (PostgreSQL: `schema.table`, or
+    /// a table on the `search_path`).
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The unique constraint's or unique index's name.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
 }
 
 impl Default for InboxOptions {
@@ -356,16 +434,19 @@ impl InboxOptions {
         self.migrate
     }
 
-    /// Registers a unique constraint or unique index, by name, as a business key: its
-    /// violation means "already processed under another message id".
+    /// Registers the unique constraint or unique index `key` of `table` as a business key:
+    /// its violation means "already processed under another message id". A violation of a
+    /// key of the same name on another table is not one. `SqlxInbox::new` checks that the
+    /// table has a unique key of that name, and on MariaDB/MySQL that no other table of the
+    /// database has one (its errors name only the key).
     #[must_use]
-    pub fn business_key(mut self, constraint: impl Into<String>) -> Self {
-        self.business_keys.push(constraint.into());
+    pub fn business_key(mut self, table: impl Into<String>, key: impl Into<String>) -> Self {
+        self.business_keys.push(BusinessKey { table: table.into(), key: key.into() });
         self
     }
 
     /// The registered business keys.
-    pub fn get_business_keys(&self) -> &[String] {
+    pub fn get_business_keys(&self) -> &[BusinessKey] {
         &self.business_keys
     }
 
@@ -386,8 +467,9 @@ impl InboxOptions {
 pub struct SqlxInbox<DB: Database> {
     pool: Pool<DB>,
     options: InboxOptions,
-    /// Resolved business keys: (registered name, what the store's error text names).
-    business_keys: Vec<(String, String)>,
+    /// Resolved business keys: (registered key, what the store's errors name besides the key:
+    /// PostgreSQL the table's schema, SQLite the `table.column` list, MariaDB the table).
+    business_keys: Vec<(BusinessKey, String)>,
     /// MySQL only: the server is MariaDB, which has `@@in_transaction`.
     mariadb: bool,
 }
@@ -401,12 +483,9 @@ impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
     }
 }
 
-mod sealed {
-    pub trait Sealed {}
-}
-
-/// A database twice has an inbox store for: `Postgres`, `MySql` or `Sqlite` (sealed).
-pub trait Backend: Database + sealed::Sealed {
+/// A database twice has an inbox store for: `Postgres`, `MySql` or `Sqlite` (sealed: its
+/// supertrait, the dialect, is private).
+pub trait Backend: store::Dialect {
     /// Runs the migrations (unless turned off) and resolves the business keys.
     #[doc(hidden)]
     fn prepare(inbox: &mut SqlxInbox<Self>) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -418,8 +497,8 @@ impl<DB: Backend> SqlxInbox<DB> {
     ///
     /// # Errors
     ///
-    /// An invalid table name, a failed migration, or (SQLite) a business key that names no
-    /// unique index.
+    /// An invalid table name, a failed migration, a business key that is not a unique key of
+    /// its table, or (MariaDB/MySQL) a business key whose name other tables' unique keys share.
     pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
         validate_table(&options.table)?;
         let mut inbox = Self { pool, options, business_keys: Vec::new(), mariadb: false };
@@ -447,13 +526,6 @@ impl<DB: Database> SqlxInbox<DB> {
     /// `None` keeps rows forever.
     fn retention_ms(&self) -> Option<i64> {
         self.options.retention.map(|r| i64::try_from(r.as_millis()).unwrap_or(i64::MAX))
-    }
-
-    /// A migration statement with the table name and the migrating instance's retention (ms,
-    /// or `NULL`) filled in.
-    fn migration_sql(&self, statement: &str) -> String {
-        let retention = self.retention_ms().map_or_else(|| "NULL".to_owned(), |r| r.to_string());
-        statement.replace("{t}", self.table()).replace("{r}", &retention)
     }
 }
 

@@ -10,13 +10,12 @@
 
 use std::time::Duration;
 
+use sqlx::error::DatabaseError;
 use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{MySql, Transaction};
-use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+use twice::ErrorClass;
 
-use crate::{
-    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
-};
+use crate::{Purge, SqlxInbox, StoreError};
 
 /// An inbox on MariaDB or MySQL.
 pub type MySqlInbox = SqlxInbox<MySql>;
@@ -76,144 +75,79 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
 /// The database's clock in ms since the Unix epoch.
 const DB_NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 
-impl SqlxInbox<MySql> {
-    /// Runs the embedded migrations not yet applied, under `GET_LOCK` so that instances starting
-    /// together do not race (DDL is not transactional in MariaDB).
-    ///
-    /// # Errors
-    ///
-    /// A database error.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let t = self.table();
-        let mut conn = self.pool.acquire().await?;
-        let lock = format!("twice-migrate:{t}");
-        sqlx::query("SELECT GET_LOCK(?, 60)").bind(&lock).execute(&mut *conn).await?;
-        let result = async {
-            sqlx::query(&format!(
-                "CREATE TABLE IF NOT EXISTS {t}_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL) ENGINE = InnoDB"
-            ))
-            .execute(&mut *conn)
-            .await?;
-            let applied: Vec<i64> =
-                sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
-                    .fetch_all(&mut *conn)
-                    .await?;
-            for (version, statements) in MIGRATIONS {
-                if applied.contains(version) {
-                    continue;
-                }
-                for statement in *statements {
-                    sqlx::query(&self.migration_sql(statement)).execute(&mut *conn).await?;
-                }
-                sqlx::query(&format!(
-                    "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES (?, UNIX_TIMESTAMP(NOW(3)) * 1000)"
-                ))
-                .bind(version)
-                .execute(&mut *conn)
-                .await?;
-            }
-            Ok::<_, sqlx::Error>(())
-        }
-        .await;
-        sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock).execute(&mut *conn).await?;
-        Ok(result?)
-    }
-
-    async fn claim_in(
-        &self,
-        conn: &mut sqlx::MySqlConnection,
-        consumer: &str,
-        message_id: &MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        // INSERT IGNORE would truncate an over-long value instead of failing.
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        let inserted = sqlx::query(&format!(
-            "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
-             VALUES (?, ?, ?, {DB_NOW_MS} + ?)"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(millis(now))
-        .bind(self.retention_ms())
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        if inserted == 1 {
-            return Ok(Claim::Claimed);
-        }
-        // A locking read sees the latest committed row whatever the snapshot of the
-        // transaction.
-        let at: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT processed_at_ms FROM {t} WHERE consumer = ? AND message_id = ? LOCK IN SHARE MODE"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
-    }
-}
-
 /// Whether a 1062/1586 error names `key` as the violated key. The server puts the key name
-/// only in the text, last and quoted: `... for key 'name'` (MariaDB) or `'table.name'` (MySQL 8).
-fn names_key(message: &str, key: &str) -> bool {
+/// only in the text, last and quoted: `... for key 'name'` (MariaDB, which does not name the
+/// table: the key's name was checked at start to belong to one table) or `'table.name'`
+/// (MySQL 8).
+fn names_key(message: &str, key: &crate::BusinessKey) -> bool {
     let m = message.trim_end();
-    m.ends_with(&format!("'{key}'")) || m.ends_with(&format!(".{key}'"))
+    let (table, key) = (key.table(), key.key());
+    m.ends_with(&format!(" '{key}'")) || m.ends_with(&format!(" '{table}.{key}'"))
 }
-
-impl crate::sealed::Sealed for MySql {}
 
 impl crate::Backend for MySql {
     async fn prepare(inbox: &mut SqlxInbox<MySql>) -> Result<(), StoreError> {
         if inbox.options.migrate {
             inbox.migrate().await?;
         }
-        // The server names the violated constraint itself: keys need no resolving.
-        inbox.business_keys =
-            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        // MariaDB's error names only the key: the key's name must belong to one table of the
+        // database, or a violation on another table would be taken for it.
+        let mut keys = Vec::new();
+        for key in &inbox.options.business_keys {
+            let tables: Vec<String> = sqlx::query_scalar(
+                "SELECT DISTINCT CAST(TABLE_NAME AS CHAR) FROM information_schema.STATISTICS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND INDEX_NAME = ? AND NON_UNIQUE = 0 \
+                 ORDER BY 1",
+            )
+            .bind(key.key())
+            .fetch_all(&inbox.pool)
+            .await?;
+            if !tables.iter().any(|t| t == key.table()) {
+                return Err(StoreError::BusinessKeyNotFound {
+                    table: key.table().to_owned(),
+                    key: key.key().to_owned(),
+                });
+            }
+            if tables.len() > 1 {
+                return Err(StoreError::AmbiguousBusinessKey { key: key.key().to_owned(), tables });
+            }
+            keys.push((key.clone(), key.table().to_owned()));
+        }
+        inbox.business_keys = keys;
         let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&inbox.pool).await?;
         inbox.mariadb = version.contains("MariaDB");
         Ok(())
     }
 }
 
-impl Inbox for SqlxInbox<MySql> {
-    type Tx = Transaction<'static, MySql>;
-    type Error = StoreError;
+impl crate::store::Dialect for MySql {
+    const MIGRATIONS: &'static [(i64, &'static [&'static str])] = MIGRATIONS;
+    // DDL is not transactional in MariaDB: a named lock held by the session serialises
+    // instances starting together.
+    const MIGRATION_LOCK: Option<&'static str> = Some("SELECT GET_LOCK('twice-migrate:{t}', 60)");
+    const MIGRATION_UNLOCK: Option<&'static str> = Some("SELECT RELEASE_LOCK('twice-migrate:{t}')");
+    const DB_NOW_MS: &'static str = DB_NOW_MS;
+    const INSERT: &'static str = "INSERT IGNORE INTO";
+    const ON_CONFLICT: &'static str = "";
+    // A locking read sees the latest committed row whatever the snapshot of the transaction.
+    const READ_LATEST: &'static str = " LOCK IN SHARE MODE";
+    const STATE_AND_OWNER: &'static str = "CAST(state AS SIGNED), CAST(owner AS CHAR)";
 
-    fn retention(&self) -> Option<Duration> {
-        self.options.retention
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
     }
 
-    fn max_connections(&self) -> Option<u32> {
-        Some(self.pool.options().get_max_connections())
+    fn param(_n: usize) -> String {
+        "?".to_owned()
     }
 
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        crate::begin_detached(&self.pool, None).await
-    }
-
-    /// As [`Inbox::begin`], after `SET SESSION innodb_lock_wait_timeout` to the time left on
-    /// the lock in whole seconds (rounded down, at least 1; the variable has no finer unit), in
-    /// the same round trip. The value stays on the pooled connection after the transaction.
-    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
-        let Some(wait) = lock_wait else { return crate::begin_detached(&self.pool, None).await };
-        let seconds = wait.as_secs().clamp(1, 1 << 30);
-        let statement =
-            format!("SET SESSION innodb_lock_wait_timeout = {seconds}; START TRANSACTION");
-        crate::begin_detached(&self.pool, Some(statement)).await
-    }
-
-    async fn claim<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        self.claim_in(tx, consumer, message_id, now).await
+    /// `BEGIN`; with a lock wait, after `SET SESSION innodb_lock_wait_timeout` to the time
+    /// left on the lock in whole seconds (rounded down, at least 1; the variable has no finer
+    /// unit), in the same round trip. The value stays on the pooled connection after the
+    /// transaction.
+    fn begin_statement(lock_wait: Option<Duration>) -> Option<String> {
+        let seconds = lock_wait?.as_secs().clamp(1, 1 << 30);
+        Some(format!("SET SESSION innodb_lock_wait_timeout = {seconds}; START TRANSACTION"))
     }
 
     /// Asks the server whether the transaction is still open: InnoDB rolls back a deadlock
@@ -221,8 +155,11 @@ impl Inbox for SqlxInbox<MySql> {
     /// one by one in autocommit and the COMMIT is a no-op. MariaDB answers with
     /// `@@in_transaction` (one round trip, no table access); MySQL, which lacks it, is asked
     /// whether InnoDB lists a transaction for this connection.
-    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
-        let open: i64 = if self.mariadb {
+    async fn check_committable(
+        inbox: &SqlxInbox<MySql>,
+        tx: &mut Transaction<'static, MySql>,
+    ) -> Result<(), StoreError> {
+        let open: i64 = if inbox.mariadb {
             sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
                 .fetch_one(&mut **tx)
                 .await?
@@ -237,111 +174,19 @@ impl Inbox for SqlxInbox<MySql> {
         if open == 0 { Err(StoreError::TransactionAborted) } else { Ok(()) }
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.commit().await?)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.rollback().await?)
-    }
-
-    async fn record<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        // A record removed between the insert and the read is inserted again.
-        for _ in 0..3 {
-            let mut tx = crate::begin_detached(&self.pool, None).await?;
-            let inserted = sqlx::query(&format!(
-                "INSERT IGNORE INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
-                 purge_after_ms) VALUES (?, ?, ?, 0, ?, {DB_NOW_MS} + ?)"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .bind(millis(now))
-            .bind(owner)
-            .bind(self.retention_ms())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if inserted == 1 {
-                tx.commit().await?;
-                return Ok(Claim::Claimed);
-            }
-            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
-                "SELECT processed_at_ms, CAST(state AS SIGNED), CAST(owner AS CHAR) FROM {t} \
-                 WHERE consumer = ? AND message_id = ? LOCK IN SHARE MODE"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            let Some((at, state, by)) = row else { continue };
-            return Ok(crate::claim_of_record(at, state, by.as_deref(), owner));
-        }
-        Ok(Claim::InProgress { claimed_at: None })
-    }
-
-    async fn finish<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let updated = sqlx::query(&format!(
-            "UPDATE {t} SET state = 1 WHERE consumer = ? AND message_id = ? \
-             AND owner = ? AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&mut **tx)
-        .await?
-        .rows_affected();
-        Ok(updated == 1)
-    }
-
-    async fn forget<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let deleted = sqlx::query(&format!(
-            "DELETE FROM {t} WHERE consumer = ? AND message_id = ? AND owner = ? \
-             AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        Ok(deleted == 1)
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
-        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
-        let sqlx::Error::Database(db) = e else {
-            return if is_transient_sqlx(e) { ErrorClass::Transient } else { ErrorClass::Unknown };
-        };
+    fn classify_database(
+        inbox: &SqlxInbox<MySql>,
+        db: &(dyn DatabaseError + 'static),
+    ) -> ErrorClass {
         let Some(my) = db.try_downcast_ref::<MySqlDatabaseError>() else {
             return ErrorClass::Unknown;
         };
         match my.number() {
             errno::DUP_ENTRY | errno::DUP_ENTRY_WITH_KEY_NAME => {
-                match self.business_keys.iter().find(|(_, key)| names_key(my.message(), key)) {
-                    Some((name, _)) => {
-                        ErrorClass::BusinessKeyDuplicate { constraint: name.clone() }
+                let message = my.message();
+                match inbox.business_keys.iter().find(|(key, _)| names_key(message, key)) {
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
                     }
                     None => ErrorClass::Unknown,
                 }
@@ -400,12 +245,19 @@ mod tests {
 
     #[test]
     fn key_names_are_read_from_the_end_of_the_message() {
+        let key = |table: &str, key: &str| crate::InboxOptions::new().business_key(table, key);
+        let shipments = key("shipments", "shipments_order_id");
+        let shipments = &shipments.get_business_keys()[0];
         let maria = "Duplicate entry '42' for key 'shipments_order_id'";
         let mysql8 = "Duplicate entry '42' for key 'shipments.shipments_order_id'";
-        assert!(names_key(maria, "shipments_order_id"));
-        assert!(names_key(mysql8, "shipments_order_id"));
-        assert!(!names_key(maria, "order_id"));
+        assert!(names_key(maria, shipments));
+        assert!(names_key(mysql8, shipments));
+        let returns = key("returns", "shipments_order_id");
+        assert!(!names_key(mysql8, &returns.get_business_keys()[0]), "MySQL 8 names the table");
+        let suffix = key("shipments", "order_id");
+        assert!(!names_key(maria, &suffix.get_business_keys()[0]));
         // A value that looks like a key name does not fool it.
-        assert!(!names_key("Duplicate entry 'x' for key 'PRIMARY'", "x"));
+        let x = key("shipments", "x");
+        assert!(!names_key("Duplicate entry 'x' for key 'PRIMARY'", &x.get_business_keys()[0]));
     }
 }

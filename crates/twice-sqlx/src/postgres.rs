@@ -6,16 +6,16 @@
 //! how PostgreSQL checks a unique index against an uncommitted row): if the first commits, the
 //! insert does nothing; if it rolls back, the insert goes through. No error is raised, so the
 //! transaction stays usable. The table is keyed by `(consumer, message_id)`; rows are appended
-//! to the heap in claim order and the purge walks the index on `processed_at_ms`.
+//! to the heap in claim order and the purge walks the index on `purge_after_ms`.
 
 use std::time::Duration;
 
+use sqlx::error::DatabaseError;
+use sqlx::postgres::PgDatabaseError;
 use sqlx::{Postgres, Transaction};
-use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+use twice::ErrorClass;
 
-use crate::{
-    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
-};
+use crate::{Purge, SqlxInbox, StoreError};
 
 /// An inbox on PostgreSQL.
 pub type PgInbox = SqlxInbox<Postgres>;
@@ -58,153 +58,94 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
 /// The database's clock in ms since the Unix epoch.
 const DB_NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
-impl SqlxInbox<Postgres> {
-    /// Runs the embedded migrations not yet applied, under an advisory lock so that instances
-    /// starting together do not race.
-    ///
-    /// # Errors
-    ///
-    /// A database error.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let t = self.table();
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("twice-migrate:{t}"))
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(&format!(
-            "CREATE TABLE IF NOT EXISTS {t}_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)"
-        ))
-        .execute(&mut *tx)
-        .await?;
-        let applied: Vec<i64> = sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
-            .fetch_all(&mut *tx)
-            .await?;
-        for (version, statements) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            for statement in *statements {
-                sqlx::query(&self.migration_sql(statement)).execute(&mut *tx).await?;
-            }
-            sqlx::query(&format!(
-                "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ($1, (extract(epoch from now()) * 1000)::bigint)"
-            ))
-            .bind(version)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn claim_in(
-        &self,
-        conn: &mut sqlx::PgConnection,
-        consumer: &str,
-        message_id: &MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        let inserted = sqlx::query(&format!(
-            "INSERT INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
-             VALUES ($1, $2, $3, {DB_NOW_MS} + $4) ON CONFLICT (consumer, message_id) DO NOTHING"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(millis(now))
-        .bind(self.retention_ms())
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        if inserted == 1 {
-            return Ok(Claim::Claimed);
-        }
-        // The insert waited for the holder, if any, to commit; a new statement in READ
-        // COMMITTED sees the committed row.
-        let at: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT processed_at_ms FROM {t} WHERE consumer = $1 AND message_id = $2"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
-    }
-}
-
 /// Begins an inbox transaction at READ COMMITTED whatever the session's default
 /// (`default_transaction_isolation`, `SET SESSION CHARACTERISTICS`), and bounds its lock waits
-/// by `lock_wait` (`SET LOCAL lock_timeout`), in one round trip, safely against cancellation.
+/// by `lock_wait` (`SET LOCAL lock_timeout`), in one round trip.
 ///
 /// A claim that waited for a concurrent claim of the same key and found it committed must see
 /// that row: at REPEATABLE READ and SERIALIZABLE the row is not in the transaction's snapshot
 /// and `ON CONFLICT DO NOTHING` fails with a serialization failure (40001) instead.
-async fn begin_read_committed(
-    pool: &sqlx::PgPool,
-    lock_wait: Option<Duration>,
-) -> Result<Transaction<'static, Postgres>, StoreError> {
+fn begin_statement(lock_wait: Option<Duration>) -> String {
     let mut statement = "BEGIN ISOLATION LEVEL READ COMMITTED".to_owned();
     if let Some(wait) = lock_wait {
         statement.push_str(&format!("; SET LOCAL lock_timeout = {}", crate::wait_millis(wait)));
     }
-    crate::begin_detached(pool, Some(statement)).await
+    statement
 }
 
-impl crate::sealed::Sealed for Postgres {}
+/// A registered table's name without its schema, as PostgreSQL reports it in an error.
+fn table_name(key: &crate::BusinessKey) -> &str {
+    key.table().rsplit_once('.').map_or(key.table(), |(_, table)| table)
+}
 
 impl crate::Backend for Postgres {
     async fn prepare(inbox: &mut SqlxInbox<Postgres>) -> Result<(), StoreError> {
         if inbox.options.migrate {
             inbox.migrate().await?;
         }
-        // The server names the violated constraint itself: keys need no resolving.
-        inbox.business_keys =
-            inbox.options.business_keys.iter().map(|k| (k.clone(), k.clone())).collect();
+        // The server names the violated constraint's schema, table and name: resolve the
+        // registered table to its schema now.
+        let mut keys = Vec::new();
+        for key in &inbox.options.business_keys {
+            let schema: Option<String> = sqlx::query_scalar(
+                "SELECT n.nspname::text FROM pg_index i \
+                 JOIN pg_class ic ON ic.oid = i.indexrelid \
+                 JOIN pg_class tc ON tc.oid = i.indrelid \
+                 JOIN pg_namespace n ON n.oid = tc.relnamespace \
+                 WHERE i.indisunique AND ic.relname = $2 AND tc.oid = to_regclass($1)",
+            )
+            .bind(key.table())
+            .bind(key.key())
+            .fetch_optional(&inbox.pool)
+            .await?;
+            let Some(schema) = schema else {
+                return Err(StoreError::BusinessKeyNotFound {
+                    table: key.table().to_owned(),
+                    key: key.key().to_owned(),
+                });
+            };
+            keys.push((key.clone(), schema));
+        }
+        inbox.business_keys = keys;
         Ok(())
     }
 }
 
-impl Inbox for SqlxInbox<Postgres> {
-    type Tx = Transaction<'static, Postgres>;
-    type Error = StoreError;
+impl crate::store::Dialect for Postgres {
+    const MIGRATIONS: &'static [(i64, &'static [&'static str])] = MIGRATIONS;
+    const MIGRATION_LOCK: Option<&'static str> =
+        Some("SELECT pg_advisory_xact_lock(hashtext('twice-migrate:{t}'))");
+    const MIGRATION_UNLOCK: Option<&'static str> = None;
+    const DB_NOW_MS: &'static str = DB_NOW_MS;
+    const INSERT: &'static str = "INSERT INTO";
+    const ON_CONFLICT: &'static str = " ON CONFLICT (consumer, message_id) DO NOTHING";
+    // The insert waited for the holder, if any, to commit; a new statement in READ COMMITTED
+    // sees the committed row.
+    const READ_LATEST: &'static str = "";
+    const STATE_AND_OWNER: &'static str = "CAST(state AS BIGINT), owner";
 
-    fn retention(&self) -> Option<Duration> {
-        self.options.retention
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
     }
 
-    fn max_connections(&self) -> Option<u32> {
-        Some(self.pool.options().get_max_connections())
+    fn param(n: usize) -> String {
+        format!("${n}")
     }
 
-    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's default: see
-    /// [`begin_read_committed`].
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        begin_read_committed(&self.pool, None).await
-    }
-
-    /// As [`Inbox::begin`], with `SET LOCAL lock_timeout` to the time left on the lock, in the
-    /// same round trip.
-    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
-        begin_read_committed(&self.pool, lock_wait).await
-    }
-
-    async fn claim<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        self.claim_in(tx, consumer, message_id, now).await
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's default, with `SET LOCAL
+    /// lock_timeout` to the time left on the lock: see [`begin_statement`].
+    fn begin_statement(lock_wait: Option<Duration>) -> Option<String> {
+        Some(begin_statement(lock_wait))
     }
 
     /// One `SELECT 1` in the transaction: PostgreSQL refuses every statement of an aborted
     /// transaction with SQLSTATE 25P02. It is the cheapest check that is exact: one round trip
     /// with no table access, where running the handler in a savepoint costs two, and the
     /// COMMIT's command tag (`ROLLBACK` for an aborted transaction) is not visible through sqlx.
-    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+    async fn check_committable(
+        _inbox: &SqlxInbox<Postgres>,
+        tx: &mut Transaction<'static, Postgres>,
+    ) -> Result<(), StoreError> {
         match sqlx::query("SELECT 1").execute(&mut **tx).await {
             Ok(_) => Ok(()),
             Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
@@ -214,113 +155,27 @@ impl Inbox for SqlxInbox<Postgres> {
         }
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.commit().await?)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.rollback().await?)
-    }
-
-    async fn record<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        // A record removed between the insert and the read is inserted again.
-        for _ in 0..3 {
-            let mut tx = begin_read_committed(&self.pool, None).await?;
-            let inserted = sqlx::query(&format!(
-                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
-                 purge_after_ms) VALUES ($1, $2, $3, 0, $4, {DB_NOW_MS} + $5) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .bind(millis(now))
-            .bind(owner)
-            .bind(self.retention_ms())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if inserted == 1 {
-                tx.commit().await?;
-                return Ok(Claim::Claimed);
-            }
-            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
-                "SELECT processed_at_ms, CAST(state AS BIGINT), owner FROM {t} \
-                 WHERE consumer = $1 AND message_id = $2"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            let Some((at, state, by)) = row else { continue };
-            return Ok(crate::claim_of_record(at, state, by.as_deref(), owner));
-        }
-        Ok(Claim::InProgress { claimed_at: None })
-    }
-
-    async fn finish<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let updated = sqlx::query(&format!(
-            "UPDATE {t} SET state = 1 WHERE consumer = $1 AND message_id = $2 \
-             AND owner = $3 AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&mut **tx)
-        .await?
-        .rows_affected();
-        Ok(updated == 1)
-    }
-
-    async fn forget<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let deleted = sqlx::query(&format!(
-            "DELETE FROM {t} WHERE consumer = $1 AND message_id = $2 AND owner = $3 \
-             AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        Ok(deleted == 1)
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
-        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
-        let sqlx::Error::Database(db) = e else {
-            return if is_transient_sqlx(e) { ErrorClass::Transient } else { ErrorClass::Unknown };
-        };
+    fn classify_database(
+        inbox: &SqlxInbox<Postgres>,
+        db: &(dyn DatabaseError + 'static),
+    ) -> ErrorClass {
         let Some(code) = db.code() else { return ErrorClass::Unknown };
         match &*code {
-            "23505" => match db.constraint() {
-                Some(c) if self.business_keys.iter().any(|(_, name)| name == c) => {
-                    ErrorClass::BusinessKeyDuplicate { constraint: c.to_owned() }
+            "23505" => {
+                let pg = db.try_downcast_ref::<PgDatabaseError>();
+                let violated = pg.map(|pg| (pg.schema(), pg.table(), pg.constraint()));
+                let registered = inbox.business_keys.iter().find(|(key, schema)| {
+                    violated
+                        == Some((Some(schema.as_str()), Some(table_name(key)), Some(key.key())))
+                });
+                match registered {
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
+                    }
+                    // An unregistered unique key may be a race an upsert would win on retry.
+                    None => ErrorClass::Unknown,
                 }
-                // An unregistered unique key may be a race an upsert would win on retry.
-                _ => ErrorClass::Unknown,
-            },
+            }
             // Serialization failure, deadlock, connection trouble, insufficient resources,
             // shutdown, lock not available.
             c if c.starts_with("40")
@@ -347,7 +202,7 @@ impl Purge for SqlxInbox<Postgres> {
         let t = self.table();
         let mut total = 0;
         loop {
-            let mut tx = begin_read_committed(&self.pool, None).await?;
+            let mut tx = crate::begin_detached(&self.pool, Some(begin_statement(None))).await?;
             let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1))")
                 .bind(format!("twice-purge:{t}"))
                 .fetch_one(&mut *tx)

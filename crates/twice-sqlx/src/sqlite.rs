@@ -11,13 +11,12 @@
 use std::path::Path;
 use std::time::Duration;
 
+use sqlx::error::DatabaseError;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{Sqlite, Transaction};
-use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+use twice::ErrorClass;
 
-use crate::{
-    Purge, SqlxInbox, StoreError, find_sqlx_error, is_transient_sqlx, millis, validate_key,
-};
+use crate::{BusinessKey, Purge, SqlxInbox, StoreError};
 
 /// An inbox on SQLite.
 pub type SqliteInbox = SqlxInbox<Sqlite>;
@@ -92,97 +91,36 @@ pub(crate) async fn begin_immediate(
 }
 
 impl SqlxInbox<Sqlite> {
-    /// `table.col1, table.col2` of a unique index, as SQLite writes it in a constraint error.
-    async fn index_columns(&self, index: &str) -> Result<String, StoreError> {
+    /// `table.col1, table.col2` of the unique index `key` of `table`, as SQLite writes it in a
+    /// constraint error.
+    async fn index_columns(&self, key: &BusinessKey) -> Result<String, StoreError> {
+        let not_found = || StoreError::BusinessKeyNotFound {
+            table: key.table().to_owned(),
+            key: key.key().to_owned(),
+        };
+        // SQLite names indexes once per database and compares names without case.
         let table: Option<String> = sqlx::query_scalar(
-            "SELECT tbl_name FROM sqlite_master WHERE type = 'index' AND name = ?1",
+            "SELECT m.tbl_name FROM sqlite_master m \
+             JOIN pragma_index_list(m.tbl_name) l ON l.name = m.name \
+             WHERE m.type = 'index' AND m.name = ?1 AND m.tbl_name = ?2 COLLATE NOCASE \
+             AND l.\"unique\" = 1",
         )
-        .bind(index)
+        .bind(key.key())
+        .bind(key.table())
         .fetch_optional(&self.pool)
         .await?;
-        let Some(table) = table else {
-            return Err(StoreError::BusinessKeyNotFound(index.to_owned()));
-        };
+        let table = table.ok_or_else(not_found)?;
         let columns: Vec<String> =
             sqlx::query_scalar("SELECT name FROM pragma_index_info(?1) ORDER BY seqno")
-                .bind(index)
+                .bind(key.key())
                 .fetch_all(&self.pool)
                 .await?;
         if columns.is_empty() {
-            return Err(StoreError::BusinessKeyNotFound(index.to_owned()));
+            return Err(not_found());
         }
         Ok(columns.iter().map(|c| format!("{table}.{c}")).collect::<Vec<_>>().join(", "))
     }
-
-    /// Runs the embedded migrations not yet applied, inside `BEGIN IMMEDIATE`.
-    ///
-    /// # Errors
-    ///
-    /// A database error.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let t = self.table();
-        let mut tx = begin_immediate(&self.pool).await?;
-        sqlx::query(&format!(
-            "CREATE TABLE IF NOT EXISTS {t}_migrations (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)"
-        ))
-        .execute(&mut *tx)
-        .await?;
-        let applied: Vec<i64> = sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
-            .fetch_all(&mut *tx)
-            .await?;
-        for (version, statements) in MIGRATIONS {
-            if applied.contains(version) {
-                continue;
-            }
-            for statement in *statements {
-                sqlx::query(&self.migration_sql(statement)).execute(&mut *tx).await?;
-            }
-            sqlx::query(&format!(
-                "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES (?1, CAST(unixepoch('subsec') * 1000 AS INTEGER))"
-            ))
-            .bind(version)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn claim_in(
-        &self,
-        conn: &mut sqlx::SqliteConnection,
-        consumer: &str,
-        message_id: &MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        let inserted = sqlx::query(&format!(
-            "INSERT INTO {t} (consumer, message_id, processed_at_ms, purge_after_ms) \
-             VALUES (?1, ?2, ?3, {DB_NOW_MS} + ?4) ON CONFLICT (consumer, message_id) DO NOTHING"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(millis(now))
-        .bind(self.retention_ms())
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        if inserted == 1 {
-            return Ok(Claim::Claimed);
-        }
-        let at: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT processed_at_ms FROM {t} WHERE consumer = ?1 AND message_id = ?2"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .fetch_optional(&mut *conn)
-        .await?;
-        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
-    }
 }
-
-impl crate::sealed::Sealed for Sqlite {}
 
 impl crate::Backend for Sqlite {
     async fn prepare(inbox: &mut SqlxInbox<Sqlite>) -> Result<(), StoreError> {
@@ -191,146 +129,60 @@ impl crate::Backend for Sqlite {
         }
         // SQLite's error names the index's columns, not the index: resolve them now.
         let mut keys = Vec::new();
-        for name in &inbox.options.business_keys {
-            keys.push((name.clone(), inbox.index_columns(name).await?));
+        for key in &inbox.options.business_keys {
+            keys.push((key.clone(), inbox.index_columns(key).await?));
         }
         inbox.business_keys = keys;
         Ok(())
     }
 }
 
-impl Inbox for SqlxInbox<Sqlite> {
-    type Tx = Transaction<'static, Sqlite>;
-    type Error = StoreError;
+impl crate::store::Dialect for Sqlite {
+    const MIGRATIONS: &'static [(i64, &'static [&'static str])] = MIGRATIONS;
+    // `BEGIN IMMEDIATE` takes the write lock: one instance migrates at a time.
+    const MIGRATION_LOCK: Option<&'static str> = None;
+    const MIGRATION_UNLOCK: Option<&'static str> = None;
+    const DB_NOW_MS: &'static str = DB_NOW_MS;
+    const INSERT: &'static str = "INSERT INTO";
+    const ON_CONFLICT: &'static str = " ON CONFLICT (consumer, message_id) DO NOTHING";
+    // Writers are serialised: the row found in place is committed.
+    const READ_LATEST: &'static str = "";
+    const STATE_AND_OWNER: &'static str = "CAST(state AS BIGINT), owner";
 
-    fn retention(&self) -> Option<Duration> {
-        self.options.retention
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
     }
 
-    fn max_connections(&self) -> Option<u32> {
-        Some(self.pool.options().get_max_connections())
+    fn param(n: usize) -> String {
+        format!("?{n}")
     }
 
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        begin_immediate(&self.pool).await
+    /// `BEGIN IMMEDIATE`, whose wait for the write lock is bounded by the busy timeout; the
+    /// processor gives the wait up when the message's lock is lost.
+    fn begin_statement(_lock_wait: Option<Duration>) -> Option<String> {
+        Some("BEGIN IMMEDIATE".to_owned())
     }
 
-    async fn claim<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        self.claim_in(tx, consumer, message_id, now).await
+    /// Nothing to check: SQLite's COMMIT fails when the transaction is gone.
+    async fn check_committable(
+        _inbox: &SqlxInbox<Sqlite>,
+        _tx: &mut Transaction<'static, Sqlite>,
+    ) -> Result<(), StoreError> {
+        Ok(())
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.commit().await?)
-    }
-
-    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        Ok(tx.rollback().await?)
-    }
-
-    async fn record<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-        now: Timestamp,
-    ) -> Result<Claim, StoreError> {
-        validate_key(consumer, message_id)?;
-        let t = self.table();
-        // A record removed between the insert and the read is inserted again.
-        for _ in 0..3 {
-            let mut tx = begin_immediate(&self.pool).await?;
-            let inserted = sqlx::query(&format!(
-                "INSERT INTO {t} (consumer, message_id, processed_at_ms, state, owner, \
-                 purge_after_ms) VALUES (?1, ?2, ?3, 0, ?4, {DB_NOW_MS} + ?5) \
-                 ON CONFLICT (consumer, message_id) DO NOTHING"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .bind(millis(now))
-            .bind(owner)
-            .bind(self.retention_ms())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if inserted == 1 {
-                tx.commit().await?;
-                return Ok(Claim::Claimed);
-            }
-            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&format!(
-                "SELECT processed_at_ms, CAST(state AS BIGINT), owner FROM {t} \
-                 WHERE consumer = ?1 AND message_id = ?2"
-            ))
-            .bind(consumer)
-            .bind(message_id.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            let Some((at, state, by)) = row else { continue };
-            return Ok(crate::claim_of_record(at, state, by.as_deref(), owner));
-        }
-        Ok(Claim::InProgress { claimed_at: None })
-    }
-
-    async fn finish<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let updated = sqlx::query(&format!(
-            "UPDATE {t} SET state = 1 WHERE consumer = ?1 AND message_id = ?2 \
-             AND owner = ?3 AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&mut **tx)
-        .await?
-        .rows_affected();
-        Ok(updated == 1)
-    }
-
-    async fn forget<'a>(
-        &'a self,
-        consumer: &'a str,
-        message_id: &'a MessageId,
-        owner: &'a str,
-    ) -> Result<bool, StoreError> {
-        let t = self.table();
-        let deleted = sqlx::query(&format!(
-            "DELETE FROM {t} WHERE consumer = ?1 AND message_id = ?2 AND owner = ?3 \
-             AND state = 0"
-        ))
-        .bind(consumer)
-        .bind(message_id.as_str())
-        .bind(owner)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        Ok(deleted == 1)
-    }
-
-    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
-        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
-        let sqlx::Error::Database(db) = e else {
-            return if is_transient_sqlx(e) { ErrorClass::Transient } else { ErrorClass::Unknown };
-        };
+    fn classify_database(
+        inbox: &SqlxInbox<Sqlite>,
+        db: &(dyn DatabaseError + 'static),
+    ) -> ErrorClass {
         let Some(code) = db.code() else { return ErrorClass::Unknown };
         match &*code {
             code::CONSTRAINT_UNIQUE | code::CONSTRAINT_PRIMARYKEY => {
                 // SQLite names the columns, not the index: "UNIQUE constraint failed: t.c".
                 let failed = db.message().rsplit_once(": ").map_or("", |(_, cols)| cols.trim());
-                match self.business_keys.iter().find(|(_, cols)| cols == failed) {
-                    Some((name, _)) => {
-                        ErrorClass::BusinessKeyDuplicate { constraint: name.clone() }
+                match inbox.business_keys.iter().find(|(_, cols)| cols == failed) {
+                    Some((key, _)) => {
+                        ErrorClass::BusinessKeyDuplicate { constraint: key.key().to_owned() }
                     }
                     None => ErrorClass::Unknown,
                 }

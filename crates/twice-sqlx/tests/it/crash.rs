@@ -1,10 +1,11 @@
 //! A process killed after commit and before complete: the redelivery is a no-op that completes.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use sqlx::Transaction;
-use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use twice::{Clock as _, Inbox, ProcessorOptions, SharedClock, SystemClock};
@@ -18,12 +19,33 @@ use crate::support::{
     BrokerQueue, Fixture, Shutdown, create_shipments, inbox_rows, shipments, until_async,
 };
 
-/// The example binary `crash_after_commit`, built by `cargo test` next to the test binary.
-fn child_binary() -> std::path::PathBuf {
+/// The example binary `crash_after_commit`, built from the current source. `cargo test` builds
+/// examples next to the test binary, but a run limited to `--test it` does not, and would run
+/// whatever an earlier build left there. So an example older than this crate's library or its
+/// own source is built again, into a target directory of its own: the cargo running this test
+/// holds the lock of the main one.
+fn child_binary() -> PathBuf {
+    const NAME: &str = "crash_after_commit";
     let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/it-<hash> → target/<profile>/examples/crash_after_commit
-    let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    profile_dir.join("examples").join("crash_after_commit")
+    // target/<profile>/deps/it-<hash> → target/<profile>
+    let profile = exe.parent().and_then(Path::parent).expect("target profile directory");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let libs = std::fs::read_dir(profile.join("deps")).expect("deps directory").flatten();
+    let libs = libs.filter(|e| e.file_name().to_string_lossy().starts_with("libtwice_sqlx-"));
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{NAME}.rs"));
+    let inputs = libs.filter_map(|e| modified(&e.path())).chain(modified(&source)).max();
+    let built = profile.join("examples").join(NAME);
+    if modified(&built).is_some_and(|b| inputs.is_none_or(|newest| b >= newest)) {
+        return built;
+    }
+    let target = profile.parent().expect("target directory").join("example-children");
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "twice-sqlx", "--all-features", "--example", NAME])
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .expect("run cargo build");
+    assert!(status.success(), "building example {NAME} failed");
+    target.join("debug/examples").join(NAME)
 }
 
 async fn crash_after_commit_then_redelivery_is_a_no_op<F: Fixture>(f: F)
@@ -38,7 +60,7 @@ where
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .expect("spawn the crash_after_commit example (built by cargo test)");
+        .expect("spawn the crash_after_commit example");
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let line = lines.next_line().await.expect("read").expect("the child printed a line");

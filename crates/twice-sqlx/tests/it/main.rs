@@ -6,6 +6,7 @@
 
 mod support;
 
+mod business_keys;
 mod crash;
 mod dedup;
 mod edges;

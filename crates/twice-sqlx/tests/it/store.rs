@@ -9,7 +9,7 @@ use twice::{Claim, Inbox, MessageId, Stopwatch, Timestamp};
 use twice_sqlx::{InboxOptions, Purge, SqlxInbox, StoreError};
 
 use crate::on_all_stores;
-use crate::support::{Fixture, inbox_rows, until, until_async};
+use crate::support::{Fixture, create_shipments, inbox_rows, until, until_async};
 
 type Inboxed<F> = SqlxInbox<<F as Fixture>::DB>;
 
@@ -271,12 +271,43 @@ fn invalid_table_names_are_refused() {
             .await
             .expect_err("refused");
         assert!(matches!(err, StoreError::InvalidTableName(_)));
-        let err = SqlxInbox::new(pool, InboxOptions::new().business_key("no_such_index"))
+        let err = SqlxInbox::new(pool, InboxOptions::new().business_key("x", "no_such_index"))
             .await
             .expect_err("refused");
-        assert!(matches!(err, StoreError::BusinessKeyNotFound(_)), "{err}");
+        assert!(matches!(err, StoreError::BusinessKeyNotFound { .. }), "{err}");
     });
 }
+
+/// A business key must be a unique key of the table it is registered with: a missing key, a
+/// key of another table, and a non-unique index are each refused at start with a typed error.
+async fn a_business_key_must_be_a_unique_key_of_its_table<F: Fixture>(f: F)
+where
+    F::DB: twice_sqlx::Backend,
+{
+    create_shipments(&f, true).await;
+    f.exec("CREATE TABLE returns (order_id BIGINT NOT NULL)").await;
+    f.exec("CREATE INDEX returns_order_id ON returns (order_id)").await;
+    let refused = [
+        ("shipments", "no_such_key"),
+        ("returns", "shipments_order_id"),
+        ("returns", "returns_order_id"),
+        ("no_such_table", "shipments_order_id"),
+    ];
+    for (table, key) in refused {
+        let options = InboxOptions::new().table("inbox_keys").business_key(table, key);
+        match SqlxInbox::new(f.pool().clone(), options).await {
+            Err(StoreError::BusinessKeyNotFound { table: t, key: k }) => {
+                assert_eq!((t.as_str(), k.as_str()), (table, key));
+            }
+            other => panic!("{}: ({table}, {key}) must be refused: {other:?}", F::NAME),
+        }
+    }
+    let options =
+        InboxOptions::new().table("inbox_keys").business_key("shipments", "shipments_order_id");
+    let inbox = SqlxInbox::new(f.pool().clone(), options).await;
+    assert!(inbox.is_ok(), "{}: {inbox:?}", F::NAME);
+}
+on_all_stores!(a_business_key_must_be_a_unique_key_of_its_table);
 
 /// A `begin` given up at a random moment (the processor gives up when the message lock is lost
 /// while it waits for a connection or for the write lock, and at shutdown) leaves no

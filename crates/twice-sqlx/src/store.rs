@@ -1,0 +1,375 @@
+//! The store logic every database shares, and the dialect that states what differs.
+//!
+//! One implementation of [`twice::Inbox`] serves SQLite, PostgreSQL and MariaDB/MySQL. Each
+//! database's module implements [`Dialect`]: how a transaction begins (isolation level, lock
+//! wait bound, write lock), how parameters are written, how a row is inserted unless its key
+//! is present, whether reading the row found in place needs a locking read, the migrations and
+//! how they are serialised between instances, the committable check, and how database errors
+//! are classified. Purging stays with each database: its batching and its lock differ.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::{ColumnIndex, Connection as _, Database, Decode, Encode, Executor, IntoArguments, Type};
+use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+
+use crate::{
+    SqlxInbox, StoreError, begin_detached, claim_of_record, find_sqlx_error, is_transient_sqlx,
+    millis, validate_key,
+};
+
+/// What one database does differently; see the [module docs](self).
+pub trait Dialect: Database {
+    /// The embedded migrations: (version, statements); `{t}` stands for the table name and
+    /// `{r}` for the migrating instance's retention in ms (or `NULL`).
+    const MIGRATIONS: &'static [(i64, &'static [&'static str])];
+    /// Run first in the migration transaction so that instances starting together do not
+    /// race (`{t}`: the table name); `None` where beginning the transaction already does.
+    const MIGRATION_LOCK: Option<&'static str>;
+    /// Run on the connection after the migration transaction ended, to free a lock that
+    /// outlives transactions.
+    const MIGRATION_UNLOCK: Option<&'static str>;
+    /// The database's clock in ms since the Unix epoch, as an SQL expression.
+    const DB_NOW_MS: &'static str;
+    /// The start of an insert that does nothing when the key is present.
+    const INSERT: &'static str;
+    /// The end of that insert (after its values).
+    const ON_CONFLICT: &'static str;
+    /// The end of a read of the row found in place, so that it sees the latest committed row.
+    const READ_LATEST: &'static str;
+    /// A dedup-only record's `state` and `owner`, as a BIGINT and a text.
+    const STATE_AND_OWNER: &'static str;
+
+    /// How many rows a statement changed.
+    fn rows_affected(result: &Self::QueryResult) -> u64;
+
+    /// The `n`th (from 1) bind parameter.
+    fn param(n: usize) -> String;
+
+    /// The statement that begins an inbox transaction whose lock waits end after `lock_wait`;
+    /// `None`: the driver's `BEGIN`.
+    fn begin_statement(lock_wait: Option<Duration>) -> Option<String>;
+
+    /// Fails with [`StoreError::TransactionAborted`] when committing `tx` would keep none of
+    /// its work.
+    fn check_committable(
+        inbox: &SqlxInbox<Self>,
+        tx: &mut sqlx::Transaction<'static, Self>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Classifies an error the database raised, by its code.
+    fn classify_database(
+        inbox: &SqlxInbox<Self>,
+        error: &(dyn DatabaseError + 'static),
+    ) -> ErrorClass;
+}
+
+/// An insert into `t` of `columns` with `values` that does nothing when the key is present.
+fn insert<DB: Dialect>(t: &str, columns: &str, values: &[&str]) -> String {
+    let values = values.join(", ");
+    format!("{} {t} ({columns}) VALUES ({values}){}", DB::INSERT, DB::ON_CONFLICT)
+}
+
+/// `consumer = p1 AND message_id = p2`, then `AND owner = p3 AND state = 0` with `owned`.
+fn key_is<DB: Dialect>(owned: bool) -> String {
+    let mut sql = format!("consumer = {} AND message_id = {}", DB::param(1), DB::param(2));
+    if owned {
+        sql.push_str(&format!(" AND owner = {} AND state = 0", DB::param(3)));
+    }
+    sql
+}
+
+/// A migration statement with the table name and the retention (ms, or `NULL`) filled in.
+fn migration_sql(statement: &str, table: &str, retention_ms: Option<i64>) -> String {
+    let retention = retention_ms.map_or_else(|| "NULL".to_owned(), |r| r.to_string());
+    statement.replace("{t}", table).replace("{r}", &retention)
+}
+
+impl<DB: Dialect> SqlxInbox<DB>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    Option<i64>: for<'q> Encode<'q, DB>,
+    String: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    /// Runs the embedded migrations not yet applied, one instance at a time.
+    ///
+    /// # Errors
+    ///
+    /// A database error.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let t = self.table();
+        let mut conn = self.pool.acquire().await?;
+        let result = async {
+            let mut tx = match DB::begin_statement(None) {
+                Some(statement) => conn.begin_with(statement).await?,
+                None => conn.begin().await?,
+            };
+            if let Some(lock) = DB::MIGRATION_LOCK {
+                sqlx::query(&lock.replace("{t}", t)).execute(&mut *tx).await?;
+            }
+            sqlx::query(&format!(
+                "CREATE TABLE IF NOT EXISTS {t}_migrations \
+                 (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)"
+            ))
+            .execute(&mut *tx)
+            .await?;
+            let applied: Vec<i64> =
+                sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
+                    .fetch_all(&mut *tx)
+                    .await?;
+            for (version, statements) in DB::MIGRATIONS {
+                if applied.contains(version) {
+                    continue;
+                }
+                for statement in *statements {
+                    let sql = migration_sql(statement, t, self.retention_ms());
+                    sqlx::query(&sql).execute(&mut *tx).await?;
+                }
+                sqlx::query(&format!(
+                    "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ({}, {})",
+                    DB::param(1),
+                    DB::DB_NOW_MS
+                ))
+                .bind(version)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await
+        }
+        .await;
+        if let Some(unlock) = DB::MIGRATION_UNLOCK {
+            sqlx::query(&unlock.replace("{t}", t)).execute(&mut *conn).await?;
+        }
+        Ok(result?)
+    }
+
+    /// Inserts the claim in `conn`'s transaction; on a duplicate, reads the winner's time.
+    async fn claim_in(
+        &self,
+        conn: &mut DB::Connection,
+        consumer: &str,
+        message_id: &MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        // MariaDB's INSERT IGNORE would truncate an over-long value instead of failing.
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        let purge_after = format!("{} + {}", DB::DB_NOW_MS, DB::param(4));
+        let columns = "consumer, message_id, processed_at_ms, purge_after_ms";
+        let values = [&*DB::param(1), &DB::param(2), &DB::param(3), &purge_after];
+        let inserted = DB::rows_affected(
+            &sqlx::query(&insert::<DB>(t, columns, &values))
+                .bind(consumer.to_owned())
+                .bind(message_id.as_str().to_owned())
+                .bind(millis(now))
+                .bind(self.retention_ms())
+                .execute(&mut *conn)
+                .await?,
+        );
+        if inserted == 1 {
+            return Ok(Claim::Claimed);
+        }
+        // The insert waited for the holder, if any, to end; this read sees its committed row.
+        let at: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT processed_at_ms FROM {t} WHERE {}{}",
+            key_is::<DB>(false),
+            DB::READ_LATEST
+        ))
+        .bind(consumer.to_owned())
+        .bind(message_id.as_str().to_owned())
+        .fetch_optional(&mut *conn)
+        .await?;
+        Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
+    }
+}
+
+impl<DB: Dialect> Inbox for SqlxInbox<DB>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    Option<i64>: for<'q> Encode<'q, DB>,
+    String: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    type Tx = sqlx::Transaction<'static, DB>;
+    type Error = StoreError;
+
+    fn retention(&self) -> Option<Duration> {
+        self.options.retention
+    }
+
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+
+    /// Begins with the dialect's statement: PostgreSQL `BEGIN ISOLATION LEVEL READ
+    /// COMMITTED` whatever the session's default, SQLite `BEGIN IMMEDIATE`, MariaDB `BEGIN`.
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        begin_detached(&self.pool, DB::begin_statement(None)).await
+    }
+
+    /// As [`Inbox::begin`], bounding lock waits by `lock_wait` in the same round trip
+    /// (PostgreSQL `SET LOCAL lock_timeout`; MariaDB `SET SESSION innodb_lock_wait_timeout`
+    /// in whole seconds, which stays on the pooled connection; SQLite waits at its `BEGIN
+    /// IMMEDIATE`).
+    async fn begin_within(&self, lock_wait: Option<Duration>) -> Result<Self::Tx, StoreError> {
+        begin_detached(&self.pool, DB::begin_statement(lock_wait)).await
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        self.claim_in(tx, consumer, message_id, now).await
+    }
+
+    async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        DB::check_committable(self, tx).await
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.commit().await?)
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        Ok(tx.rollback().await?)
+    }
+
+    async fn record<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+        now: Timestamp,
+    ) -> Result<Claim, StoreError> {
+        validate_key(consumer, message_id)?;
+        let t = self.table();
+        let purge_after = format!("{} + {}", DB::DB_NOW_MS, DB::param(5));
+        let columns = "consumer, message_id, processed_at_ms, state, owner, purge_after_ms";
+        let (p1, p2, p3, p4) = (DB::param(1), DB::param(2), DB::param(3), DB::param(4));
+        let insert = insert::<DB>(t, columns, &[&p1, &p2, &p3, "0", &p4, &purge_after]);
+        let read = format!(
+            "SELECT processed_at_ms, {} FROM {t} WHERE {}{}",
+            DB::STATE_AND_OWNER,
+            key_is::<DB>(false),
+            DB::READ_LATEST
+        );
+        // A record removed between the insert and the read is inserted again.
+        for _ in 0..3 {
+            let mut tx = begin_detached(&self.pool, DB::begin_statement(None)).await?;
+            let inserted = DB::rows_affected(
+                &sqlx::query(&insert)
+                    .bind(consumer.to_owned())
+                    .bind(message_id.as_str().to_owned())
+                    .bind(millis(now))
+                    .bind(owner.to_owned())
+                    .bind(self.retention_ms())
+                    .execute(&mut *tx)
+                    .await?,
+            );
+            if inserted == 1 {
+                tx.commit().await?;
+                return Ok(Claim::Claimed);
+            }
+            let row: Option<(i64, i64, Option<String>)> = sqlx::query_as(&read)
+                .bind(consumer.to_owned())
+                .bind(message_id.as_str().to_owned())
+                .fetch_optional(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            let Some((at, state, by)) = row else { continue };
+            return Ok(claim_of_record(at, state, by.as_deref(), owner));
+        }
+        Ok(Claim::InProgress { claimed_at: None })
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
+        let sql = format!("UPDATE {} SET state = 1 WHERE {}", self.table(), key_is::<DB>(true));
+        let updated = DB::rows_affected(
+            &sqlx::query(&sql)
+                .bind(consumer.to_owned())
+                .bind(message_id.as_str().to_owned())
+                .bind(owner.to_owned())
+                .execute(&mut **tx)
+                .await?,
+        );
+        Ok(updated == 1)
+    }
+
+    async fn forget<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+        owner: &'a str,
+    ) -> Result<bool, StoreError> {
+        let sql = format!("DELETE FROM {} WHERE {}", self.table(), key_is::<DB>(true));
+        let mut conn = self.pool.acquire().await?;
+        let deleted = DB::rows_affected(
+            &sqlx::query(&sql)
+                .bind(consumer.to_owned())
+                .bind(message_id.as_str().to_owned())
+                .bind(owner.to_owned())
+                .execute(&mut *conn)
+                .await?,
+        );
+        Ok(deleted == 1)
+    }
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
+        match e {
+            sqlx::Error::Database(db) => DB::classify_database(self, db.as_ref()),
+            e if is_transient_sqlx(e) => ErrorClass::Transient,
+            _ => ErrorClass::Unknown,
+        }
+    }
+}
+
+#[cfg(all(test, feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod tests {
+    use sqlx::{MySql, Postgres, Sqlite};
+
+    use super::{insert, key_is};
+
+    #[test]
+    fn each_dialect_writes_the_claim_in_its_own_sql() {
+        let cols = "consumer, message_id";
+        assert_eq!(
+            insert::<Postgres>("t", cols, &["$1", "$2"]),
+            "INSERT INTO t (consumer, message_id) VALUES ($1, $2) \
+             ON CONFLICT (consumer, message_id) DO NOTHING"
+        );
+        assert_eq!(
+            insert::<MySql>("t", cols, &["?", "?"]),
+            "INSERT IGNORE INTO t (consumer, message_id) VALUES (?, ?)"
+        );
+        assert_eq!(
+            insert::<Sqlite>("t", cols, &["?1", "?2"]),
+            "INSERT INTO t (consumer, message_id) VALUES (?1, ?2) \
+             ON CONFLICT (consumer, message_id) DO NOTHING"
+        );
+        assert_eq!(key_is::<Postgres>(false), "consumer = $1 AND message_id = $2");
+        assert_eq!(
+            key_is::<MySql>(true),
+            "consumer = ? AND message_id = ? AND owner = ? AND state = 0"
+        );
+        assert_eq!(
+            key_is::<Sqlite>(true),
+            "consumer = ?1 AND message_id = ?2 AND owner = ?3 AND state = 0"
+        );
+    }
+}
