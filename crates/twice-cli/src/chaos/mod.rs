@@ -362,7 +362,9 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     // The inbox table, made once here rather than by the processors racing.
     SqlxInbox::<Postgres>::new(
         pool.clone(),
-        InboxOptions::new().table(tables.inbox.clone()).business_key(tables.shipments_key.clone()),
+        InboxOptions::new()
+            .table(tables.inbox.clone())
+            .business_key(tables.shipments.clone(), tables.shipments_key.clone()),
     )
     .await
     .context("creating the inbox")?;

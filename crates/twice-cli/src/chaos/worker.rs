@@ -160,7 +160,9 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let tables = Tables::new(&args.run_id);
     let inbox = SqlxInbox::<Postgres>::new(
         pool,
-        InboxOptions::new().table(tables.inbox.clone()).business_key(tables.shipments_key.clone()),
+        InboxOptions::new()
+            .table(tables.inbox.clone())
+            .business_key(tables.shipments.clone(), tables.shipments_key.clone()),
     )
     .await
     .context("opening the inbox")?;

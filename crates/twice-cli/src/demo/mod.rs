@@ -328,7 +328,7 @@ where
             pools.twice.clone(),
             InboxOptions::new()
                 .table(tables.inbox.clone())
-                .business_key(tables.shipments_key.clone()),
+                .business_key(tables.shipments.clone(), tables.shipments_key.clone()),
         )
         .await
         .context("creating the inbox")?,

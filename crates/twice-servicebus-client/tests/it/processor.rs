@@ -47,10 +47,12 @@ async fn the_processor_ships_each_order_once_over_the_client_with_a_postgres_inb
         .execute(&pool)
         .await
         .unwrap();
-    let inbox =
-        SqlxInbox::new(pool.clone(), InboxOptions::new().business_key("shipments_order_id"))
-            .await
-            .unwrap();
+    let inbox = SqlxInbox::new(
+        pool.clone(),
+        InboxOptions::new().business_key("shipments", "shipments_order_id"),
+    )
+    .await
+    .unwrap();
     let handler = json_fn(ship);
 
     let s = Serve::start().await;
