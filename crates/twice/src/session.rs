@@ -9,6 +9,11 @@
 //! when it is lost, the message in flight is rolled back and the session given up. A session
 //! that brings no message for [`session_idle_timeout`](SessionProcessorOptions::session_idle_timeout)
 //! is closed so another can be accepted.
+//!
+//! A message is settled in line, before the session's next message is received: unlike the
+//! [`Processor`](crate::Processor), which settles in the background once the transaction has
+//! ended, a session must not let its next message overtake this one's settlement (an abandoned
+//! message comes back first, in order).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -37,6 +37,20 @@
 //! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
 //! rolled back, instead of committing work whose message another receiver may already hold.
 //!
+//! # Settlement off the call
+//!
+//! A call (one of [`max_concurrent_calls`](ProcessorOptions::max_concurrent_calls)) is held
+//! while the message's transaction is open. Once the transaction has ended (committed or rolled
+//! back), the settlement (complete, abandon, dead-letter, defer, delayed redelivery) goes on in
+//! the background and frees the call, so the next message's handler does not wait for the
+//! broker to acknowledge this one. Settlements pending at once are bounded apart from the calls,
+//! by as many again as MaxConcurrentCalls: a message waits, still holding its call, for a free
+//! settlement slot. The lock keeps being renewed until the settlement is done. The counters
+//! and [`Processor::on_committed`] keep their meaning (a message is counted completed when the
+//! broker has acknowledged it), and [`Processor::run`] returns only after every pending
+//! settlement has finished. The [`SessionProcessor`](crate::SessionProcessor) settles in line,
+//! because its next message must not overtake this one's settlement.
+//!
 //! # Retries
 //!
 //! See [`RetryPolicy`]. Failures that are not the message's fault (no pooled connection in

@@ -48,7 +48,9 @@ impl ProcessorOptions {
 
     shared_options! {
         max_concurrent_calls / get_max_concurrent_calls ("MaxConcurrentCalls"):
-            "How many messages are handled at once (default 1; at least 1).",
+            "How many messages are handled at once (default 1; at least 1): a message holds \
+            a call while its transaction is open. As many settlements again may be pending \
+            with the broker after their transactions have ended.",
         max_auto_lock_renewal_duration: "How long after receipt the lock of a message is \
             renewed (default 5 minutes; zero turns renewal off).",
         max_wait: "How long one receive call waits for messages before asking again (default \

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,13 @@ pub(super) enum Verdict {
     LockLost,
 }
 
+impl Verdict {
+    /// Whether the broker is to be told: all but a lost lock.
+    pub(super) fn settles(&self) -> bool {
+        !matches!(self, Self::LockLost)
+    }
+}
+
 /// What one attempt came to.
 #[derive(Debug)]
 pub(super) enum Attempt {
@@ -90,7 +98,7 @@ where
     I: Inbox,
     H: Handler<I::Tx>,
 {
-    /// Processes one delivery to the end: claim, handler, commit, settle.
+    /// Processes one delivery to the end: claim, handler, commit, then settle in line.
     ///
     /// `lock_lost` resolves when the lock protecting the message is lost; `lock` tells whether
     /// it still holds, checked just before the commit.
@@ -102,24 +110,34 @@ where
         lock: &LockState,
         lock_lost: impl Future<Output = ()> + Send,
     ) {
+        let mut lock_lost = std::pin::pin!(lock_lost);
+        let verdict = self.verdict(delivery.message(), received_at, lock, lock_lost.as_mut()).await;
+        self.settle(settler, delivery, verdict).await;
+    }
+
+    /// Processes one delivery up to its settlement: claim, handler, commit (or rollback), and
+    /// what is to become of the message. The transaction has ended when this returns.
+    ///
+    /// `lock_lost` resolves when the lock protecting the message is lost; `lock` tells whether
+    /// it still holds, checked just before the commit.
+    pub(super) async fn verdict(
+        &self,
+        msg: &ReceivedMessage,
+        received_at: Timestamp,
+        lock: &LockState,
+        lock_lost: Pin<&mut (impl Future<Output = ()> + Send)>,
+    ) -> Verdict {
         self.counters.inc(Counter::Received);
-        let msg = delivery.message();
         if msg.message.message_id.as_ref().is_none_or(|id| id.as_str().is_empty()) {
             // Without an id every such message would share one inbox key, and all but the
             // first would be completed unprocessed as its duplicates.
-            let reason = DeadLetterReason::new(
+            return Verdict::DeadLetter(DeadLetterReason::new(
                 MISSING_MESSAGE_ID,
                 "the message has no message id, so twice cannot tell its copies from other \
                  messages; senders must set a stable message id (or the transport derive one)",
-            );
-            self.settle(settler, delivery, Verdict::DeadLetter(reason)).await;
-            return;
+            ));
         }
-        let verdict = {
-            let mut lock_lost = std::pin::pin!(lock_lost);
-            self.transactional(msg, received_at, lock, lock_lost.as_mut()).await
-        };
-        self.settle(settler, delivery, verdict).await;
+        self.transactional(msg, received_at, lock, lock_lost).await
     }
 
     /// Claim (or not, in [`Mode::NaturallyIdempotent`]; or record first, in

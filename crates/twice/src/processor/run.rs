@@ -29,9 +29,12 @@ processor_type! {
     fn new;
 
     /// Runs until `shutdown` resolves: receives messages and processes up to
-    /// MaxConcurrentCalls of them at once, each in a task that owns a semaphore permit. On
+    /// MaxConcurrentCalls of them at once, each in a task that owns a semaphore permit until
+    /// its transaction has ended; its settlement then goes on under a permit of a second
+    /// semaphore, as large, and frees the call (see the [module docs](crate::processor)). On
     /// shutdown it stops receiving, releases prefetched messages no handler has taken, and
-    /// waits for the messages in flight to finish (or roll back when their lock is lost).
+    /// waits for the messages in flight to finish (or roll back when their lock is lost) and
+    /// for every pending settlement.
     ///
     /// # Errors
     ///
@@ -55,6 +58,8 @@ where
     ) -> Result<(), ProcessorError> {
         let clock = options.get_clock().clone();
         let semaphore = Arc::new(Semaphore::new(options.get_max_concurrent_calls()));
+        // Settlements pending after their transaction has ended, counted apart from the calls.
+        let settlements = Arc::new(Semaphore::new(options.get_max_concurrent_calls()));
         let mut tasks = JoinSet::new();
         let mut buffer: VecDeque<(T::Delivery, Timestamp)> = VecDeque::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -111,6 +116,7 @@ where
                 received_at,
                 options.get_max_auto_lock_renewal_duration(),
                 permit,
+                Arc::clone(&settlements),
             ));
         };
 
@@ -133,14 +139,21 @@ where
     }
 }
 
-/// One message in its own task: processing raced against the loss of its lock.
+/// One message in its own task: processing raced against the loss of its lock, then its
+/// settlement.
+///
+/// The call (`call`, a permit of MaxConcurrentCalls) is held until the transaction has ended.
+/// The settlement then waits for a permit of `settlements` and frees the call, so the next
+/// message's handler starts while this one's settlement travels to the broker; the lock is
+/// kept for as long as the settlement takes.
 async fn process_one<T, I, H>(
     core: Arc<Core<I, H>>,
     transport: Arc<T>,
     delivery: T::Delivery,
     received_at: Timestamp,
     max_renewal: Duration,
-    permit: OwnedSemaphorePermit,
+    call: OwnedSemaphorePermit,
+    settlements: Arc<Semaphore>,
 ) where
     T: Transport,
     I: Inbox,
@@ -153,6 +166,30 @@ async fn process_one<T, I, H>(
     let settler = TransportSettler(Arc::clone(&transport));
     let keeper =
         keep_lock(&core, &lock, renew_until, margin, Some(&id), || transport.renew_lock(&delivery));
-    core.process(&settler, &delivery, received_at, &lock, keeper).await;
-    drop(permit);
+    let mut keeper = std::pin::pin!(keeper);
+    let verdict = core.verdict(delivery.message(), received_at, &lock, keeper.as_mut()).await;
+    if !verdict.settles() {
+        core.settle(&settler, &delivery, verdict).await;
+        return;
+    }
+    let settle = async {
+        // Waiting here with the call still held bounds the messages between their commit and
+        // the end of their settlement to MaxConcurrentCalls.
+        let slot = settlements.acquire().await;
+        drop(call);
+        core.settle(&settler, &delivery, verdict).await;
+        drop(slot);
+    };
+    // The keeper renews the lock until the settlement is done. Once the lock is lost it has
+    // nothing more to do; the settlement goes on, and fails as a lock lost if the broker says
+    // so (reported, and the redelivery meets the claim).
+    let keep = async {
+        keeper.await;
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        biased;
+        () = settle => {}
+        () = keep => {}
+    }
 }

@@ -6,3 +6,4 @@
 
 mod memory;
 mod pipeline;
+mod settlement;
