@@ -277,6 +277,8 @@ pub struct MemoryTransport {
     hold_completions: tokio::sync::watch::Sender<bool>,
     /// Completions that have started, held or not.
     completions_started: AtomicUsize,
+    /// The next this many completions fail because the lock was lost (after the hold).
+    pub completions_lock_lost: AtomicUsize,
 }
 
 impl MemoryTransport {
@@ -290,6 +292,7 @@ impl MemoryTransport {
             redeliver_later_supported: AtomicBool::new(true),
             hold_completions: tokio::sync::watch::Sender::new(false),
             completions_started: AtomicUsize::new(0),
+            completions_lock_lost: AtomicUsize::new(0),
         }
     }
 
@@ -360,6 +363,9 @@ impl Transport for MemoryTransport {
         let mut hold = self.hold_completions.subscribe();
         // The sender lives as long as the transport, so waiting cannot fail.
         let _ = hold.wait_for(|held| !*held).await;
+        if take_one(&self.completions_lock_lost) {
+            return Err(TransportError::LockLost);
+        }
         self.record(d, Settled::Complete);
         Ok(())
     }

@@ -89,3 +89,46 @@ async fn a_held_completion_frees_the_call_and_shutdown_waits_for_it() {
     let s = counters.snapshot();
     assert_eq!((s.committed, s.completed), (2, 2), "{s:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_that_finds_the_lock_lost_is_reported_and_the_work_stays() {
+    let transport = Arc::new(MemoryTransport::new());
+    let inbox = Arc::new(MemoryInbox::default());
+    transport.hold_completions(true);
+    transport.completions_lock_lost.store(1, std::sync::atomic::Ordering::SeqCst);
+    transport.send(Message::new("{}").with_message_id("a"));
+    let handler = handler_fn(move |ctx: Context<'_>, tx: &mut MemoryTx| {
+        let id = ctx.message_id().to_string();
+        Box::pin(async move {
+            tx.work.push(id);
+            Ok(Outcome::Complete)
+        }) as BoxFuture<'_, _>
+    });
+    let errors = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = errors.clone();
+    let options = ProcessorOptions::new().max_wait(Duration::from_millis(20));
+    let processor =
+        Processor::from_arcs(transport.clone(), inbox.clone(), Arc::new(handler), options)
+            .on_error(move |e| {
+                let lock_lost = e
+                    .error()
+                    .downcast_ref::<twice::TransportError>()
+                    .is_some_and(twice::TransportError::is_lock_lost);
+                seen.lock().expect("errors").push((e.error_source(), lock_lost));
+            });
+    let counters = processor.counters();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(processor.run(async {
+        let _ = stopped.await;
+    }));
+    wait_until("a's completion has started", || transport.completions_started() == 1).await;
+    let _ = stop.send(());
+    transport.hold_completions(false);
+    timeout(WITHIN, run).await.expect("run ends").expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!((s.committed, s.completed, s.settle_failures), (1, 0, 1), "{s:?}");
+    assert_eq!(*errors.lock().expect("errors"), [(twice::ErrorSource::Settle, true)]);
+    assert_eq!(inbox.work(), ["a"], "the committed work stays; the redelivery meets the claim");
+    assert_eq!(inbox.claims(), 1);
+}
