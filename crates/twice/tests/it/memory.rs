@@ -313,7 +313,7 @@ impl MemoryTransport {
         self.push(received);
     }
 
-    fn push(&self, message: ReceivedMessage) {
+    pub fn push(&self, message: ReceivedMessage) {
         self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(message);
         self.arrived.notify_one();
     }

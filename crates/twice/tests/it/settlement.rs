@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::timeout;
-use twice::{BoxFuture, Context, Message, Outcome, Processor, ProcessorOptions, handler_fn};
+use twice::{
+    BoxFuture, Clock as _, Context, Message, Outcome, Processor, ProcessorOptions, handler_fn,
+};
 
 use crate::memory::{MemoryInbox, MemoryTransport, MemoryTx, Settled};
 
@@ -131,4 +133,44 @@ async fn a_completion_that_finds_the_lock_lost_is_reported_and_the_work_stays() 
     assert_eq!(*errors.lock().expect("errors"), [(twice::ErrorSource::Settle, true)]);
     assert_eq!(inbox.work(), ["a"], "the committed work stays; the redelivery meets the claim");
     assert_eq!(inbox.claims(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lock_is_renewed_while_the_completion_is_pending() {
+    let clock = twice::ManualClock::default();
+    let transport = Arc::new(MemoryTransport::new());
+    let inbox = Arc::new(MemoryInbox::default());
+    transport.hold_completions(true);
+    // The entity's lock is 60 s; the processor renews it 10 s before it runs out.
+    let mut message = twice::ReceivedMessage::new(
+        Message::new("{}").with_message_id("a"),
+        twice::SequenceNumber::new(0),
+        clock.now(),
+    );
+    message.locked_until = Some(clock.now() + Duration::from_secs(60));
+    transport.push(message);
+    let handler = handler_fn(move |_: Context<'_>, _: &mut MemoryTx| {
+        Box::pin(async move { Ok(Outcome::Complete) }) as BoxFuture<'_, _>
+    });
+    let options = ProcessorOptions::new()
+        .max_wait(Duration::from_millis(20))
+        .clock(twice::SharedClock::new(clock.clone()));
+    let processor =
+        Processor::from_arcs(transport.clone(), inbox.clone(), Arc::new(handler), options);
+    let counters = processor.counters();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(processor.run(async {
+        let _ = stopped.await;
+    }));
+    wait_until("a's completion has started", || transport.completions_started() == 1).await;
+    assert_eq!(counters.snapshot().renewals, 0);
+
+    clock.advance(Duration::from_secs(55));
+    wait_until("the lock is renewed", || counters.snapshot().renewals == 1).await;
+
+    let _ = stop.send(());
+    transport.hold_completions(false);
+    timeout(WITHIN, run).await.expect("run ends").expect("join").expect("run");
+    let s = counters.snapshot();
+    assert_eq!((s.completed, s.settle_failures, s.lock_lost), (1, 0, 0), "{s:?}");
 }
