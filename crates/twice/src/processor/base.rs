@@ -95,6 +95,8 @@ impl<T: Transport, I: Inbox, H> Base<T, I, H> {
     where
         H: Handler<I::Tx>,
     {
+        #[cfg(feature = "metrics")]
+        self.counters.label(&self.transport.entity().path, self.consumer(settings));
         Arc::new(Core {
             inbox: Arc::clone(&self.inbox),
             handler: Arc::clone(&self.handler),

@@ -12,7 +12,7 @@ use super::lock::LockState;
 use super::settle::Settler;
 use super::{BusinessKeyDuplicate, HANDLER_FAILED, Hooks, MISSING_MESSAGE_ID, Mode};
 use crate::clock::{SharedClock, Stopwatch, Timestamp};
-use crate::counters::{Counter, Counters};
+use crate::counters::{Counter, Counters, InFlight};
 use crate::error::{ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, ProcessError};
 use crate::handler::{Context, Handler};
 use crate::ids::MessageId;
@@ -110,6 +110,7 @@ where
         lock: &LockState,
         lock_lost: impl Future<Output = ()> + Send,
     ) {
+        let _in_flight = InFlight::new(&self.counters);
         let mut lock_lost = std::pin::pin!(lock_lost);
         let verdict = self.verdict(delivery.message(), received_at, lock, lock_lost.as_mut()).await;
         self.settle(settler, delivery, verdict).await;
@@ -319,7 +320,10 @@ where
     ) -> Step<I::Error> {
         let ctx = Context::new(msg, &self.consumer);
         // A panic must not take the task (and the permit, and the transaction) down with it.
-        match AssertUnwindSafe(self.handler.handle(ctx, tx)).catch_unwind().await {
+        let watch = Stopwatch::start();
+        let caught = AssertUnwindSafe(self.handler.handle(ctx, tx)).catch_unwind().await;
+        self.counters.record_handler_duration(watch.elapsed());
+        match caught {
             Ok(result) => Step::Handled(result),
             Err(payload) => Step::Panicked(panic_message(payload.as_ref())),
         }

@@ -14,7 +14,7 @@ use super::options::ProcessorOptions;
 use super::pipeline::Core;
 use super::settle::TransportSettler;
 use crate::clock::Timestamp;
-use crate::counters::Counter;
+use crate::counters::{Counter, InFlight};
 use crate::error::{ErrorSource, ProcessError, ProcessorError};
 use crate::handler::Handler;
 use crate::inbox::Inbox;
@@ -159,6 +159,7 @@ async fn process_one<T, I, H>(
     I: Inbox,
     H: Handler<I::Tx>,
 {
+    let _in_flight = InFlight::new(&core.counters);
     let lock = LockState::new(delivery.message().locked_until);
     let id = delivery.message().message_id().clone();
     let margin = renewal_margin(transport.entity().lock_duration);
