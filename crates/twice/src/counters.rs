@@ -3,6 +3,30 @@
 //! Every counter counts *this processor's* events. In particular the broker's delivery count is
 //! not one of them: a message received once is counted once in `received`, whatever phases it
 //! goes through.
+//!
+//! With the `metrics` cargo feature every count is also recorded through the
+//! [`metrics`](https://docs.rs/metrics) facade, under names that start with `twice_processor_`
+//! and the labels `entity` and `consumer`:
+//!
+//! | metric | kind | what |
+//! |---|---|---|
+//! | `twice_processor_messages_handled_total` | counter | messages handed to the pipeline |
+//! | `twice_processor_committed_total` | counter | transactions committed with the work |
+//! | `twice_processor_completed_total` | counter | messages completed |
+//! | `twice_processor_duplicates_total` | counter | duplicates, label `reason`: `already_processed`, `concurrent_copy`, `business_key` |
+//! | `twice_processor_abandoned_total` | counter | messages abandoned |
+//! | `twice_processor_dead_lettered_total` | counter | messages dead-lettered by the processor |
+//! | `twice_processor_deferred_total` | counter | messages deferred |
+//! | `twice_processor_released_total` | counter | prefetched messages released at shutdown |
+//! | `twice_processor_lock_lost_total` | counter | messages whose lock was lost while processed |
+//! | `twice_processor_lock_renewals_total` | counter | lock renewals |
+//! | `twice_processor_handler_errors_total` | counter | handler errors |
+//! | `twice_processor_handler_panics_total` | counter | handler panics |
+//! | `twice_processor_settle_failures_total` | counter | settlements the broker refused |
+//! | `twice_processor_retries_total` | counter | retries, label `kind`: `infrastructure`, `immediate`, `delayed` |
+//! | `twice_processor_claim_duration_seconds` | histogram | claim latency |
+//! | `twice_processor_handler_duration_seconds` | histogram | handler run time |
+//! | `twice_processor_in_flight` | gauge | messages between receipt and the end of their settlement |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -31,6 +55,9 @@ pub struct Counters {
     claims: AtomicU64,
     claim_latency_total_us: AtomicU64,
     claim_latency_max_us: AtomicU64,
+    /// The `entity` and `consumer` labels of the recorded metrics, set when a run starts.
+    #[cfg(feature = "metrics")]
+    labels: std::sync::OnceLock<[metrics::Label; 2]>,
 }
 
 /// Which counter to raise.
@@ -79,6 +106,84 @@ impl Counters {
             Counter::DelayedRedeliveries => &self.delayed_redeliveries,
         };
         c.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        self.record(counter);
+    }
+
+    /// Sets the labels of the recorded metrics (the first run's, if a processor runs twice).
+    #[cfg(feature = "metrics")]
+    pub(crate) fn label(&self, entity: &str, consumer: &str) {
+        let _ = self.labels.set([
+            metrics::Label::new("entity", entity.to_owned()),
+            metrics::Label::new("consumer", consumer.to_owned()),
+        ]);
+    }
+
+    #[cfg(feature = "metrics")]
+    fn labels(&self) -> Vec<metrics::Label> {
+        self.labels.get().map(|l| l.to_vec()).unwrap_or_default()
+    }
+
+    /// Records `counter` through the `metrics` facade.
+    #[cfg(feature = "metrics")]
+    fn record(&self, counter: Counter) {
+        let (name, extra) = match counter {
+            Counter::Received => ("twice_processor_messages_handled_total", None),
+            Counter::Committed => ("twice_processor_committed_total", None),
+            Counter::Completed => ("twice_processor_completed_total", None),
+            Counter::DuplicateAlreadyProcessed => {
+                ("twice_processor_duplicates_total", Some(("reason", "already_processed")))
+            }
+            Counter::DuplicateConcurrentCopy => {
+                ("twice_processor_duplicates_total", Some(("reason", "concurrent_copy")))
+            }
+            Counter::DuplicateBusinessKey => {
+                ("twice_processor_duplicates_total", Some(("reason", "business_key")))
+            }
+            Counter::Abandoned => ("twice_processor_abandoned_total", None),
+            Counter::DeadLettered => ("twice_processor_dead_lettered_total", None),
+            Counter::Deferred => ("twice_processor_deferred_total", None),
+            Counter::Released => ("twice_processor_released_total", None),
+            Counter::LockLost => ("twice_processor_lock_lost_total", None),
+            Counter::Renewals => ("twice_processor_lock_renewals_total", None),
+            Counter::HandlerErrors => ("twice_processor_handler_errors_total", None),
+            Counter::HandlerPanics => ("twice_processor_handler_panics_total", None),
+            Counter::SettleFailures => ("twice_processor_settle_failures_total", None),
+            Counter::InfrastructureRetries => {
+                ("twice_processor_retries_total", Some(("kind", "infrastructure")))
+            }
+            Counter::ImmediateRetries => {
+                ("twice_processor_retries_total", Some(("kind", "immediate")))
+            }
+            Counter::DelayedRedeliveries => {
+                ("twice_processor_retries_total", Some(("kind", "delayed")))
+            }
+        };
+        let mut labels = self.labels();
+        if let Some((key, value)) = extra {
+            labels.push(metrics::Label::new(key, value));
+        }
+        metrics::counter!(name, labels).increment(1);
+    }
+
+    /// Records how long a handler ran (with the `metrics` feature; otherwise nothing).
+    pub(crate) fn record_handler_duration(&self, took: Duration) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("twice_processor_handler_duration_seconds", self.labels())
+            .record(took.as_secs_f64());
+        #[cfg(not(feature = "metrics"))]
+        let _ = took;
+    }
+
+    /// Moves the in-flight gauge by one (with the `metrics` feature; otherwise nothing).
+    fn in_flight(&self, up: bool) {
+        #[cfg(feature = "metrics")]
+        {
+            let gauge = metrics::gauge!("twice_processor_in_flight", self.labels());
+            if up { gauge.increment(1.0) } else { gauge.decrement(1.0) }
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = up;
     }
 
     pub(crate) fn record_claim_latency(&self, latency: Duration) {
@@ -86,6 +191,9 @@ impl Counters {
         self.claims.fetch_add(1, Ordering::Relaxed);
         self.claim_latency_total_us.fetch_add(us, Ordering::Relaxed);
         self.claim_latency_max_us.fetch_max(us, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("twice_processor_claim_duration_seconds", self.labels())
+            .record(latency.as_secs_f64());
     }
 
     /// The counters now.
@@ -114,6 +222,23 @@ impl Counters {
             claim_latency_total: Duration::from_micros(get(&self.claim_latency_total_us)),
             claim_latency_max: Duration::from_micros(get(&self.claim_latency_max_us)),
         }
+    }
+}
+
+/// One message in flight, from receipt to the end of its settlement, for the in-flight gauge:
+/// up when made, down when dropped (also when the processing is given up midway).
+pub(crate) struct InFlight<'a>(&'a Counters);
+
+impl<'a> InFlight<'a> {
+    pub(crate) fn new(counters: &'a Counters) -> Self {
+        counters.in_flight(true);
+        Self(counters)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight(false);
     }
 }
 

@@ -9,8 +9,12 @@
 //! when it is lost, the message in flight is rolled back and the session given up. A session
 //! that brings no message for [`session_idle_timeout`](SessionProcessorOptions::session_idle_timeout)
 //! is closed so another can be accepted.
+//!
+//! A message is settled in line, before the session's next message is received: unlike the
+//! [`Processor`](crate::Processor), which settles in the background once the transaction has
+//! ended, a session must not let its next message overtake this one's settlement (an abandoned
+//! message comes back first, in order).
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,14 +23,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
 use crate::clock::{SharedClock, Timestamp};
-use crate::counters::Counters;
 use crate::error::{ErrorSource, ProcessError, ProcessorError};
 use crate::handler::Handler;
 use crate::inbox::Inbox;
-use crate::message::{Properties, ReceivedMessage};
+use crate::message::Properties;
 use crate::processor::{
-    Core, LockState, Mode, Settlement, Settler, check_connections, check_retention, keep_lock,
-    renewal_margin,
+    Core, LockState, Mode, Settlement, Settler, keep_lock, processor_type, renewal_margin,
+    report_join, shared_options,
 };
 use crate::retry::RetryPolicy;
 use crate::transport::{SessionReceiver, SessionTransport, TransportError};
@@ -66,35 +69,16 @@ impl SessionProcessorOptions {
         Self::default()
     }
 
-    /// The consumer name, the scope of the inbox key (default: the entity path).
-    #[must_use]
-    pub fn consumer(mut self, consumer: impl Into<String>) -> Self {
-        self.consumer = Some(consumer.into());
-        self
-    }
-
-    /// How many sessions are processed at once (default 8; at least 1).
-    #[must_use]
-    pub fn max_concurrent_sessions(mut self, n: usize) -> Self {
-        self.max_concurrent_sessions = n.max(1);
-        self
-    }
-
-    /// How many sessions are processed at once.
-    pub fn get_max_concurrent_sessions(&self) -> usize {
-        self.max_concurrent_sessions
-    }
-
-    /// How long after it is accepted a session's lock is renewed (default 5 minutes).
-    #[must_use]
-    pub fn max_auto_lock_renewal_duration(mut self, d: Duration) -> Self {
-        self.max_auto_lock_renewal_duration = d;
-        self
-    }
-
-    /// How long after it is accepted a session's lock is renewed.
-    pub fn get_max_auto_lock_renewal_duration(&self) -> Duration {
-        self.max_auto_lock_renewal_duration
+    shared_options! {
+        max_concurrent_sessions / get_max_concurrent_sessions ("MaxConcurrentSessions"):
+            "How many sessions are processed at once (default 8; at least 1).",
+        max_auto_lock_renewal_duration: "How long after it is accepted a session's lock is \
+            renewed (default 5 minutes).",
+        max_wait: "How long one accept call waits for a session (default 60 s).",
+        retry: "How failed attempts are retried (default [`RetryPolicy::new`]). Delayed \
+            redelivery does not apply to sessions, whose messages keep their order: a handler \
+            error whose immediate retries are used up abandons the message.",
+        clock: "The clock (default: the system clock).",
     }
 
     /// How long to wait for a session's next message before closing it (default 60 s).
@@ -107,41 +91,6 @@ impl SessionProcessorOptions {
     /// How long to wait for a session's next message before closing it.
     pub fn get_session_idle_timeout(&self) -> Duration {
         self.session_idle_timeout
-    }
-
-    /// How long one accept call waits for a session (default 60 s).
-    #[must_use]
-    pub fn max_wait(mut self, d: Duration) -> Self {
-        self.max_wait = d;
-        self
-    }
-
-    /// How the handler's work is protected (default [`Mode::Claim`]).
-    #[must_use]
-    pub fn mode(mut self, mode: Mode) -> Self {
-        self.mode = mode;
-        self
-    }
-
-    /// How failed attempts are retried (default [`RetryPolicy::new`]). Delayed redelivery does
-    /// not apply to sessions, whose messages keep their order: a handler error whose immediate
-    /// retries are used up abandons the message.
-    #[must_use]
-    pub fn retry(mut self, retry: RetryPolicy) -> Self {
-        self.retry = retry;
-        self
-    }
-
-    /// How failed attempts are retried.
-    pub fn get_retry(&self) -> &RetryPolicy {
-        &self.retry
-    }
-
-    /// The clock (default: the system clock).
-    #[must_use]
-    pub fn clock(mut self, clock: SharedClock) -> Self {
-        self.clock = clock;
-        self
     }
 }
 
@@ -169,120 +118,13 @@ impl<R: SessionReceiver> Settler for SessionSettler<'_, R> {
     }
 }
 
-type ErrorCallback = Arc<dyn Fn(&ProcessError) + Send + Sync>;
-type CommitHook = Arc<dyn Fn(&ReceivedMessage) + Send + Sync>;
+processor_type! {
+    /// Accepts sessions from a [`SessionTransport`] and processes each session's messages one
+    /// at a time, in order, through the inbox claim; see the [module docs](crate::session).
+    pub struct SessionProcessor<T: SessionTransport> { options: SessionProcessorOptions }
 
-/// Accepts sessions from a [`SessionTransport`] and processes each session's messages one at a
-/// time, in order, through the inbox claim; see the [module docs](self).
-pub struct SessionProcessor<T: SessionTransport, I: Inbox, H> {
-    transport: Arc<T>,
-    inbox: Arc<I>,
-    handler: Arc<H>,
-    options: SessionProcessorOptions,
-    counters: Arc<Counters>,
-    on_error: Option<ErrorCallback>,
-    on_committed: Option<CommitHook>,
-    on_business_key: Option<crate::processor::BusinessKeyHook>,
-}
-
-impl<T: SessionTransport, I: Inbox, H> fmt::Debug for SessionProcessor<T, I, H> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SessionProcessor")
-            .field("transport", &self.transport)
-            .field("inbox", &self.inbox)
-            .field("options", &self.options)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<T, I, H> SessionProcessor<T, I, H>
-where
-    T: SessionTransport,
-    I: Inbox,
-    H: Handler<I::Tx>,
-{
     /// A session processor of `transport`'s sessions with `handler`, claiming in `inbox`.
-    pub fn new(transport: T, inbox: I, handler: H, options: SessionProcessorOptions) -> Self {
-        Self::from_arcs(Arc::new(transport), Arc::new(inbox), Arc::new(handler), options)
-    }
-
-    /// As [`SessionProcessor::new`], sharing a transport, inbox or handler.
-    pub fn from_arcs(
-        transport: Arc<T>,
-        inbox: Arc<I>,
-        handler: Arc<H>,
-        options: SessionProcessorOptions,
-    ) -> Self {
-        Self {
-            transport,
-            inbox,
-            handler,
-            options,
-            counters: Arc::default(),
-            on_error: None,
-            on_committed: None,
-            on_business_key: None,
-        }
-    }
-
-    /// Calls `f` with every error that does not stop the processor; see
-    /// [`Processor::on_error`](crate::Processor::on_error).
-    #[must_use]
-    pub fn on_error(mut self, f: impl Fn(&ProcessError) + Send + Sync + 'static) -> Self {
-        self.on_error = Some(Arc::new(f));
-        self
-    }
-
-    /// Calls `f` after a commit and before the completion; see
-    /// [`Processor::on_committed`](crate::Processor::on_committed).
-    #[must_use]
-    pub fn on_committed(mut self, f: impl Fn(&ReceivedMessage) + Send + Sync + 'static) -> Self {
-        self.on_committed = Some(Arc::new(f));
-        self
-    }
-
-    /// As [`Processor::on_business_key_duplicate`](crate::Processor::on_business_key_duplicate).
-    #[must_use]
-    pub fn on_business_key_duplicate(
-        mut self,
-        f: impl Fn(&crate::BusinessKeyDuplicate) + Send + Sync + 'static,
-    ) -> Self {
-        self.on_business_key = Some(Arc::new(f));
-        self
-    }
-
-    /// The processor's counters, live while it runs.
-    pub fn counters(&self) -> Arc<Counters> {
-        Arc::clone(&self.counters)
-    }
-
-    /// The consumer name the inbox keys are scoped to.
-    pub fn consumer(&self) -> &str {
-        self.options.consumer.as_deref().unwrap_or(&self.transport.entity().path)
-    }
-
-    /// Checks the inbox retention against the redelivery horizon; see
-    /// [`Processor::check`](crate::Processor::check).
-    ///
-    /// # Errors
-    ///
-    /// [`ProcessorError::RetentionTooShort`], or [`ProcessorError::InvalidOptions`] when the
-    /// inbox has fewer connections than MaxConcurrentSessions, naming the numbers.
-    pub fn check(&self) -> Result<(), ProcessorError> {
-        check_connections(
-            self.inbox.as_ref(),
-            self.options.max_concurrent_sessions,
-            "MaxConcurrentSessions",
-        )?;
-        if self.options.mode == Mode::NaturallyIdempotent {
-            return Ok(());
-        }
-        check_retention(
-            self.transport.entity(),
-            self.inbox.retention(),
-            self.options.max_auto_lock_renewal_duration,
-        )
-    }
+    fn new;
 
     /// Runs until `shutdown` resolves: accepts up to MaxConcurrentSessions sessions at once,
     /// each in a task that owns a semaphore permit. On shutdown it stops accepting, lets each
@@ -292,25 +134,22 @@ where
     ///
     /// Refuses to start when [`SessionProcessor::check`] fails; stops with
     /// [`ProcessorError::Transport`] when the transport closes.
-    pub async fn run(
-        self,
+    fn run;
+}
+
+impl<T, I, H> SessionProcessor<T, I, H>
+where
+    T: SessionTransport,
+    I: Inbox,
+    H: Handler<I::Tx>,
+{
+    /// The accept loop of [`SessionProcessor::run`], after the check.
+    async fn serve(
+        transport: Arc<T>,
+        options: SessionProcessorOptions,
+        core: Arc<Core<I, H>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ProcessorError> {
-        self.check()?;
-        let options = self.options.clone();
-        let core = Arc::new(Core {
-            inbox: self.inbox.clone(),
-            handler: self.handler.clone(),
-            consumer: self.consumer().to_owned(),
-            mode: options.mode,
-            retry: options.retry.clone(),
-            clock: options.clock.clone(),
-            counters: self.counters.clone(),
-            on_error: self.on_error.clone(),
-            on_committed: self.on_committed.clone(),
-            on_business_key: self.on_business_key.clone(),
-        });
-        let transport = self.transport;
         let semaphore = Arc::new(Semaphore::new(options.max_concurrent_sessions));
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -318,9 +157,7 @@ where
 
         let result = loop {
             while let Some(joined) = tasks.try_join_next() {
-                if let Err(e) = joined {
-                    core.report(ProcessError::new(ErrorSource::Handler, None, e));
-                }
+                report_join(&core, joined);
             }
             let permit = tokio::select! {
                 biased;
@@ -362,9 +199,7 @@ where
         };
         let _ = stop_tx.send(true);
         while let Some(joined) = tasks.join_next().await {
-            if let Err(e) = joined {
-                core.report(ProcessError::new(ErrorSource::Handler, None, e));
-            }
+            report_join(&core, joined);
         }
         result
     }

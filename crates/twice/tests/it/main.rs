@@ -5,4 +5,7 @@
 #![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
 
 mod memory;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod pipeline;
+mod settlement;

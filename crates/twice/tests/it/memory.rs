@@ -273,6 +273,12 @@ pub struct MemoryTransport {
     sequence: AtomicI64,
     settled: Mutex<Vec<(Option<MessageId>, u32, Settled)>>,
     pub redeliver_later_supported: AtomicBool,
+    /// While true, a completion waits (unrecorded) until it is set to false.
+    hold_completions: tokio::sync::watch::Sender<bool>,
+    /// Completions that have started, held or not.
+    completions_started: AtomicUsize,
+    /// The next this many completions fail because the lock was lost (after the hold).
+    pub completions_lock_lost: AtomicUsize,
 }
 
 impl MemoryTransport {
@@ -284,7 +290,20 @@ impl MemoryTransport {
             sequence: AtomicI64::new(0),
             settled: Mutex::default(),
             redeliver_later_supported: AtomicBool::new(true),
+            hold_completions: tokio::sync::watch::Sender::new(false),
+            completions_started: AtomicUsize::new(0),
+            completions_lock_lost: AtomicUsize::new(0),
         }
+    }
+
+    /// Holds every completion from now on (`true`) until released (`false`).
+    pub fn hold_completions(&self, hold: bool) {
+        self.hold_completions.send_replace(hold);
+    }
+
+    /// How many completions have started (the held ones included).
+    pub fn completions_started(&self) -> usize {
+        self.completions_started.load(Ordering::SeqCst)
     }
 
     pub fn send(&self, message: Message) {
@@ -294,7 +313,7 @@ impl MemoryTransport {
         self.push(received);
     }
 
-    fn push(&self, message: ReceivedMessage) {
+    pub fn push(&self, message: ReceivedMessage) {
         self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(message);
         self.arrived.notify_one();
     }
@@ -340,6 +359,13 @@ impl Transport for MemoryTransport {
     }
 
     async fn complete(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.completions_started.fetch_add(1, Ordering::SeqCst);
+        let mut hold = self.hold_completions.subscribe();
+        // The sender lives as long as the transport, so waiting cannot fail.
+        let _ = hold.wait_for(|held| !*held).await;
+        if take_one(&self.completions_lock_lost) {
+            return Err(TransportError::LockLost);
+        }
         self.record(d, Settled::Complete);
         Ok(())
     }

@@ -1,0 +1,209 @@
+//! The processor: receives messages and runs a handler on each so that its effects happen once.
+//!
+//! # Per message
+//!
+//! 0. A message without a message id (or with an empty one) is dead-lettered at once with
+//!    reason [`MISSING_MESSAGE_ID`]: it would share one inbox key with every other id-less
+//!    message, and all but the first would be completed unprocessed.
+//! 1. Begin a transaction on a connection of its own ([`Inbox::begin`]).
+//! 2. Claim `(consumer, message id)` as the first statement ([`Inbox::claim`]). A copy whose id
+//!    was claimed and committed is a duplicate: roll back and complete. A copy whose id is held
+//!    by another, uncommitted transaction waits for it, as the database does: the other commits,
+//!    this copy is a duplicate; the other rolls back, this copy does the work.
+//! 3. Run the handler with `&mut Tx`, so its work joins the claim's transaction.
+//! 4. On [`Outcome::Complete`]: check that the database has not aborted the transaction under
+//!    the handler ([`Inbox::check_committable`]), commit, then complete. The message is never
+//!    completed before the commit has succeeded. A commit whose outcome is unknown is retried
+//!    as an infrastructure failure: the retry's claim finds the commit if it happened, and the
+//!    message completes as a duplicate. A completion that fails because the lock was lost is
+//!    logged: the redelivery meets the claim.
+//! 5. Otherwise roll back, then settle:
+//!
+//! | handler result                                  | transaction | settlement                 |
+//! |-------------------------------------------------|-------------|----------------------------|
+//! | `Ok(Complete)`                                  | commit      | complete                   |
+//! | `Ok(Complete)`, but the database aborted the transaction | roll back | as a handler error |
+//! | error the store calls transient (deadlock, lock wait timeout, serialization failure, lost connection) | roll back | retried in process (see below) |
+//! | transient or unclassified error, panic          | roll back   | handler retry policy, then abandon |
+//! | `Ok(Abandon)`                                   | roll back   | abandon                    |
+//! | violation of a registered business key          | roll back   | complete (duplicate)       |
+//! | `Ok(DeadLetter)`, permanent error, bad JSON     | roll back   | dead-letter with reason    |
+//! | `Ok(Defer)`                                     | roll back   | defer                      |
+//! | lock lost while running                         | roll back   | none (the broker has it)   |
+//!
+//! The lock is renewed in the background until
+//! [`max_auto_lock_renewal_duration`](ProcessorOptions::max_auto_lock_renewal_duration). The
+//! transaction and the handler are raced against the loss of the lock: when it is lost (a
+//! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
+//! rolled back, instead of committing work whose message another receiver may already hold.
+//!
+//! # Settlement off the call
+//!
+//! A call (one of [`max_concurrent_calls`](ProcessorOptions::max_concurrent_calls)) is held
+//! while the message's transaction is open. Once the transaction has ended (committed or rolled
+//! back), the settlement (complete, abandon, dead-letter, defer, delayed redelivery) goes on in
+//! the background and frees the call, so the next message's handler does not wait for the
+//! broker to acknowledge this one. Settlements pending at once are bounded apart from the calls,
+//! by as many again as MaxConcurrentCalls: a message waits, still holding its call, for a free
+//! settlement slot. The lock keeps being renewed until the settlement is done. The counters
+//! and [`Processor::on_committed`] keep their meaning (a message is counted completed when the
+//! broker has acknowledged it), and [`Processor::run`] returns only after every pending
+//! settlement has finished. The [`SessionProcessor`](crate::SessionProcessor) settles in line,
+//! because its next message must not overtake this one's settlement.
+//!
+//! # Retries
+//!
+//! See [`RetryPolicy`]. Failures that are not the message's fault (no pooled connection in
+//! time, the connection lost, SQLite busy, a lock wait timeout, a deadlock victim, a
+//! serialization failure, a commit of unknown outcome) are retried in process, the whole
+//! attempt again, after an exponential backoff with jitter, while the lock is renewed: no
+//! delivery is counted, so a database blip does not burn a message's MaxDeliveryCount. Handler
+//! errors get the configurable policy: immediate retries, then delayed redelivery
+//! ([`Transport::redeliver_later`]), then abandon.
+//!
+//! # The seeds' rules at the edges
+//!
+//! What twice does where a handler, a database or a sender misbehaves:
+//!
+//! - *The handler ignores a failed statement and returns `Complete`.* On PostgreSQL the
+//!   transaction is aborted and its COMMIT would be a silent rollback; on MariaDB a deadlock
+//!   victim's transaction is already rolled back and its COMMIT a no-op. The check before the
+//!   commit finds it; the attempt is a handler error and the message is not completed.
+//! - *The lock is lost while the processor waits for a connection or begins.* The begin is
+//!   given up; the store's begin is cancel safe, so no transaction stays open on a pooled
+//!   connection.
+//! - *The database is briefly unavailable.* In-process retries with backoff; no delivery is
+//!   spent. After [`RetryPolicy::infrastructure_retries`] failures in a row the message is
+//!   abandoned.
+//! - *Fewer pooled connections than concurrent calls.* Refused at start
+//!   ([`Processor::check`]): the surplus calls would only wait for a connection and time out.
+//! - *A message without an id.* Dead-lettered with [`MISSING_MESSAGE_ID`]; never merged with
+//!   another. Transports that can derive a stable id document it and set it.
+//! - *Two copies at once.* The second claim waits for the first transaction; first commits →
+//!   second completes as a duplicate; first rolls back → second does the work.
+//! - *A crash between commit and complete.* The redelivery meets the claim and completes.
+//! - *The session's isolation level is REPEATABLE READ or SERIALIZABLE.* The PostgreSQL store
+//!   begins every inbox transaction at READ COMMITTED, so a copy that waited on a committed
+//!   claim completes as a duplicate instead of failing with a serialization failure.
+//! - *The lock runs out while the claim waits on another copy's claim.* The transaction is
+//!   begun with [`Inbox::begin_within`] and the time left on the lock; the store bounds its lock
+//!   waits by it (PostgreSQL `lock_timeout`, MariaDB `innodb_lock_wait_timeout`), so the copy
+//!   rolls back and frees its connection and its concurrent call when the lock runs out,
+//!   instead of holding them until the other copy ends.
+//! - *A registered business key is a deferred constraint.* Its violation surfaces at COMMIT;
+//!   the commit's error is classified like a handler's, and the message completes as a
+//!   duplicate by business key.
+//! - *Consumers share an inbox table with different retention.* Each row is purged by its own
+//!   consumer's retention, against the database's clock; choose a retention of at least
+//!   [`redelivery_horizon`] (time to live, duplicate-detection window, lock × deliveries).
+//!
+//! # Modes
+//!
+//! [`Mode::Claim`] (the default) does the above. [`Mode::NaturallyIdempotent`] skips the claim,
+//! for handlers whose work is an upsert that can run twice with the effect of once (seed
+//! strategy 1). [`Mode::DedupOnly`] records the id in a transaction of its own, commits it, and
+//! only then runs the handler (seed strategy 2), for work that cannot join a transaction.
+//!
+//! ## Dedup-only records, interleaving by interleaving
+//!
+//! A record is *claimed* by an owner (a token unique to one processing of one delivery, kept
+//! across its in-process retries) or *done*. It is marked done inside the handler's
+//! transaction ([`Inbox::finish`]), so the mark commits with the handler's database work or not
+//! at all, and it is removed only by its owner and only while claimed ([`Inbox::forget`]).
+//!
+//! - *Two copies at once.* The second meets the first one's claimed record
+//!   ([`Claim::InProgress`]) and waits for its outcome in process, with the infrastructure
+//!   backoff and no delivery spent: done → the second completes as a duplicate; removed → the
+//!   second records the id and does the work. A copy never completes on a record in progress.
+//!   After [`RetryPolicy::infrastructure_retries`] waits it is abandoned and comes back.
+//!   (SQLite: the second copy's record already waits for the first copy's write lock.)
+//! - *The lock is lost while the record commits.* The record is not raced against the lock,
+//!   so it ends one way or the other; then the lock is checked, and a lost one removes the
+//!   record. The redelivery does the work.
+//! - *The handler fails, panics, or returns anything but `Complete`; the lock is lost while it
+//!   runs (the handler is stopped).* The transaction rolls back and the owner's record is
+//!   removed: the redelivery runs the handler again. For the handler's work outside the
+//!   database this is **at least once**: a handler stopped at an await after a call it cannot
+//!   take back is run again.
+//! - *The commit of the handler's work has an unknown outcome.* The record stays claimed by
+//!   the same owner, and the attempt is retried in process: its record finds the mark (the
+//!   commit happened: a duplicate) or its own claim (it did not: the work runs again).
+//! - *A crash after the record and before the commit* (or retries used up after an unknown
+//!   commit). The record stays claimed by an owner that is gone: every redelivery finds it in
+//!   progress, waits, and is abandoned, until the broker dead-letters the message at
+//!   MaxDeliveryCount. **At most once**: the work is never run twice, and the message is never
+//!   completed without it; an operator decides from the dead-letter queue (and removes the
+//!   record to have it processed again).
+//!
+//! The record's id shares the inbox key with claims: one consumer must not run both modes.
+//!
+//! # Counters and errors
+//!
+//! [`Processor::counters`] is live while the processor runs. Errors that do not stop the
+//! processor (receive, claim, handler, commit, settle, renewal) go to the callback set with
+//! [`Processor::on_error`] (by default they are logged with `tracing`).
+
+mod base;
+mod dedup;
+mod lock;
+mod options;
+mod pipeline;
+mod run;
+mod settle;
+
+use crate::ids::MessageId;
+#[cfg(doc)]
+use crate::{
+    inbox::Claim, inbox::Inbox, outcome::Outcome, retry::RetryPolicy, transport::Transport,
+};
+
+pub(crate) use base::{Base, Hooks, Settings, processor_type, report_join, shared_options};
+pub(crate) use lock::{LockState, keep_lock, renewal_margin};
+pub use options::{ProcessorOptions, redelivery_horizon};
+pub(crate) use pipeline::Core;
+pub use run::Processor;
+pub(crate) use settle::{Settlement, Settler};
+
+/// How the processor protects a handler's work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Claim the message id in the handler's transaction (exactly-once effects for work in the
+    /// database).
+    #[default]
+    Claim,
+    /// No claim: the handler's work is naturally idempotent (an upsert keyed on the business
+    /// identity), so running it twice has the effect of running it once. The handler still runs
+    /// in a transaction that is committed before the message is completed.
+    NaturallyIdempotent,
+    /// Record the id in a transaction of its own and commit it before the handler runs, for
+    /// work that cannot join a transaction. A copy that meets a record still in progress waits
+    /// for its outcome; a failed attempt removes its own record. A crash after the record
+    /// leaves it in progress, and the message ends in the dead-letter queue, never run twice
+    /// and never completed without its work. See the [module docs](self) for each interleaving.
+    DedupOnly,
+}
+
+/// The dead-letter reason used for a permanent error that names no reason of its own.
+pub const HANDLER_FAILED: &str = "HandlerFailed";
+
+/// The dead-letter reason of a message that arrived without a message id (or with an empty
+/// one): it is never processed, because it cannot be told apart from other id-less messages.
+pub const MISSING_MESSAGE_ID: &str = "MissingMessageId";
+
+/// A message completed as a duplicate because its work broke a unique business key: what
+/// [`Processor::on_business_key_duplicate`] reports. Each one is also logged at warn level.
+///
+/// Count them: a handler bug that writes a constant key makes every later message such a
+/// duplicate, silently completed without its work.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BusinessKeyDuplicate {
+    /// The message completed without its work.
+    pub message_id: MessageId,
+    /// The unique constraint (or index) that refused the work, as the inbox classified it.
+    pub constraint: String,
+    /// Whether the constraint fired at COMMIT (a deferred constraint) rather than at a
+    /// statement.
+    pub at_commit: bool,
+}

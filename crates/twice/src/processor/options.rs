@@ -1,0 +1,169 @@
+//! The options of a [`Processor`](super::Processor) and the checks of them against the entity
+//! and the inbox.
+
+use std::time::Duration;
+
+use super::Mode;
+use super::base::shared_options;
+use crate::clock::SharedClock;
+use crate::error::{ProcessorError, format_duration};
+use crate::inbox::Inbox;
+use crate::retry::RetryPolicy;
+use crate::transport::EntityInfo;
+
+/// Options of a [`Processor`](super::Processor), with Service Bus names and defaults.
+#[derive(Clone, Debug)]
+pub struct ProcessorOptions {
+    consumer: Option<String>,
+    max_concurrent_calls: usize,
+    prefetch_count: usize,
+    max_auto_lock_renewal_duration: Duration,
+    max_wait: Duration,
+    mode: Mode,
+    retry: RetryPolicy,
+    clock: SharedClock,
+}
+
+impl Default for ProcessorOptions {
+    fn default() -> Self {
+        Self {
+            consumer: None,
+            max_concurrent_calls: 1,
+            prefetch_count: 0,
+            max_auto_lock_renewal_duration: Duration::from_secs(300),
+            max_wait: Duration::from_secs(60),
+            mode: Mode::Claim,
+            retry: RetryPolicy::default(),
+            clock: SharedClock::system(),
+        }
+    }
+}
+
+impl ProcessorOptions {
+    /// The defaults: consumer = entity path, MaxConcurrentCalls 1, PrefetchCount 0, lock renewal
+    /// for up to 5 minutes, [`Mode::Claim`], the system clock.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    shared_options! {
+        max_concurrent_calls / get_max_concurrent_calls ("MaxConcurrentCalls"):
+            "How many messages are handled at once (default 1; at least 1): a message holds \
+            a call while its transaction is open. As many settlements again may be pending \
+            with the broker after their transactions have ended.",
+        max_auto_lock_renewal_duration: "How long after receipt the lock of a message is \
+            renewed (default 5 minutes; zero turns renewal off).",
+        max_wait: "How long one receive call waits for messages before asking again (default \
+            60 s).",
+        retry: "How failed attempts are retried (default [`RetryPolicy::new`]).",
+        clock: "The clock for lock expiry and renewal and for claim times (default: the \
+            system clock).",
+    }
+
+    /// How many messages to receive ahead of the handlers (default 0). Prefetched messages are
+    /// locked; their locks are not renewed until a handler takes them, and those still waiting
+    /// at shutdown are released.
+    #[must_use]
+    pub fn prefetch_count(mut self, n: usize) -> Self {
+        self.prefetch_count = n;
+        self
+    }
+
+    /// How many messages to receive ahead of the handlers.
+    pub fn get_prefetch_count(&self) -> usize {
+        self.prefetch_count
+    }
+}
+
+/// The longest time after which `entity` may still deliver a message again, by the rule
+/// `max(message time to live, duplicate-detection window, MaxDeliveryCount × LockDuration +
+/// MaxAutoLockRenewalDuration)`; `None` when deliveries are unlimited (forever).
+///
+/// Choose the inbox retention at least this long. A message abandoned into a backlog comes
+/// back when its turn comes, up to its time to live; when the transport does not report a
+/// finite time to live ([`EntityInfo::message_time_to_live`]) the horizon is a floor, not a
+/// bound, and the retention should also cover the longest backlog the entity may hold.
+pub fn redelivery_horizon(
+    entity: &EntityInfo,
+    max_auto_lock_renewal: Duration,
+) -> Option<Duration> {
+    let deliveries = entity.max_delivery_count?;
+    let redelivery =
+        entity.lock_duration.saturating_mul(deliveries).saturating_add(max_auto_lock_renewal);
+    Some(
+        redelivery
+            .max(entity.duplicate_detection_window.unwrap_or_default())
+            .max(entity.message_time_to_live.unwrap_or_default()),
+    )
+}
+
+/// Refuses a retention shorter than the redelivery horizon, with the numbers in the error.
+pub(crate) fn check_retention(
+    entity: &EntityInfo,
+    retention: Option<Duration>,
+    max_auto_lock_renewal: Duration,
+) -> Result<(), ProcessorError> {
+    let Some(retention) = retention else { return Ok(()) };
+    let explain = || {
+        let mut s = match entity.max_delivery_count {
+            Some(n) => format!(
+                "MaxDeliveryCount {n} × LockDuration {} + MaxAutoLockRenewalDuration {}",
+                format_duration(entity.lock_duration),
+                format_duration(max_auto_lock_renewal)
+            ),
+            None => "MaxDeliveryCount is unlimited".to_owned(),
+        };
+        if let Some(w) = entity.duplicate_detection_window {
+            s.push_str(&format!("; duplicate-detection window {}", format_duration(w)));
+        }
+        if let Some(ttl) = entity.message_time_to_live {
+            s.push_str(&format!("; message time to live {}", format_duration(ttl)));
+        }
+        s
+    };
+    match redelivery_horizon(entity, max_auto_lock_renewal) {
+        Some(horizon) if retention >= horizon => Ok(()),
+        horizon => Err(ProcessorError::RetentionTooShort {
+            entity: entity.path.clone(),
+            retention: format_duration(retention),
+            horizon: horizon.map_or_else(|| "forever".to_owned(), format_duration),
+            explanation: explain(),
+        }),
+    }
+}
+
+/// Refuses a store with fewer connections than messages processed at once.
+pub(crate) fn check_connections<I: Inbox>(
+    inbox: &I,
+    concurrent: usize,
+    option: &str,
+) -> Result<(), ProcessorError> {
+    match inbox.max_connections() {
+        Some(n) if usize::try_from(n).unwrap_or(usize::MAX) < concurrent => {
+            Err(ProcessorError::InvalidOptions(format!(
+                "the inbox pool has {n} connections, fewer than {option} {concurrent}: every \
+                 message in flight holds a connection for its transaction; give the pool at \
+                 least {concurrent}"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_redelivery_horizon_covers_the_message_time_to_live() {
+        let mut entity = EntityInfo::new("orders");
+        let renewal = Duration::from_secs(300);
+        // 10 deliveries × 60 s + 5 min.
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(900)));
+        entity.message_time_to_live = Some(Duration::from_secs(14 * 24 * 3600));
+        assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(14 * 24 * 3600)));
+        let week = Some(Duration::from_secs(7 * 24 * 3600));
+        let refused = check_retention(&entity, week, renewal).expect_err("a week is too short");
+        assert!(refused.to_string().contains("time to live"), "{refused}");
+    }
+}

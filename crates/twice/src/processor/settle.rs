@@ -1,0 +1,116 @@
+//! How a message is settled with the broker once its verdict is known.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::pipeline::{Core, Verdict};
+use crate::counters::Counter;
+use crate::error::{ErrorSource, ProcessError};
+use crate::message::Properties;
+use crate::transport::{DeadLetterReason, Delivery, Transport, TransportError};
+
+/// How a message is settled.
+#[derive(Debug)]
+pub(crate) enum Settlement {
+    Complete,
+    Abandon,
+    DeadLetter(DeadLetterReason),
+    Defer,
+    /// Bring the message back after `delay`, with `properties` merged in
+    /// ([`Transport::redeliver_later`]).
+    RedeliverLater {
+        delay: Duration,
+        properties: Properties,
+    },
+}
+
+/// Settles deliveries: through the transport, or through a session.
+pub(crate) trait Settler: Send + Sync {
+    type Delivery: Delivery;
+
+    fn settle<'a>(
+        &'a self,
+        delivery: &'a Self::Delivery,
+        how: Settlement,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+}
+
+/// Settles through a [`Transport`].
+pub(crate) struct TransportSettler<T>(pub(crate) Arc<T>);
+
+impl<T: Transport> Settler for TransportSettler<T> {
+    type Delivery = T::Delivery;
+
+    async fn settle<'a>(
+        &'a self,
+        delivery: &'a T::Delivery,
+        how: Settlement,
+    ) -> Result<(), TransportError> {
+        match how {
+            Settlement::Complete => self.0.complete(delivery).await,
+            Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
+            Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
+            Settlement::Defer => self.0.defer(delivery).await,
+            Settlement::RedeliverLater { delay, properties } => {
+                self.0.redeliver_later(delivery, delay, properties).await
+            }
+        }
+    }
+}
+
+impl<I, H> Core<I, H> {
+    pub(super) async fn settle<S: Settler>(
+        &self,
+        settler: &S,
+        delivery: &S::Delivery,
+        verdict: Verdict,
+    ) {
+        let id = delivery.message().message_id();
+        let (how, counter) = match verdict {
+            Verdict::LockLost => {
+                self.counters.inc(Counter::LockLost);
+                tracing::info!(message_id = %id, "lock lost while processing; rolled back");
+                return;
+            }
+            Verdict::Complete(duplicate) => {
+                if let Some(c) = duplicate {
+                    self.counters.inc(c);
+                }
+                (Settlement::Complete, Counter::Completed)
+            }
+            Verdict::Abandon => (Settlement::Abandon, Counter::Abandoned),
+            Verdict::Retry => match self.retry.next_redelivery(delivery.message()) {
+                Some((delay, properties)) => {
+                    (Settlement::RedeliverLater { delay, properties }, Counter::DelayedRedeliveries)
+                }
+                None => (Settlement::Abandon, Counter::Abandoned),
+            },
+            Verdict::DeadLetter(reason) => (Settlement::DeadLetter(reason), Counter::DeadLettered),
+            Verdict::Defer => (Settlement::Defer, Counter::Deferred),
+        };
+        let completing = matches!(how, Settlement::Complete);
+        let settled = match settler.settle(delivery, how).await {
+            Err(TransportError::Unsupported(_)) if counter == Counter::DelayedRedeliveries => {
+                // The transport cannot bring the message back later: the broker's own
+                // redelivery (and MaxDeliveryCount) takes over.
+                settler.settle(delivery, Settlement::Abandon).await.map(|()| Counter::Abandoned)
+            }
+            other => other.map(|()| counter),
+        };
+        match settled {
+            Ok(counter) => self.counters.inc(counter),
+            Err(e) => {
+                self.counters.inc(Counter::SettleFailures);
+                if completing && e.is_lock_lost() {
+                    tracing::warn!(
+                        message_id = %id,
+                        "completion failed because the lock was lost; the redelivery will meet \
+                         the claim and complete as a duplicate"
+                    );
+                }
+                self.report(ProcessError::new(ErrorSource::Settle, Some(id), e));
+            }
+        }
+    }
+}
