@@ -50,13 +50,14 @@ mod session;
 pub mod sql;
 mod storage;
 mod transport;
+mod vocabulary;
 
 pub use broker::{
-    Broker, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, ReceiveMode, SendOutcome, Statistics,
-    StorageStatistics,
+    Broker, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, Statistics, StorageStatistics,
 };
 pub use error::Error;
 pub use options::BrokerOptions;
 pub use session::Session;
 pub use storage::data;
 pub use transport::Receiver;
+pub use vocabulary::{ReceiveMode, SendOutcome, Settlement};
