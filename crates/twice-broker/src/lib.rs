@@ -34,7 +34,7 @@
 //! ```
 //!
 //! [`Broker::receiver`] gives a [`twice::Transport`] for the idempotent processor, and
-//! [`BrokerOptions::with_clock`] lets tests move time with a [`twice::ManualClock`].
+//! [`BrokerOptions::clock`] lets tests move time with a [`twice::ManualClock`].
 //! [`Broker::health`] says whether the broker's storage failed (it then acknowledges nothing
 //! more until restarted), and [`data`] checks, repairs and exports a data directory without
 //! running the broker.

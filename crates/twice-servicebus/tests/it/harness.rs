@@ -78,10 +78,9 @@ impl TestServer {
             Some(d) => BrokerOptions::durable(d),
             None => BrokerOptions::in_memory(),
         };
-        let broker =
-            Broker::open(broker_options.with_clock(shared.clone()).with_config(standard_config()))
-                .await
-                .expect("open broker");
+        let broker = Broker::open(broker_options.clock(shared.clone()).config(standard_config()))
+            .await
+            .expect("open broker");
         let options = options
             .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
             .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));
