@@ -3,7 +3,7 @@
 //! Messages of 1 KiB go send → peek-lock receive → complete, with 256 concurrent senders and
 //! 1 or 16 concurrent receivers, sending one message per call and batches of 16, in three
 //! modes: durable, durable with relaxed delivery counts
-//! (`BrokerOptions::with_relaxed_delivery_counts`), and in memory. Prints one markdown table,
+//! (`BrokerOptions::relaxed_delivery_counts`), and in memory. Prints one markdown table,
 //! every configuration side by side:
 //!
 //! - msgs/s: messages completed per second of the run;
@@ -211,7 +211,7 @@ async fn run(options: BrokerOptions, shape: Shape) -> Outcome {
 enum Mode {
     /// Durable, with the default guarantees.
     Durable,
-    /// Durable, with `with_relaxed_delivery_counts(true)`.
+    /// Durable, with `relaxed_delivery_counts(true)`.
     Relaxed,
     /// In memory.
     Memory,
@@ -284,7 +284,7 @@ fn main() {
                     Mode::Durable | Mode::Relaxed => {
                         let fsync = fsync_latency(dir.path());
                         let options = BrokerOptions::durable(dir.path())
-                            .with_relaxed_delivery_counts(mode == Mode::Relaxed);
+                            .relaxed_delivery_counts(mode == Mode::Relaxed);
                         (options, format!("{:.0} µs", fsync.as_secs_f64() * 1e6))
                     }
                 };

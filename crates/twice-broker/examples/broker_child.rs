@@ -47,7 +47,7 @@ fn rss_kib() -> u64 {
 
 async fn open_queue(dir: &str, queue: &str) -> Result<Broker, Error> {
     let relaxed = std::env::var("TWICE_CHILD_RELAXED").is_ok_and(|v| v == "1");
-    let options = BrokerOptions::durable(dir).with_relaxed_delivery_counts(relaxed);
+    let options = BrokerOptions::durable(dir).relaxed_delivery_counts(relaxed);
     let broker = Broker::open(options).await?;
     // The largest quota Service Bus offers: a backlog of millions of messages fits.
     let properties = QueueProperties::default()
@@ -64,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let arg = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
     match arg(1)?.as_str() {
         "no-fds" => {
-            let options = BrokerOptions::durable(arg(2)?).with_segment_size(4096);
+            let options = BrokerOptions::durable(arg(2)?).segment_size(4096);
             let broker = Broker::open(options).await?;
             broker.create_queue("q", QueueProperties::default()).await?;
             // Every descriptor the process may open is taken: from now on, only what the

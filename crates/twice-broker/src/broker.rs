@@ -33,60 +33,10 @@ use crate::runtime::{
     Command, Delivered, PathArg, Reply, Runtime, RuntimeOptions, SubscriptionChange, Wait,
 };
 use crate::storage::{FailureCell, LogOptions};
+use crate::vocabulary::{ReceiveMode, SendOutcome, Settlement};
 
 /// The default largest message (and send batch), in bytes: 256 KiB, as Service Bus standard.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = engine::DEFAULT_MAX_MESSAGE_SIZE;
-
-/// How a receive takes messages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ReceiveMode {
-    /// Lock each message for the receiver until it is settled or the lock expires (at least
-    /// once).
-    #[default]
-    PeekLock,
-    /// Remove each message as it is delivered (at most once).
-    ReceiveAndDelete,
-}
-
-impl From<ReceiveMode> for engine::ReceiveMode {
-    fn from(m: ReceiveMode) -> Self {
-        match m {
-            ReceiveMode::PeekLock => engine::ReceiveMode::PeekLock,
-            ReceiveMode::ReceiveAndDelete => engine::ReceiveMode::ReceiveAndDelete,
-        }
-    }
-}
-
-/// What happened to one sent message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SendOutcome {
-    /// Enqueued with this sequence number (of the queue or topic it was sent to).
-    Enqueued(SequenceNumber),
-    /// Its message id was accepted within the duplicate-detection window: acknowledged as a
-    /// success and dropped.
-    Duplicate,
-}
-
-impl SendOutcome {
-    /// The sequence number, unless the message was a duplicate.
-    pub fn sequence_number(&self) -> Option<SequenceNumber> {
-        match self {
-            SendOutcome::Enqueued(s) => Some(*s),
-            SendOutcome::Duplicate => None,
-        }
-    }
-}
-
-impl From<engine::SendOutcome> for SendOutcome {
-    fn from(o: engine::SendOutcome) -> Self {
-        match o {
-            engine::SendOutcome::Enqueued(s) => SendOutcome::Enqueued(s),
-            engine::SendOutcome::Duplicate => SendOutcome::Duplicate,
-        }
-    }
-}
 
 /// Runtime counts of an entity (Service Bus `CountDetails`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -526,8 +476,7 @@ impl Broker {
     /// duplicate detection, when enabled, drops the copy).
     pub async fn send(&self, path: &str, message: Message) -> Result<SendOutcome, Error> {
         let (path, message) = (PathArg::new(path), Arc::new(message));
-        let out = self.call(|reply| Command::SendOne { path, message, reply }).await?;
-        Ok(out.into())
+        self.call(|reply| Command::SendOne { path, message, reply }).await
     }
 
     /// Sends a batch, all or nothing: at most 4500 messages whose total size is at most the
@@ -549,8 +498,7 @@ impl Broker {
         let path = PathArg::new(path);
         // Shared here, off the broker's task.
         let messages = messages.into_iter().map(Arc::new).collect();
-        let out = self.call(|reply| Command::Send { path, messages, reply }).await?;
-        Ok(out.into_iter().map(SendOutcome::from).collect())
+        self.call(|reply| Command::Send { path, messages, reply }).await
     }
 
     /// Schedules messages to appear at `at`; returns their sequence numbers, to cancel them.
@@ -621,7 +569,6 @@ impl Broker {
     ) -> Result<Vec<ReceivedMessage>, Error> {
         let path = PathArg::new(path);
         let wait = Wait { max: max_messages, max_wait };
-        let mode = mode.into();
         received(
             self.call(|reply| Command::Receive { path, mode, wait, session: None, reply }).await,
         )
@@ -648,7 +595,7 @@ impl Broker {
         session: Option<SessionLock>,
     ) -> Result<Vec<ReceivedMessage>, Error> {
         let (path, sequence_numbers) = (path.to_owned(), sequence_numbers.to_vec());
-        let mode = engine::ReceiveMode::PeekLock;
+        let mode = ReceiveMode::PeekLock;
         received(
             self.call(|reply| Command::ReceiveDeferred {
                 path,
@@ -690,7 +637,7 @@ impl Broker {
     /// dead-lettered when that exceeds `MaxDeliveryCount`), after merging `properties` into
     /// its application properties.
     pub async fn abandon(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.settle(None, Settle::Abandon(token, properties)).await.map(drop)
+        self.settle(None, Settle::One(token, Settlement::Abandon(properties))).await.map(drop)
     }
 
     /// Moves a locked message to its dead-letter queue with a reason and a description (empty
@@ -701,17 +648,19 @@ impl Broker {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.settle(None, Settle::DeadLetter(token, reason, properties)).await.map(drop)
+        self.settle(None, Settle::One(token, Settlement::DeadLetter(reason, properties)))
+            .await
+            .map(drop)
     }
 
     /// Defers a locked message: it stays, receivable only by its sequence number.
     pub async fn defer(&self, token: LockToken, properties: Properties) -> Result<(), Error> {
-        self.settle(None, Settle::Defer(token, properties)).await.map(drop)
+        self.settle(None, Settle::One(token, Settlement::Defer(properties))).await.map(drop)
     }
 
     /// Unlocks a message without counting a delivery (it never reached a handler).
     pub async fn release(&self, token: LockToken) -> Result<(), Error> {
-        self.settle(None, Settle::Release(token)).await.map(drop)
+        self.settle(None, Settle::One(token, Settlement::Release)).await.map(drop)
     }
 
     /// Renews a lock for another `LockDuration`; returns the new locked-until time.
@@ -736,7 +685,7 @@ impl Broker {
         token: LockToken,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.settle(Some(path), Settle::Abandon(token, properties)).await.map(drop)
+        self.settle(Some(path), Settle::One(token, Settlement::Abandon(properties))).await.map(drop)
     }
 
     /// [`Broker::dead_letter`] by a receiver of entity `path` (see [`Broker::complete_in`]).
@@ -747,7 +696,9 @@ impl Broker {
         reason: DeadLetterReason,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.settle(Some(path), Settle::DeadLetter(token, reason, properties)).await.map(drop)
+        self.settle(Some(path), Settle::One(token, Settlement::DeadLetter(reason, properties)))
+            .await
+            .map(drop)
     }
 
     /// [`Broker::defer`] by a receiver of entity `path` (see [`Broker::complete_in`]).
@@ -757,18 +708,29 @@ impl Broker {
         token: LockToken,
         properties: Properties,
     ) -> Result<(), Error> {
-        self.settle(Some(path), Settle::Defer(token, properties)).await.map(drop)
+        self.settle(Some(path), Settle::One(token, Settlement::Defer(properties))).await.map(drop)
     }
 
     /// [`Broker::release`] by a receiver of entity `path` (see [`Broker::complete_in`]).
     pub async fn release_in(&self, path: &str, token: LockToken) -> Result<(), Error> {
-        self.settle(Some(path), Settle::Release(token)).await.map(drop)
+        self.settle(Some(path), Settle::One(token, Settlement::Release)).await.map(drop)
     }
 
     /// [`Broker::renew_lock`] by a receiver of entity `path` (see [`Broker::complete_in`]).
     pub async fn renew_lock_in(&self, path: &str, token: LockToken) -> Result<Timestamp, Error> {
         let mut out = self.settle(Some(path), Settle::RenewLock(token)).await?;
         out.pop().ok_or(Error::MessageLockLost)
+    }
+
+    /// Settles a locked message as `how` says, by a receiver of entity `path` (see
+    /// [`Broker::complete_in`]): one call for the settlements a front end passes through.
+    pub async fn settle_in(
+        &self,
+        path: &str,
+        token: LockToken,
+        how: Settlement,
+    ) -> Result<(), Error> {
+        self.settle(Some(path), Settle::One(token, how)).await.map(drop)
     }
 
     /// Sends a settlement, scoped to the entity `path` when one is given; returns the new
@@ -779,10 +741,14 @@ impl Broker {
             Settle::Complete(tokens) => {
                 self.call(|reply| Command::Complete { entity, tokens, reply }).await?;
             }
-            Settle::Abandon(token, properties) => {
+            Settle::One(token, Settlement::Complete) => {
+                let tokens = vec![token];
+                self.call(|reply| Command::Complete { entity, tokens, reply }).await?;
+            }
+            Settle::One(token, Settlement::Abandon(properties)) => {
                 self.call(|reply| Command::Abandon { entity, token, properties, reply }).await?;
             }
-            Settle::DeadLetter(token, why, properties) => {
+            Settle::One(token, Settlement::DeadLetter(why, properties)) => {
                 let non_empty = |s: String| (!s.is_empty()).then_some(s);
                 let (reason, description) = (non_empty(why.reason), non_empty(why.description));
                 self.call(|reply| Command::DeadLetter {
@@ -795,10 +761,10 @@ impl Broker {
                 })
                 .await?;
             }
-            Settle::Defer(token, properties) => {
+            Settle::One(token, Settlement::Defer(properties)) => {
                 self.call(|reply| Command::Defer { entity, token, properties, reply }).await?;
             }
-            Settle::Release(token) => {
+            Settle::One(token, Settlement::Release) => {
                 let tokens = vec![token];
                 self.call(|reply| Command::Release { entity, tokens, reply }).await?;
             }
@@ -845,20 +811,20 @@ impl Broker {
     }
 }
 
-/// Builds received messages from what the broker delivered, on the caller's side: the broker
-/// shares the messages, and the copies each caller gets are made here, in parallel with the
-/// broker's work.
 /// A settlement on its way to [`Broker::settle`].
 #[derive(Debug)]
 enum Settle {
+    /// Completes these, all or nothing.
     Complete(Vec<LockToken>),
-    Abandon(LockToken, Properties),
-    DeadLetter(LockToken, DeadLetterReason, Properties),
-    Defer(LockToken, Properties),
-    Release(LockToken),
+    /// Settles one message.
+    One(LockToken, Settlement),
+    /// Renews a lock.
     RenewLock(LockToken),
 }
 
+/// Builds received messages from what the broker delivered, on the caller's side: the broker
+/// shares the messages, and the copies each caller gets are made here, in parallel with the
+/// broker's work.
 pub(crate) fn received(
     delivered: Result<Vec<Delivered>, Error>,
 ) -> Result<Vec<ReceivedMessage>, Error> {

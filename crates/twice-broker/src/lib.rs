@@ -34,7 +34,7 @@
 //! ```
 //!
 //! [`Broker::receiver`] gives a [`twice::Transport`] for the idempotent processor, and
-//! [`BrokerOptions::with_clock`] lets tests move time with a [`twice::ManualClock`].
+//! [`BrokerOptions::clock`] lets tests move time with a [`twice::ManualClock`].
 //! [`Broker::health`] says whether the broker's storage failed (it then acknowledges nothing
 //! more until restarted), and [`data`] checks, repairs and exports a data directory without
 //! running the broker.
@@ -50,13 +50,14 @@ mod session;
 pub mod sql;
 mod storage;
 mod transport;
+mod vocabulary;
 
 pub use broker::{
-    Broker, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, ReceiveMode, SendOutcome, Statistics,
-    StorageStatistics,
+    Broker, DEFAULT_MAX_MESSAGE_SIZE, Health, MessageCounts, Statistics, StorageStatistics,
 };
 pub use error::Error;
 pub use options::BrokerOptions;
 pub use session::Session;
 pub use storage::data;
 pub use transport::Receiver;
+pub use vocabulary::{ReceiveMode, SendOutcome, Settlement};

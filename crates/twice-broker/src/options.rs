@@ -9,14 +9,15 @@ use crate::engine::DEFAULT_MAX_MESSAGE_SIZE;
 use crate::storage::{DEFAULT_CACHE_BYTES, DEFAULT_SEGMENT_SIZE};
 
 /// How a broker is opened: where it keeps its data, which clock it reads, which entities it
-/// starts with, and its limits.
+/// starts with, and its limits. Setters are named after what they set, getters `get_…`, as in
+/// the other options of twice.
 ///
 /// ```
 /// use twice_broker::BrokerOptions;
 ///
-/// let options = BrokerOptions::in_memory().with_max_message_size(1024 * 1024);
+/// let options = BrokerOptions::in_memory().max_message_size(1024 * 1024);
 /// assert!(!options.is_durable());
-/// assert_eq!(options.max_message_size(), 1024 * 1024);
+/// assert_eq!(options.get_max_message_size(), 1024 * 1024);
 /// ```
 #[derive(Clone, Debug)]
 pub struct BrokerOptions {
@@ -58,7 +59,7 @@ impl BrokerOptions {
     /// scheduled messages, session locks, duplicate-detection windows and receive timeouts all
     /// follow it, so a test can move a [`twice::ManualClock`] instead of sleeping.
     #[must_use]
-    pub fn with_clock(mut self, clock: impl Into<SharedClock>) -> Self {
+    pub fn clock(mut self, clock: impl Into<SharedClock>) -> Self {
         self.clock = clock.into();
         self
     }
@@ -66,14 +67,14 @@ impl BrokerOptions {
     /// Creates (or updates) the entities of an emulator `Config.json` when the broker opens
     /// (default: none).
     #[must_use]
-    pub fn with_config(mut self, config: Config) -> Self {
+    pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
         self
     }
 
     /// The largest message, and the largest send batch, in bytes (default 256 KiB).
     #[must_use]
-    pub fn with_max_message_size(mut self, bytes: usize) -> Self {
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes;
         self
     }
@@ -81,7 +82,7 @@ impl BrokerOptions {
     /// The size at which the log starts a new segment file (default 64 MiB). Segments whose
     /// messages are all gone are deleted.
     #[must_use]
-    pub fn with_segment_size(mut self, bytes: u64) -> Self {
+    pub fn segment_size(mut self, bytes: u64) -> Self {
         self.segment_size = bytes.max(4096);
         self
     }
@@ -90,7 +91,7 @@ impl BrokerOptions {
     /// fresh messages are delivered without reading the disk (default 32 MiB; recently written
     /// log records get another quarter of it).
     #[must_use]
-    pub fn with_cache_size(mut self, bytes: usize) -> Self {
+    pub fn cache_size(mut self, bytes: usize) -> Self {
         self.cache_size = bytes;
         self
     }
@@ -98,7 +99,7 @@ impl BrokerOptions {
     /// How many queued calls the broker applies before it writes and syncs them together
     /// (default 1024).
     #[must_use]
-    pub fn with_max_commands_per_turn(mut self, n: usize) -> Self {
+    pub fn max_commands_per_turn(mut self, n: usize) -> Self {
         self.max_commands_per_turn = n.max(1);
         self
     }
@@ -120,19 +121,19 @@ impl BrokerOptions {
     /// receive-and-delete and everything else still wait for their records. No effect in
     /// memory mode.
     #[must_use]
-    pub fn with_relaxed_delivery_counts(mut self, relaxed: bool) -> Self {
+    pub fn relaxed_delivery_counts(mut self, relaxed: bool) -> Self {
         self.relaxed_delivery_counts = relaxed;
         self
     }
 
     /// Whether peek-lock receives are answered before their lock records are on disk (see
-    /// [`BrokerOptions::with_relaxed_delivery_counts`]).
-    pub fn relaxed_delivery_counts(&self) -> bool {
+    /// [`BrokerOptions::relaxed_delivery_counts`]).
+    pub fn get_relaxed_delivery_counts(&self) -> bool {
         self.relaxed_delivery_counts
     }
 
     /// The data directory, in durable mode.
-    pub fn dir(&self) -> Option<&Path> {
+    pub fn get_dir(&self) -> Option<&Path> {
         self.dir.as_deref()
     }
 
@@ -142,27 +143,48 @@ impl BrokerOptions {
     }
 
     /// The clock.
-    pub fn clock(&self) -> &SharedClock {
+    pub fn get_clock(&self) -> &SharedClock {
         &self.clock
     }
 
     /// The largest message in bytes.
-    pub fn max_message_size(&self) -> usize {
+    pub fn get_max_message_size(&self) -> usize {
         self.max_message_size
     }
 
     /// The segment size in bytes.
-    pub fn segment_size(&self) -> u64 {
+    pub fn get_segment_size(&self) -> u64 {
         self.segment_size
     }
 
     /// The record cache size in bytes.
-    pub fn cache_size(&self) -> usize {
+    pub fn get_cache_size(&self) -> usize {
         self.cache_size
     }
 
     /// The most calls applied per write.
-    pub fn max_commands_per_turn(&self) -> usize {
+    pub fn get_max_commands_per_turn(&self) -> usize {
         self.max_commands_per_turn
+    }
+
+    /// [`BrokerOptions::clock`], by its earlier name.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn with_clock(self, clock: impl Into<SharedClock>) -> Self {
+        self.clock(clock)
+    }
+
+    /// [`BrokerOptions::config`], by its earlier name.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn with_config(self, config: Config) -> Self {
+        self.config(config)
+    }
+
+    /// [`BrokerOptions::segment_size`], by its earlier name.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn with_segment_size(self, bytes: u64) -> Self {
+        self.segment_size(bytes)
     }
 }

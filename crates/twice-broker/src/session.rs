@@ -9,10 +9,11 @@ use twice::{
     DeadLetterReason, LockToken, Properties, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
 };
 
-use crate::broker::{Broker, ReceiveMode, received};
+use crate::broker::{Broker, received};
 use crate::engine::{AcceptedSession, SessionLock};
 use crate::error::Error;
 use crate::runtime::{Command, PathArg, Wait};
+use crate::vocabulary::ReceiveMode;
 
 impl Broker {
     /// Locks a named session of a session-enabled queue or subscription. Fails with
@@ -122,7 +123,7 @@ impl Session {
     ) -> Result<Vec<ReceivedMessage>, Error> {
         let path = PathArg::new(&self.path);
         let wait = Wait { max: max_messages, max_wait };
-        let (mode, session) = (mode.into(), Some(self.lock));
+        let session = Some(self.lock);
         received(
             self.broker.call(|reply| Command::Receive { path, mode, wait, session, reply }).await,
         )

@@ -575,7 +575,7 @@ fn in_process() -> anyhow::Result<Target> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let addr = rt.block_on(async {
         let dir = tempfile::tempdir()?;
-        let options = BrokerOptions::durable(dir.path()).with_config(Config::from_json(CONFIG)?);
+        let options = BrokerOptions::durable(dir.path()).config(Config::from_json(CONFIG)?);
         let broker = Broker::open(options).await?;
         let options = ServerOptions::new().amqp_addr("127.0.0.1:0".parse()?).http_addr(None);
         let server = Server::bind(options, broker.clone()).await?;

@@ -2,17 +2,19 @@
 //!
 //! The protocol engine speaks only to [`Backend`]; one module wires it to `twice-broker`.
 //! Everything here is in twice's vocabulary (`Message`, `ReceivedMessage`, `LockToken`,
-//! `SequenceNumber`, `SessionId`): AMQP stays in the engine.
+//! `SequenceNumber`, `SessionId`) and the broker's ([`ReceiveMode`], [`Settlement`], [`Rule`],
+//! re-exported here): AMQP stays in the engine.
 
 use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use twice::{
-    LockToken, Message, Properties, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
-};
+use twice::{LockToken, Message, ReceivedMessage, SequenceNumber, SessionId, Timestamp};
 use twice_broker::MessageCounts;
-use twice_broker::config::{EntityDefinition, Rule as BrokerRule};
+use twice_broker::config::EntityDefinition;
+// The broker's words, so that the trait reads in them and nothing converts between twins.
+pub use twice_broker::config::Rule;
+pub use twice_broker::{ReceiveMode, Settlement};
 
 /// What an entity path names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,91 +45,6 @@ impl EntityKind {
                 | EntityKind::Subscription { requires_session: true }
         )
     }
-}
-
-/// How a receiver takes messages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReceiveMode {
-    /// Each message is locked for the receiver until settled or the lock expires.
-    PeekLock,
-    /// Each message is removed as it is handed out.
-    ReceiveAndDelete,
-}
-
-/// How a locked message is settled.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum Settlement {
-    /// Done: remove it.
-    Complete,
-    /// Unlock it for redelivery, counting a delivery, after merging these properties.
-    Abandon(Properties),
-    /// Set it aside, receivable only by sequence number, after merging these properties.
-    Defer(Properties),
-    /// Move it to the dead-letter queue.
-    DeadLetter {
-        /// `DeadLetterReason`.
-        reason: Option<String>,
-        /// `DeadLetterErrorDescription`.
-        description: Option<String>,
-        /// Properties to merge.
-        properties: Properties,
-    },
-    /// Unlock it without counting a delivery.
-    Release,
-}
-
-/// A session lock held by a receiver.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SessionLock {
-    /// The session.
-    pub session_id: SessionId,
-    /// Until when the lock holds.
-    pub locked_until: Timestamp,
-}
-
-/// A subscription rule's filter.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum RuleFilter {
-    /// A SQL-92-like expression.
-    Sql(String),
-    /// A correlation filter: every set field must match.
-    Correlation {
-        /// `correlation-id`.
-        correlation_id: Option<String>,
-        /// `message-id`.
-        message_id: Option<String>,
-        /// `to`.
-        to: Option<String>,
-        /// `reply-to`.
-        reply_to: Option<String>,
-        /// `subject` (label).
-        subject: Option<String>,
-        /// `session-id`.
-        session_id: Option<String>,
-        /// `reply-to-session-id`.
-        reply_to_session_id: Option<String>,
-        /// `content-type`.
-        content_type: Option<String>,
-        /// Application properties that must match.
-        properties: Properties,
-    },
-    /// Matches everything.
-    True,
-    /// Matches nothing.
-    False,
-}
-
-/// A named rule of a subscription.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Rule {
-    /// The rule name.
-    pub name: String,
-    /// The filter.
-    pub filter: RuleFilter,
-    /// A SQL action, if any.
-    pub action: Option<String>,
 }
 
 /// Counts of one entity, for `/metrics` and `/entities`.
@@ -269,6 +186,12 @@ pub trait BackendSession: Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// The broker as the AMQP front end sees it. Implementations are cheap to clone.
+///
+/// Why a trait and not `twice_broker::Broker` itself: it is the one place where the connection
+/// engine's needs from a broker are written down (a few dozen calls out of the broker's whole
+/// API, every failure already a [`BackendError`] with its wire condition), and it lets a test
+/// put a broker whose sends wait at a gate under the real connection code, which is how the
+/// bound on a connection's bytes in flight is tested without timing.
 pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
     /// A locked session.
     type Session: BackendSession;
@@ -449,7 +372,7 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         &self,
         topic: &str,
         subscription: &str,
-        rule: BrokerRule,
+        rule: Rule,
     ) -> impl Future<Output = Result<(), BackendError>> + Send {
         let _ = (topic, subscription, rule);
         async { Err(BackendError::Unsupported("the administration API")) }
@@ -460,7 +383,7 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         &self,
         topic: &str,
         subscription: &str,
-        rule: BrokerRule,
+        rule: Rule,
     ) -> impl Future<Output = Result<(), BackendError>> + Send {
         let _ = (topic, subscription, rule);
         async { Err(BackendError::Unsupported("the administration API")) }

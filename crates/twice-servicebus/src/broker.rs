@@ -5,17 +5,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::RwLock;
-use twice::{
-    DeadLetterReason, LockToken, Message, ReceivedMessage, SequenceNumber, SessionId, Timestamp,
-};
-use twice_broker::config::{CorrelationFilter, EntityDefinition, Filter};
-use twice_broker::sql::{SqlAction, SqlFilter};
+use twice::{LockToken, Message, ReceivedMessage, SequenceNumber, SessionId, Timestamp};
+use twice_broker::config::EntityDefinition;
 use twice_broker::{Broker, Error};
 
 use crate::address::is_transfer_dead_letter;
 use crate::backend::{
-    Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,
-    Settlement,
+    Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, Settlement,
 };
 use crate::options::ServerOptions;
 use crate::server::{Server, ServerError};
@@ -56,13 +52,6 @@ fn map_err(e: Error) -> BackendError {
     }
 }
 
-fn broker_mode(m: ReceiveMode) -> twice_broker::ReceiveMode {
-    match m {
-        ReceiveMode::PeekLock => twice_broker::ReceiveMode::PeekLock,
-        ReceiveMode::ReceiveAndDelete => twice_broker::ReceiveMode::ReceiveAndDelete,
-    }
-}
-
 /// Splits `topic/subscriptions/sub` into its topic and subscription names.
 fn split_subscription(path: &str) -> Result<(&str, &str), BackendError> {
     let lower = path.to_ascii_lowercase();
@@ -91,27 +80,6 @@ async fn complete_many(
         out.push(broker.complete_in(entity, &[lock]).await.map_err(map_err));
     }
     out
-}
-
-/// Settles a lock taken from `entity` (see [`complete_many`]).
-async fn settle(
-    broker: &Broker,
-    entity: &str,
-    lock: LockToken,
-    how: Settlement,
-) -> Result<(), BackendError> {
-    match how {
-        Settlement::Complete => broker.complete_in(entity, &[lock]).await,
-        Settlement::Abandon(p) => broker.abandon_in(entity, lock, p).await,
-        Settlement::Defer(p) => broker.defer_in(entity, lock, p).await,
-        Settlement::DeadLetter { reason, description, properties } => {
-            let why =
-                DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
-            broker.dead_letter_in(entity, lock, why, properties).await
-        }
-        Settlement::Release => broker.release_in(entity, lock).await,
-    }
-    .map_err(map_err)
 }
 
 /// Deferred messages in receive-and-delete mode: locked, then completed at once.
@@ -252,7 +220,7 @@ impl Backend for Broker {
             tokio::time::sleep(max_wait).await;
             return Ok(Vec::new());
         }
-        self.receive_with(entity, broker_mode(mode), max, max_wait).await.map_err(map_err)
+        self.receive_with(entity, mode, max, max_wait).await.map_err(map_err)
     }
 
     async fn receive_deferred(
@@ -278,7 +246,7 @@ impl Backend for Broker {
         if is_transfer_dead_letter(entity) {
             return Err(BackendError::LockLost);
         }
-        settle(self, entity, lock, how).await
+        self.settle_in(entity, lock, how).await.map_err(map_err)
     }
 
     async fn complete_many(
@@ -380,7 +348,7 @@ impl Backend for Broker {
         &self,
         topic: &str,
         subscription: &str,
-        rule: twice_broker::config::Rule,
+        rule: Rule,
     ) -> Result<(), BackendError> {
         Broker::create_rule(self, topic, subscription, rule).await.map_err(map_err)
     }
@@ -389,7 +357,7 @@ impl Backend for Broker {
         &self,
         topic: &str,
         subscription: &str,
-        rule: twice_broker::config::Rule,
+        rule: Rule,
     ) -> Result<(), BackendError> {
         // The broker replaces a subscription's rules as a whole: read them, swap the one named,
         // write them back. A rule added by another client in between is overwritten.
@@ -425,43 +393,7 @@ impl Backend for Broker {
 
     async fn add_rule(&self, subscription: &str, rule: Rule) -> Result<(), BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
-        let filter = match rule.filter {
-            RuleFilter::True => Filter::True,
-            RuleFilter::False => Filter::False,
-            RuleFilter::Sql(s) => Filter::Sql(
-                SqlFilter::parse(&s).map_err(|e| BackendError::Invalid(format!("{e} in {s:?}")))?,
-            ),
-            RuleFilter::Correlation {
-                correlation_id,
-                message_id,
-                to,
-                reply_to,
-                subject,
-                session_id,
-                reply_to_session_id,
-                content_type,
-                properties,
-            } => {
-                let mut c = CorrelationFilter::default();
-                c.correlation_id = correlation_id;
-                c.message_id = message_id;
-                c.to = to;
-                c.reply_to = reply_to;
-                c.subject = subject;
-                c.session_id = session_id;
-                c.reply_to_session_id = reply_to_session_id;
-                c.content_type = content_type;
-                c.properties = properties;
-                Filter::Correlation(c)
-            }
-        };
-        let mut created = twice_broker::config::Rule::new(rule.name, filter);
-        if let Some(a) = rule.action {
-            let action =
-                SqlAction::parse(&a).map_err(|e| BackendError::Invalid(format!("{e} in {a:?}")))?;
-            created = created.with_action(action);
-        }
-        self.create_rule(topic, sub, created).await.map_err(map_err)
+        self.create_rule(topic, sub, rule).await.map_err(map_err)
     }
 
     async fn remove_rule(&self, subscription: &str, name: &str) -> Result<(), BackendError> {
@@ -471,31 +403,7 @@ impl Backend for Broker {
 
     async fn rules(&self, subscription: &str) -> Result<Vec<Rule>, BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
-        let rules = self.get_rules(topic, sub).await.map_err(map_err)?;
-        Ok(rules
-            .into_iter()
-            .map(|r| {
-                let filter = match r.filter {
-                    Filter::True => RuleFilter::True,
-                    Filter::False => RuleFilter::False,
-                    Filter::Sql(s) => RuleFilter::Sql(s.expression().to_owned()),
-                    Filter::Correlation(c) => RuleFilter::Correlation {
-                        correlation_id: c.correlation_id,
-                        message_id: c.message_id,
-                        to: c.to,
-                        reply_to: c.reply_to,
-                        subject: c.subject,
-                        session_id: c.session_id,
-                        reply_to_session_id: c.reply_to_session_id,
-                        content_type: c.content_type,
-                        properties: c.properties,
-                    },
-                    _ => RuleFilter::False,
-                };
-                let action = r.action.map(|a| a.expression().to_owned());
-                Rule { name: r.name, filter, action }
-            })
-            .collect())
+        self.get_rules(topic, sub).await.map_err(map_err)
     }
 }
 
@@ -529,7 +437,7 @@ impl BackendSession for BrokerSession {
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
         let guard = self.inner.read().await;
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-        s.receive_with(broker_mode(mode), max, max_wait).await.map_err(map_err)
+        s.receive_with(mode, max, max_wait).await.map_err(map_err)
     }
 
     async fn receive_deferred(
@@ -549,7 +457,7 @@ impl BackendSession for BrokerSession {
         if self.inner.read().await.is_none() {
             return Err(BackendError::SessionLockLost);
         }
-        settle(&self.broker, &self.entity, lock, how).await
+        self.broker.settle_in(&self.entity, lock, how).await.map_err(map_err)
     }
 
     async fn complete_many(&self, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {

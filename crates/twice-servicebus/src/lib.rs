@@ -106,8 +106,7 @@ mod shared;
 pub use twice_amqp::{codec, frame, mapping, performative, sas};
 
 pub use backend::{
-    Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, RuleFilter,
-    SessionLock, Settlement,
+    Backend, BackendError, BackendSession, EntityKind, EntityStats, ReceiveMode, Rule, Settlement,
 };
 pub use broker::{BrokerSession, serve};
 pub use options::{ServerOptions, TlsError};

@@ -7,11 +7,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use twice::{LockToken, Message, MessageId, SequenceNumber, SessionId};
+use twice::{DeadLetterReason, LockToken, Message, MessageId, SequenceNumber, SessionId};
 
-use crate::backend::{
-    Backend, BackendError, BackendSession, ReceiveMode, Rule, RuleFilter, Settlement,
-};
+use twice_broker::config::{CorrelationFilter, Filter};
+use twice_broker::sql::{SqlAction, SqlFilter};
+
+use crate::backend::{Backend, BackendError, BackendSession, ReceiveMode, Rule, Settlement};
 use crate::codec::{DecodeError, Decoder, Value};
 use crate::conditions::{self as cond, backend_error};
 use crate::mapping::{self, Presentation, Sections};
@@ -312,17 +313,19 @@ async fn run<B: Backend>(
                 "completed" => Settlement::Complete,
                 "abandoned" => Settlement::Abandon(props),
                 "defered" | "deferred" => Settlement::Defer(props),
-                "suspended" => Settlement::DeadLetter {
-                    reason: text(body, "deadletter-reason"),
-                    description: text(body, "deadletter-description"),
-                    properties: props,
-                },
+                "suspended" => Settlement::DeadLetter(
+                    DeadLetterReason::new(
+                        text(body, "deadletter-reason").unwrap_or_default(),
+                        text(body, "deadletter-description").unwrap_or_default(),
+                    ),
+                    props,
+                ),
                 other => return Err(bad(format!("unknown disposition-status '{other}'"))),
             };
             let counter = match &how {
                 Settlement::Complete => Counter::Complete,
                 Settlement::Abandon(_) => Counter::Abandon,
-                Settlement::DeadLetter { .. } => Counter::DeadLetter,
+                Settlement::DeadLetter(..) => Counter::DeadLetter,
                 _ => Counter::Receive,
             };
             let session = match &session_id {
@@ -519,73 +522,73 @@ const EMPTY_ACTION: u64 = 0x0000_0137_0000_0005;
 const SQL_ACTION: u64 = 0x0000_0137_0000_0006;
 
 /// A rule from an `add-rule` description map (`sql-filter` / `correlation-filter` /
-/// `sql-rule-action`).
+/// `sql-rule-action`); a SQL expression that does not parse is a bad request.
 fn rule_of(name: String, desc: &Value) -> Result<Rule, Status> {
+    let invalid = |e: &dyn std::fmt::Display, s: &str| {
+        Status::backend(&BackendError::Invalid(format!("{e} in {s:?}")))
+    };
     let action = desc.get("sql-rule-action").and_then(|a| text(a, "expression"));
     let filter = if let Some(sql) = desc.get("sql-filter") {
         let expr = text(sql, "expression").ok_or_else(|| bad("sql-filter needs an expression"))?;
         match expr.trim().to_ascii_uppercase().as_str() {
-            "1=1" | "TRUE" => RuleFilter::True,
-            "1=0" | "FALSE" => RuleFilter::False,
-            _ => RuleFilter::Sql(expr),
+            "1=1" | "TRUE" => Filter::True,
+            "1=0" | "FALSE" => Filter::False,
+            _ => Filter::Sql(SqlFilter::parse(&expr).map_err(|e| invalid(&e, &expr))?),
         }
     } else if let Some(c) = desc.get("correlation-filter") {
-        RuleFilter::Correlation {
-            correlation_id: text(c, "correlation-id"),
-            message_id: text(c, "message-id"),
-            to: text(c, "to"),
-            reply_to: text(c, "reply-to"),
-            subject: text(c, "label").or_else(|| text(c, "subject")),
-            session_id: text(c, "session-id"),
-            reply_to_session_id: text(c, "reply-to-session-id"),
-            content_type: text(c, "content-type"),
-            properties: mapping::properties_of(c.get("properties"), &[]),
-        }
+        let mut f = CorrelationFilter::default();
+        f.correlation_id = text(c, "correlation-id");
+        f.message_id = text(c, "message-id");
+        f.to = text(c, "to");
+        f.reply_to = text(c, "reply-to");
+        f.subject = text(c, "label").or_else(|| text(c, "subject"));
+        f.session_id = text(c, "session-id");
+        f.reply_to_session_id = text(c, "reply-to-session-id");
+        f.content_type = text(c, "content-type");
+        f.properties = mapping::properties_of(c.get("properties"), &[]);
+        Filter::Correlation(f)
     } else {
-        RuleFilter::True
+        Filter::True
     };
-    Ok(Rule { name, filter, action })
+    let mut rule = Rule::new(name, filter);
+    if let Some(a) = action {
+        rule = rule.with_action(SqlAction::parse(&a).map_err(|e| invalid(&e, &a))?);
+    }
+    Ok(rule)
 }
 
 /// A rule as the `enumerate-rules` reply describes it.
 fn rule_value(rule: &Rule) -> Value {
     let s = |o: &Option<String>| o.clone().map_or(Value::Null, Value::String);
     let filter = match &rule.filter {
-        RuleFilter::Sql(expr) => described_list(SQL_FILTER, vec![Value::String(expr.clone())]),
-        RuleFilter::True => described_list(TRUE_FILTER, vec![Value::string("1=1")]),
-        RuleFilter::False => described_list(FALSE_FILTER, vec![Value::string("1=0")]),
-        RuleFilter::Correlation {
-            correlation_id,
-            message_id,
-            to,
-            reply_to,
-            subject,
-            session_id,
-            reply_to_session_id,
-            content_type,
-            properties,
-        } => described_list(
+        Filter::Sql(f) => {
+            described_list(SQL_FILTER, vec![Value::String(f.expression().to_owned())])
+        }
+        Filter::True => described_list(TRUE_FILTER, vec![Value::string("1=1")]),
+        Filter::Correlation(c) => described_list(
             CORRELATION_FILTER,
             vec![
-                s(correlation_id),
-                s(message_id),
-                s(to),
-                s(reply_to),
-                s(subject),
-                s(session_id),
-                s(reply_to_session_id),
-                s(content_type),
+                s(&c.correlation_id),
+                s(&c.message_id),
+                s(&c.to),
+                s(&c.reply_to),
+                s(&c.subject),
+                s(&c.session_id),
+                s(&c.reply_to_session_id),
+                s(&c.content_type),
                 Value::Map(
-                    properties
+                    c.properties
                         .iter()
                         .map(|(k, v)| (Value::String(k.clone()), mapping::from_twice_value(v)))
                         .collect(),
                 ),
             ],
         ),
+        // `False`, and any filter this reply has no descriptor for, selects nothing.
+        _ => described_list(FALSE_FILTER, vec![Value::string("1=0")]),
     };
     let action = match &rule.action {
-        Some(a) => described_list(SQL_ACTION, vec![Value::String(a.clone())]),
+        Some(a) => described_list(SQL_ACTION, vec![Value::String(a.expression().to_owned())]),
         None => described_list(EMPTY_ACTION, vec![]),
     };
     Value::Map(vec![(

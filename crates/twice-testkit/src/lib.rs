@@ -7,6 +7,8 @@
 //! - [`process`]: child processes for crash tests: an example binary that is never stale, and
 //!   a child killed with SIGKILL; [`process::ServerRestart`] restarts a server of the machine.
 //! - [`conformance`]: the suite every transport passes with each inbox store.
+//! - [`serve`]: `twice serve` as a child process on free ports, ready when it returns.
+//! - [`sdk`]: the official Service Bus SDKs for Python and Node, installed once per machine.
 //! - [`proxy`]: a TCP proxy whose connections a test can cut.
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
 //! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
@@ -18,6 +20,8 @@ pub mod nats;
 pub mod process;
 pub mod proxy;
 pub mod rabbitmq;
+pub mod sdk;
+pub mod serve;
 pub mod tls;
 
 /// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a

@@ -114,6 +114,8 @@ use self::state::{Aux, Bodies, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
 use self::timers::{LockTimers, TimerKey};
 use crate::config::{EntityDefinition, Rule};
 use crate::error::Error;
+// The engine speaks the public words for these: they are plain data, with no I/O behind them.
+pub(crate) use crate::vocabulary::{ReceiveMode, SendOutcome};
 
 /// Service Bus's largest batch, in messages.
 pub(crate) const MAX_BATCH_MESSAGES: usize = 4500;
@@ -213,25 +215,6 @@ pub(crate) struct WaiterId(pub(crate) u64);
 /// The lock on an accepted session; names the session in every session call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct SessionLock(u64);
-
-/// How a receive locks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReceiveMode {
-    /// Lock each message until it is settled or its lock expires.
-    PeekLock,
-    /// Remove each message as it is delivered.
-    ReceiveAndDelete,
-}
-
-/// The result of sending one message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SendOutcome {
-    /// Accepted with this sequence number (of the queue or topic it was sent to).
-    Enqueued(SequenceNumber),
-    /// Its message id was accepted within the duplicate-detection window: acknowledged as a
-    /// success and dropped.
-    Duplicate,
-}
 
 /// Where a delivered message's body is.
 #[derive(Clone, Debug)]

@@ -13,7 +13,7 @@
 //! While the writer thread syncs turn *k*, this task already applies turn *k + 1*; the replies
 //! of *k + 1* wait for their own commit. Commits queued behind a busy writer share its next
 //! fsync, so one fsync acknowledges every operation of several turns. With
-//! [`crate::BrokerOptions::with_relaxed_delivery_counts`], a peek-lock delivery waits only for
+//! [`crate::BrokerOptions::relaxed_delivery_counts`], a peek-lock delivery waits only for
 //! the commit that last changed its messages (each message carries the number of that turn),
 //! not for the commit of its own lock.
 //!
@@ -82,7 +82,7 @@ pub(crate) struct RuntimeOptions {
     pub(crate) clock: SharedClock,
     pub(crate) max_commands_per_turn: usize,
     pub(crate) definitions: Vec<EntityDefinition>,
-    /// See [`crate::BrokerOptions::with_relaxed_delivery_counts`].
+    /// See [`crate::BrokerOptions::relaxed_delivery_counts`].
     pub(crate) relaxed_delivery_counts: bool,
     /// Where a storage failure is reported to the broker's handles.
     pub(crate) failure: crate::storage::FailureCell,

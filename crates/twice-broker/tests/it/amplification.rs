@@ -11,8 +11,7 @@ use twice_broker::{Broker, BrokerOptions};
 const SEGMENT: u64 = 64 << 10;
 
 async fn open_small_segments(dir: &Path) -> Broker {
-    let options =
-        BrokerOptions::durable(dir).with_clock(ManualClock::default()).with_segment_size(SEGMENT);
+    let options = BrokerOptions::durable(dir).clock(ManualClock::default()).segment_size(SEGMENT);
     let broker = Broker::open(options).await.expect("open broker");
     broker.create_queue("backlog", QueueProperties::default()).await.unwrap();
     broker.create_queue("work", QueueProperties::default()).await.unwrap();

@@ -115,9 +115,8 @@ async fn entities_and_their_properties_survive_reopening() {
 async fn old_segments_are_deleted_once_their_messages_are_gone() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::default();
-    let options = || {
-        BrokerOptions::durable(dir.path()).with_clock(clock.clone()).with_segment_size(16 * 1024)
-    };
+    let options =
+        || BrokerOptions::durable(dir.path()).clock(clock.clone()).segment_size(16 * 1024);
     let broker = Broker::open(options()).await.unwrap();
     broker.create_queue("q", QueueProperties::default()).await.unwrap();
     // A deferred message stays for the whole test: it pins the first segment until compaction

@@ -104,7 +104,7 @@ async fn a_quota_set_through_the_api_survives_a_restart_and_old_segments_leaving
     let dir = tempfile::tempdir().unwrap();
     // Small segments: the log rolls many times, and the segments holding the creation and the
     // update are compacted away; only the checkpoints restate the entities.
-    let options = || BrokerOptions::durable(dir.path()).with_segment_size(64 * 1024);
+    let options = || BrokerOptions::durable(dir.path()).segment_size(64 * 1024);
     let broker = Broker::open(options()).await.unwrap();
     broker
         .create_queue("q", QueueProperties::default().with_max_size_in_megabytes(1))

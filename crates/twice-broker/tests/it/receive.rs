@@ -9,7 +9,7 @@ use twice_broker::{Broker, BrokerOptions, Error};
 use crate::support::{NOW, msg};
 
 async fn broker(clock: &ManualClock) -> Broker {
-    let b = Broker::open(BrokerOptions::in_memory().with_clock(clock.clone())).await.unwrap();
+    let b = Broker::open(BrokerOptions::in_memory().clock(clock.clone())).await.unwrap();
     b.create_queue("q", QueueProperties::default()).await.unwrap();
     b
 }
@@ -142,7 +142,7 @@ async fn a_scheduled_message_due_when_the_receive_times_out_is_still_delivered()
         let clock = ManualClock::default();
         let dir = tempfile::tempdir().unwrap();
         let broker = if durable {
-            let options = BrokerOptions::durable(dir.path()).with_clock(clock.clone());
+            let options = BrokerOptions::durable(dir.path()).clock(clock.clone());
             let b = Broker::open(options).await.unwrap();
             b.create_queue("q", QueueProperties::default()).await.unwrap();
             b

@@ -9,7 +9,7 @@ use twice_broker::{Broker, BrokerOptions};
 
 /// Opens a durable broker in `dir` on a manual clock.
 pub(crate) async fn open(dir: &Path, clock: &ManualClock) -> Broker {
-    Broker::open(BrokerOptions::durable(dir).with_clock(clock.clone())).await.expect("open broker")
+    Broker::open(BrokerOptions::durable(dir).clock(clock.clone())).await.expect("open broker")
 }
 
 /// Opens a durable broker with a queue named `q` (created if missing).

@@ -12,7 +12,7 @@ use twice_broker::{Broker, BrokerOptions};
 use crate::support::NOW;
 
 async fn broker(clock: &ManualClock) -> Broker {
-    Broker::open(BrokerOptions::in_memory().with_clock(clock.clone())).await.unwrap()
+    Broker::open(BrokerOptions::in_memory().clock(clock.clone())).await.unwrap()
 }
 
 #[tokio::test]

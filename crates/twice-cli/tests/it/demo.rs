@@ -4,6 +4,7 @@
 use std::process::Command;
 
 use serde_json::Value;
+use twice_testkit::serve::ServeProcess;
 
 const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const MARIADB_URL: &str = "mysql://root@127.0.0.1:3306/test";
@@ -180,44 +181,36 @@ const DEMO_QUEUES: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns"
   {"Name":"orders-twice","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
     "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}}]}]}}"#;
 
-/// `twice serve` as a child process on a free port with its own key; returns the child and
+/// `twice serve` as a child process on a free port with its own key; returns the process and
 /// the connection string.
-fn serve_child(
-    dir: &std::path::Path,
-    config: Option<&str>,
-) -> (twice_testkit::process::Child, String) {
-    serve_child_http(dir, config, None)
+fn serve_child(dir: &std::path::Path, config: Option<&str>) -> (ServeProcess, String) {
+    serve_child_http(dir, config, false)
 }
 
-/// [`serve_child`], with the HTTP port (and its administration API) on `http` when given.
+/// [`serve_child`], with the HTTP port (and its administration API) on a free port when
+/// `http` is set.
 fn serve_child_http(
     dir: &std::path::Path,
     config: Option<&str>,
-    http: Option<u16>,
-) -> (twice_testkit::process::Child, String) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_twice"));
-    cmd.args(["serve", "--amqp", &format!("127.0.0.1:{port}")]);
-    match http {
-        Some(http) => cmd.args(["--http", &format!("127.0.0.1:{http}")]),
-        None => cmd.arg("--no-http"),
-    };
-    cmd.args(["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5"]).arg("--data-dir").arg(dir.join("data"));
+    http: bool,
+) -> (ServeProcess, String) {
+    let data = dir.join("data");
+    let mut args = vec!["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5", "--data-dir"];
+    args.push(data.to_str().unwrap());
+    if !http {
+        args.push("--no-http");
+    }
+    let path = dir.join("Config.json");
     if let Some(config) = config {
-        let path = dir.join("Config.json");
         std::fs::write(&path, config).unwrap();
-        cmd.arg("--config").arg(path);
+        args.extend(["--config", path.to_str().unwrap()]);
     }
-    let mut child = twice_testkit::process::Child::spawn(&mut cmd);
-    while let Some(line) = child.next_line() {
-        if line.starts_with("ready in") {
-            let cs = format!(
-                "Endpoint=sb://localhost:{port};SharedAccessKeyName=demo;SharedAccessKey=c2VjcmV0LWRlbW8ta2V5;UseDevelopmentEmulator=true"
-            );
-            return (child, cs);
-        }
-    }
-    panic!("twice serve ended before it was ready");
+    let serve = ServeProcess::start(env!("CARGO_BIN_EXE_twice"), &args);
+    let port = serve.amqp_addr().port();
+    let cs = format!(
+        "Endpoint=sb://localhost:{port};SharedAccessKeyName=demo;SharedAccessKey=c2VjcmV0LWRlbW8ta2V5;UseDevelopmentEmulator=true"
+    );
+    (serve, cs)
 }
 
 #[test]
@@ -247,9 +240,8 @@ fn demo_on_a_namespace_without_its_queues_says_how_to_make_them() {
 #[test]
 fn demo_creates_its_queues_through_the_administration_api() {
     let dir = tempfile::tempdir().unwrap();
-    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (_serve, cs) = serve_child_http(dir.path(), None, Some(http));
-    let admin = format!("http://127.0.0.1:{http}");
+    let (serve, cs) = serve_child_http(dir.path(), None, true);
+    let admin = serve.http_url();
     let (success, json) = run_demo_orders(100, &["--broker", &cs, "--admin-url", &admin]);
     assert_eq!(json["broker"], "servicebus");
     check_orders(100, success, &json);

@@ -1,12 +1,12 @@
 //! `twice dlq` against a `twice serve` child process: messages are dead-lettered through the
 //! Service Bus client, then listed, shown, exported, resubmitted and purged with the binary.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use twice::{DeadLetterReason, Message};
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
+use twice_testkit::serve::ServeProcess;
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -29,7 +29,8 @@ const CONFIG: &str = r#"{
 
 /// `twice serve --in-memory` with [`CONFIG`] on free ports; killed on drop.
 struct Serve {
-    child: Child,
+    /// Dropped before the directory that holds its config.
+    _process: ServeProcess,
     connection_string: String,
     admin_url: String,
     _dir: tempfile::TempDir,
@@ -45,39 +46,14 @@ impl Serve {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("Config.json");
         std::fs::write(&config, CONFIG).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_twice"))
-            .args(["serve", "--in-memory", "--amqp", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-            .arg("--config")
-            .arg(&config)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting twice serve");
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let (mut connection_string, mut admin_url) = (None, None);
-        loop {
-            let mut line = String::new();
-            assert!(out.read_line(&mut line).unwrap() > 0, "twice serve ended before it was ready");
-            if let Some(cs) = line.trim().strip_prefix("connection string: ") {
-                connection_string = Some(cs.to_owned());
-            }
-            if line.starts_with("health") {
-                let url = line.split_whitespace().find(|w| w.ends_with("/health")).unwrap();
-                admin_url = Some(url.trim_end_matches("/health").to_owned());
-            }
-            if line.starts_with("ready in") {
-                break;
-            }
-        }
-        std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = out.read_to_string(&mut rest);
-        });
+        let config = config.to_str().unwrap();
+        let mut args = vec!["--in-memory", "--config", config];
+        args.extend_from_slice(extra);
+        let process = ServeProcess::start(env!("CARGO_BIN_EXE_twice"), &args);
         Serve {
-            child,
-            connection_string: connection_string.expect("a connection string line"),
-            admin_url: admin_url.expect("a health line"),
+            connection_string: process.connection_string().expect("a connection string").into(),
+            admin_url: process.http_url(),
+            _process: process,
             _dir: dir,
         }
     }
@@ -113,13 +89,6 @@ impl Serve {
             .unwrap_or_else(|| panic!("no line for {entity} in {stdout}"));
         let n: Vec<u64> = line.split_whitespace().skip(1).map(|v| v.parse().unwrap()).collect();
         [n[0], n[1], n[2], n[3]]
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -1,104 +1,28 @@
 //! `twice serve` as a user runs it: start, health, clean stop on SIGTERM, restart on the same
 //! data directory, clear errors on bad input.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use twice_servicebus::frame;
 use twice_servicebus::performative::{Open, Performative, SaslInit};
+use twice_testkit::serve::ServeProcess;
 
-/// A running `twice serve`, killed on drop if still running.
-struct Serve {
-    child: Child,
-    lines: Vec<String>,
-    /// What it prints after the banner, once it has ended.
-    rest: Option<std::thread::JoinHandle<String>>,
+/// Starts `twice serve ARGS` on free ports and waits until it is ready.
+fn start(args: &[&str]) -> ServeProcess {
+    ServeProcess::start(env!("CARGO_BIN_EXE_twice"), args)
 }
 
-impl Serve {
-    fn start(args: &[&str]) -> Serve {
-        Self::start_command(Command::new(env!("CARGO_BIN_EXE_twice")), args)
-    }
-
-    /// Starts it under a hard limit of `fds` open files, as a shell's `ulimit -n` sets.
-    fn start_with_descriptor_limit(fds: u32, args: &[&str]) -> Serve {
-        let mut command = Command::new("sh");
-        command.args([
-            "-c",
-            &format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
-            env!("CARGO_BIN_EXE_twice"),
-        ]);
-        Self::start_command(command, args)
-    }
-
-    fn start_command(mut command: Command, args: &[&str]) -> Serve {
-        command.arg("serve");
-        if !args.contains(&"--amqp") {
-            command.args(["--amqp", "127.0.0.1:0"]);
-        }
-        if !args.contains(&"--no-http") {
-            command.args(["--http", "127.0.0.1:0"]);
-        }
-        let mut child = command
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting twice serve");
-        // The banner ends with the "ready" line.
-        let mut lines = Vec::new();
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        loop {
-            let mut line = String::new();
-            if out.read_line(&mut line).expect("reading stdout") == 0 {
-                let mut err = String::new();
-                let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut err));
-                panic!("twice serve ended before it was ready: {lines:?} {err}");
-            }
-            let ready = line.starts_with("ready in");
-            lines.push(line.trim_end().to_owned());
-            if ready {
-                break;
-            }
-        }
-        // Keep draining stdout so the server never blocks on a full pipe.
-        let rest = std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = out.read_to_string(&mut rest);
-            rest
-        });
-        Serve { child, lines, rest: Some(rest) }
-    }
-
-    fn http_addr(&self) -> String {
-        let line = self.lines.iter().find(|l| l.starts_with("health")).expect("health line");
-        let url = line.split_whitespace().find(|w| w.ends_with("/health")).expect("health url");
-        url.trim_start_matches("http://").trim_end_matches("/health").to_owned()
-    }
-
-    fn get(&self, path: &str) -> String {
-        let mut s = TcpStream::connect(self.http_addr()).expect("connecting to the HTTP port");
-        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
-        let mut response = String::new();
-        s.read_to_string(&mut response).unwrap();
-        response
-    }
-
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = i32::try_from(self.child.id()).expect("pid");
-        // SIGTERM, as a service manager stops a service.
-        let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
-        assert!(status.success());
-        self.child.wait().expect("waiting for twice serve")
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts it under a hard limit of `fds` open files, as a shell's `ulimit -n` sets.
+fn start_with_descriptor_limit(fds: u32, args: &[&str]) -> ServeProcess {
+    let mut command = Command::new("sh");
+    command.args([
+        "-c",
+        &format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
+        env!("CARGO_BIN_EXE_twice"),
+    ]);
+    ServeProcess::start_command(command, args)
 }
 
 const CONFIG: &str = r#"{
@@ -121,8 +45,8 @@ fn serve_prints_the_connection_string_serves_health_and_stops_cleanly() {
     let data = dir.path().join("data");
     let args = ["--config", config.to_str().unwrap(), "--data-dir", data.to_str().unwrap()];
 
-    let serve = Serve::start(&args);
-    let banner = serve.lines.join("\n");
+    let serve = start(&args);
+    let banner = serve.banner().join("\n");
     assert!(banner.contains("connection string: Endpoint=sb://localhost:"), "{banner}");
     assert!(
         banner.contains(
@@ -135,13 +59,13 @@ fn serve_prints_the_connection_string_serves_health_and_stops_cleanly() {
     let entities = serve.get("/entities");
     assert!(entities.contains("\"orders\""), "{entities}");
     assert!(entities.contains("events/Subscriptions/billing"), "{entities}");
-    let status = serve.terminate();
+    let status = serve.terminate().status;
     assert!(status.success(), "SIGTERM must stop twice serve cleanly: {status}");
 
     // The same directory and config start again.
-    let serve = Serve::start(&args);
+    let serve = start(&args);
     assert!(serve.get("/entities").contains("\"orders\""));
-    assert!(serve.terminate().success());
+    assert!(serve.terminate().status.success());
 }
 
 #[test]
@@ -165,7 +89,7 @@ fn serve_refuses_a_bad_config_with_one_clear_line() {
 fn serve_refuses_a_second_process_on_the_same_data_directory() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_owned();
-    let first = Serve::start(&["--data-dir", &data, "--no-http"]);
+    let first = start(&["--data-dir", &data, "--no-http"]);
     let out = Command::new(env!("CARGO_BIN_EXE_twice"))
         .args(["serve", "--amqp", "127.0.0.1:0", "--no-http", "--data-dir", &data])
         .output()
@@ -189,8 +113,8 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
     assert!(stderr.contains("--max-frame-size"), "the error names the option: {stderr}");
 
     // One connection at most: a second is told why, in AMQP, instead of being reset.
-    let serve = Serve::start(&["--in-memory", "--no-http", "--max-connections", "1"]);
-    let amqp = amqp_addr(&serve);
+    let serve = start(&["--in-memory", "--no-http", "--max-connections", "1"]);
+    let amqp = serve.amqp_addr().to_string();
     let mut hello = frame::SASL_HEADER.to_vec();
     let init = SaslInit { mechanism: "ANONYMOUS".into(), initial_response: None, hostname: None };
     frame::write_frame(&mut hello, frame::TYPE_SASL, 0, &Performative::SaslInit(init), &[]);
@@ -223,61 +147,48 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
         "the second connection is closed for the connection limit: {answer:?}"
     );
     drop(first);
-    assert!(serve.terminate().success());
-}
-
-/// What `twice serve` wrote to stderr once it has ended.
-fn stderr_of(serve: &mut Serve) -> String {
-    let mut err = String::new();
-    let _ = serve.child.stderr.take().map(|mut e| e.read_to_string(&mut err));
-    err
+    assert!(serve.terminate().status.success());
 }
 
 #[test]
 fn serve_prints_no_key_but_the_emulators_default() {
-    let mut serve = Serve::start(&["--in-memory", "--no-http", "--sas-key", "mine=s3cr3t-k3y"]);
-    let banner = serve.lines.join("\n");
+    let serve = start(&["--in-memory", "--no-http", "--sas-key", "mine=s3cr3t-k3y"]);
+    let banner = serve.banner().join("\n");
     assert!(banner.contains("SharedAccessKeyName=mine"), "{banner}");
-    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
-    let _ = serve.child.wait();
-    let err = stderr_of(&mut serve);
+    let err = serve.terminate().stderr;
     assert!(!banner.contains("s3cr3t-k3y") && !err.contains("s3cr3t-k3y"), "{banner}\n{err}");
     // The emulator's well-known key is no secret: its connection string works as printed.
-    let default = Serve::start(&["--in-memory", "--no-http"]);
-    assert!(default.lines.join("\n").contains("SharedAccessKey=SAS_KEY_VALUE"));
+    let default = start(&["--in-memory", "--no-http"]);
+    assert!(default.banner().join("\n").contains("SharedAccessKey=SAS_KEY_VALUE"));
 }
 
 #[test]
 fn serve_warns_when_the_default_key_is_reachable_beyond_loopback() {
-    let mut serve = Serve::start(&["--in-memory", "--no-http", "--amqp", "0.0.0.0:0"]);
-    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
-    let _ = serve.child.wait();
-    let err = stderr_of(&mut serve);
+    let serve = start(&["--in-memory", "--no-http", "--amqp", "0.0.0.0:0"]);
+    let err = serve.terminate().stderr;
     assert!(err.contains("warning") && err.contains("well-known key"), "{err}");
     // On loopback there is nothing to warn about.
-    let mut local = Serve::start(&["--in-memory", "--no-http"]);
-    let _ = Command::new("kill").args(["-TERM", &local.child.id().to_string()]).status();
-    let _ = local.child.wait();
-    assert!(!stderr_of(&mut local).contains("well-known key"));
+    let local = start(&["--in-memory", "--no-http"]);
+    assert!(!local.terminate().stderr.contains("well-known key"));
 }
 
 #[test]
 fn serve_in_memory_does_not_claim_anything_is_on_disk() {
-    let mut serve = Serve::start(&["--in-memory", "--no-http"]);
-    let banner = serve.lines.join("\n");
-    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
-    assert!(serve.child.wait().unwrap().success());
-    let rest = serve.rest.take().map(|t| t.join().unwrap()).unwrap_or_default();
+    let serve = start(&["--in-memory", "--no-http"]);
+    let banner = serve.banner().join("\n");
+    let stopped = serve.terminate();
+    assert!(stopped.status.success());
+    let rest = stopped.stdout;
     assert!(rest.contains("stopped"), "{rest}");
-    let all = format!("{banner}\n{rest}\n{}", stderr_of(&mut serve));
+    let all = format!("{banner}\n{rest}\n{}", stopped.stderr);
     assert!(!all.contains("on disk"), "{all}");
 }
 
 #[test]
 fn serve_keeps_its_connections_within_the_descriptor_limit() {
-    let serve = Serve::start_with_descriptor_limit(200, &["--in-memory", "--no-http"]);
+    let serve = start_with_descriptor_limit(200, &["--in-memory", "--no-http"]);
     let line =
-        serve.lines.iter().find(|l| l.starts_with("connections: at most")).expect("limits line");
+        serve.banner().iter().find(|l| l.starts_with("connections: at most")).expect("limits line");
     let numbers: Vec<u64> =
         line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
     let (connections, pending) = (numbers[0], numbers[1]);
@@ -296,7 +207,7 @@ fn serve_speaks_amqps_with_a_certificate() {
     std::fs::write(&cert_path, &certs.cert_pem).unwrap();
     std::fs::write(&key_path, &certs.key_pem).unwrap();
     std::fs::write(&config, CONFIG).unwrap();
-    let serve = Serve::start(&[
+    let serve = start(&[
         "--in-memory",
         "--no-http",
         "--config",
@@ -306,14 +217,9 @@ fn serve_speaks_amqps_with_a_certificate() {
         "--tls-key",
         key_path.to_str().unwrap(),
     ]);
-    let cs = serve
-        .lines
-        .iter()
-        .find_map(|l| l.strip_prefix("connection string: "))
-        .expect("connection string")
-        .to_owned();
+    let cs = serve.connection_string().expect("connection string").to_owned();
     assert!(!cs.contains("UseDevelopmentEmulator"), "{cs}");
-    assert!(serve.lines.iter().any(|l| l.contains("amqps")), "{:?}", serve.lines);
+    assert!(serve.banner().iter().any(|l| l.contains("amqps")), "{:?}", serve.banner());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let tls =
@@ -334,7 +240,7 @@ fn serve_speaks_amqps_with_a_certificate() {
         receiver.complete_message(&d).await.unwrap();
     });
     // With a key of the user's own (not printed), the connection string asks for TLS too.
-    let own = Serve::start(&[
+    let own = start(&[
         "--in-memory",
         "--no-http",
         "--sas-key",
@@ -344,11 +250,7 @@ fn serve_speaks_amqps_with_a_certificate() {
         "--tls-key",
         key_path.to_str().unwrap(),
     ]);
-    let cs = own
-        .lines
-        .iter()
-        .find_map(|l| l.strip_prefix("connection string: "))
-        .expect("connection string");
+    let cs = own.connection_string().expect("connection string");
     assert!(cs.contains("SharedAccessKeyName=mine"), "{cs}");
     assert!(!cs.contains("UseDevelopmentEmulator"), "{cs}");
 }
@@ -369,16 +271,6 @@ fn serve_refuses_a_tls_key_that_does_not_parse() {
     assert!(err.contains("TLS certificate"), "{err}");
 }
 
-/// The AMQP address in the banner.
-fn amqp_addr(serve: &Serve) -> String {
-    serve.lines[0]
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .expect("the AMQP address in the banner")
-        .trim_end_matches(',')
-        .to_owned()
-}
-
 /// Whether the server at `addr` answers the SASL protocol header with its own (a connection
 /// it accepted and serves).
 fn answers_protocol_header(addr: &str) -> bool {
@@ -396,8 +288,8 @@ fn answers_protocol_header(addr: &str) -> bool {
 /// again as soon as descriptors are free.
 #[test]
 fn serve_backs_off_quietly_when_descriptors_run_out_and_serves_again() {
-    let mut serve = Serve::start_with_descriptor_limit(64, &["--in-memory"]);
-    let amqp = amqp_addr(&serve);
+    let mut serve = start_with_descriptor_limit(64, &["--in-memory"]);
+    let amqp = serve.amqp_addr().to_string();
     let http = serve.http_addr();
     assert!(answers_protocol_header(&amqp), "served before the descriptors run out");
     // Idle HTTP clients: each holds one of the server's descriptors until its request times
@@ -423,10 +315,8 @@ fn serve_backs_off_quietly_when_descriptors_run_out_and_serves_again() {
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    assert!(serve.child.id() > 0 && serve.child.try_wait().unwrap().is_none(), "still running");
-    let _ = Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status();
-    let _ = serve.child.wait();
-    let err = stderr_of(&mut serve);
+    assert!(serve.is_running(), "still running");
+    let err = serve.terminate().stderr;
     let failed = err.matches("accept failed").count();
     assert_eq!(failed, 1, "one warning for the whole episode, not one per attempt:\n{err}");
     assert_eq!(err.matches("accepting connections again").count(), 1, "{err}");

@@ -311,7 +311,7 @@ pub(super) async fn settler<B: Backend>(
                 Job::Settle { delivery_id, lock, how: Some(how), echo, reply } => {
                     let counter = match &how {
                         Settlement::Abandon(_) => Counter::Abandon,
-                        Settlement::DeadLetter { .. } => Counter::DeadLetter,
+                        Settlement::DeadLetter(..) => Counter::DeadLetter,
                         // Not counted: completions run above; defer and release have no counter.
                         _ => Counter::Receive,
                     };

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
-use twice::LockToken;
+use twice::{DeadLetterReason, LockToken};
 
 use crate::address::Node;
 use crate::backend::{Backend, Settlement};
@@ -436,5 +436,6 @@ fn dead_letter_of(err: Option<&AmqpError>) -> Settlement {
         text("DeadLetterErrorDescription").or_else(|| err.and_then(|e| e.description.clone()));
     let properties =
         mapping::properties_of(info, &["DeadLetterReason", "DeadLetterErrorDescription"]);
-    Settlement::DeadLetter { reason, description, properties }
+    let why = DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
+    Settlement::DeadLetter(why, properties)
 }

@@ -1,5 +1,5 @@
-//! Test harness: a server on a free port with a manual clock, the SDK environments built once
-//! under `target/`, and child processes that run the SDK suites.
+//! Test harness: a server on a free port with a manual clock, the SDK environments (made once
+//! per machine by `twice_testkit::sdk`), and child processes that run the SDK suites.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -12,6 +12,7 @@ use twice::{Clock, ManualClock, SharedClock, SystemClock};
 use twice_broker::config::Config;
 use twice_broker::{Broker, BrokerOptions};
 use twice_servicebus::{Server, ServerOptions};
+use twice_testkit::sdk::{SdkError, Sdks};
 
 /// The entities every SDK suite may use, in the official emulator's `Config.json` form.
 pub fn standard_config() -> Config {
@@ -77,10 +78,9 @@ impl TestServer {
             Some(d) => BrokerOptions::durable(d),
             None => BrokerOptions::in_memory(),
         };
-        let broker =
-            Broker::open(broker_options.with_clock(shared.clone()).with_config(standard_config()))
-                .await
-                .expect("open broker");
+        let broker = Broker::open(broker_options.clock(shared.clone()).config(standard_config()))
+            .await
+            .expect("open broker");
         let options = options
             .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
             .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));
@@ -169,62 +169,8 @@ async fn control_port(clock: ManualClock) -> (SocketAddr, oneshot::Sender<()>) {
     (addr, tx)
 }
 
-/// The workspace `target/` directory.
-pub fn target_dir() -> PathBuf {
-    if let Ok(t) = std::env::var("CARGO_TARGET_DIR") {
-        return PathBuf::from(t);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target")
-}
-
 pub fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Runs `f` holding an exclusive lock, so parallel tests build an environment once. Threads of
-/// this process take turns on a mutex; processes take turns on a lock file created with its
-/// owner's pid (a hard link, so it appears with its content), and a lock file whose owner is
-/// gone is taken over.
-fn with_lock<T>(name: &str, f: impl FnOnce() -> T) -> T {
-    static IN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _turn = IN_PROCESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = target_dir().join("sdk");
-    std::fs::create_dir_all(&dir).expect("create target/sdk");
-    let path = dir.join(format!("{name}.lock"));
-    let mine = dir.join(format!("{name}.lock.{}", std::process::id()));
-    std::fs::write(&mine, std::process::id().to_string()).expect("write lock candidate");
-    loop {
-        if std::fs::hard_link(&mine, &path).is_ok() {
-            break;
-        }
-        let owner = std::fs::read_to_string(&path).unwrap_or_default();
-        // Our own pid here is a leftover: no other thread of ours is past the mutex.
-        let alive = !owner.trim().is_empty()
-            && owner.trim() != std::process::id().to_string()
-            && Path::new(&format!("/proc/{}", owner.trim())).exists();
-        if !alive {
-            let _ = std::fs::remove_file(&path);
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let out = f();
-    let _ = std::fs::remove_file(&path);
-    let _ = std::fs::remove_file(&mine);
-    out
-}
-
-fn run(cmd: &mut std::process::Command) -> Result<(), String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{cmd:?} failed: {}\n{}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
 }
 
 /// Whether a missing tool may skip a test (only outside CI).
@@ -236,49 +182,21 @@ pub fn may_skip(reason: &str) -> bool {
     true
 }
 
-/// The Python interpreter of a venv with the pinned SDK, created on first use.
-pub fn python_env() -> Result<PathBuf, String> {
-    with_lock("python", || {
-        let venv = target_dir().join("sdk/python-venv");
-        let req = crate_dir().join("tests/python/requirements.txt");
-        let wanted = std::fs::read_to_string(&req).map_err(|e| e.to_string())?;
-        let ready = venv.join(".ready");
-        let python = venv.join("bin/python");
-        if std::fs::read_to_string(&ready).ok().as_deref() == Some(wanted.as_str())
-            && python.exists()
-        {
-            return Ok(python);
-        }
-        let _ = std::fs::remove_dir_all(&venv);
-        run(std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        run(std::process::Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
-            .arg(&req))?;
-        std::fs::write(&ready, wanted).map_err(|e| e.to_string())?;
-        Ok(python)
-    })
+/// The Python interpreter of a venv with the pinned SDK, made once per machine.
+pub fn python_env() -> Result<PathBuf, SdkError> {
+    Sdks::machine().python(&crate_dir().join("tests/python/requirements.txt"))
 }
 
-/// A directory with `node_modules` for the pinned JS SDK, created on first use.
-pub fn node_env() -> Result<PathBuf, String> {
-    with_lock("node", || {
-        let dir = target_dir().join("sdk/js");
-        let pkg = crate_dir().join("tests/js/package.json");
-        let wanted = std::fs::read_to_string(&pkg).map_err(|e| e.to_string())?;
-        let ready = dir.join(".ready");
-        if std::fs::read_to_string(&ready).ok().as_deref() == Some(wanted.as_str())
-            && dir.join("node_modules").exists()
-        {
-            return Ok(dir);
-        }
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        std::fs::write(dir.join("package.json"), &wanted).map_err(|e| e.to_string())?;
-        run(std::process::Command::new("npm")
-            .args(["install", "--no-audit", "--no-fund", "--loglevel=error"])
-            .current_dir(&dir))?;
-        std::fs::write(&ready, wanted).map_err(|e| e.to_string())?;
-        Ok(dir)
-    })
+/// A fresh directory, removed on drop, where Node finds the pinned JS SDK (made once per
+/// machine) and the test scripts `files` of `tests/js/` are copied.
+pub fn node_env(files: &[&str]) -> Result<tempfile::TempDir, SdkError> {
+    let env = Sdks::machine().node(&crate_dir().join("tests/js/package.json"))?;
+    let work = Sdks::node_workdir(&env)?;
+    for file in files {
+        std::fs::copy(crate_dir().join("tests/js").join(file), work.path().join(file))
+            .map_err(|e| SdkError::Io { what: format!("copying {file}"), source: e })?;
+    }
+    Ok(work)
 }
 
 /// The result of a child process.

@@ -406,7 +406,7 @@ async fn an_attach_beyond_handle_max_closes_the_connection() {
 #[tokio::test]
 async fn a_sender_gets_credit_back_only_as_its_sends_are_stored() {
     let broker = twice_broker::Broker::open(
-        twice_broker::BrokerOptions::in_memory().with_config(crate::harness::standard_config()),
+        twice_broker::BrokerOptions::in_memory().config(crate::harness::standard_config()),
     )
     .await
     .unwrap();
@@ -600,7 +600,7 @@ async fn flood_a_closed_gate(
     wait: Duration,
 ) -> (bool, twice_broker::Broker, tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<Raw>) {
     let broker = twice_broker::Broker::open(
-        twice_broker::BrokerOptions::in_memory().with_config(crate::harness::standard_config()),
+        twice_broker::BrokerOptions::in_memory().config(crate::harness::standard_config()),
     )
     .await
     .unwrap();

@@ -1,0 +1,213 @@
+//! `twice serve` as a child process: started on free ports, read until its banner says it is
+//! ready, its output kept for the test, and killed on drop.
+//!
+//! ```no_run
+//! use twice_testkit::serve::ServeProcess;
+//!
+//! # fn binary() -> &'static str { "target/debug/twice" }
+//! // In a test of the `twice-cli` package: `ServeProcess::start(env!("CARGO_BIN_EXE_twice"), …)`.
+//! let serve = ServeProcess::start(binary(), &["--in-memory"]);
+//! let connection_string = serve.connection_string().expect("printed for the default key");
+//! assert!(serve.get("/health").starts_with("HTTP/1.1 200"));
+//! let stopped = serve.terminate();
+//! assert!(stopped.status.success(), "{}", stopped.stderr);
+//! # let _ = connection_string;
+//! ```
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+
+/// A running `twice serve`, killed (SIGKILL) on drop if still running.
+#[derive(Debug)]
+pub struct ServeProcess {
+    child: Child,
+    banner: Vec<String>,
+    /// What it prints to stdout after the banner, collected until it ends.
+    stdout: Option<JoinHandle<String>>,
+    /// What it prints to stderr, collected until it ends.
+    stderr: Option<JoinHandle<String>>,
+}
+
+/// What a stopped `twice serve` left: its exit status and its output after the banner.
+#[derive(Debug)]
+pub struct Stopped {
+    /// How it ended.
+    pub status: ExitStatus,
+    /// Standard output after the banner.
+    pub stdout: String,
+    /// Standard error, all of it.
+    pub stderr: String,
+}
+
+impl ServeProcess {
+    /// Starts `binary serve ARGS`, with the AMQP port and the HTTP port on free loopback ports
+    /// unless `args` names them (`--amqp`, `--http`, `--no-http`), and waits for the banner's
+    /// `ready in` line.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot be started or ends before it is ready (the panic shows what it wrote).
+    pub fn start(binary: impl AsRef<Path>, args: &[&str]) -> Self {
+        Self::start_command(Command::new(binary.as_ref()), args)
+    }
+
+    /// [`ServeProcess::start`] with a command that runs the binary, such as a shell that
+    /// lowers a limit first and then `exec`s it; `serve` and `args` are appended to it.
+    ///
+    /// # Panics
+    ///
+    /// As [`ServeProcess::start`].
+    pub fn start_command(mut command: Command, args: &[&str]) -> Self {
+        command.arg("serve");
+        if !args.contains(&"--amqp") {
+            command.args(["--amqp", "127.0.0.1:0"]);
+        }
+        if !args.contains(&"--http") && !args.contains(&"--no-http") {
+            command.args(["--http", "127.0.0.1:0"]);
+        }
+        let mut child = command
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
+        // Both pipes are drained as long as it runs, so it never blocks on a full one.
+        let mut err = child.stderr.take().expect("a piped stderr");
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = err.read_to_string(&mut text);
+            text
+        });
+        let mut out = BufReader::new(child.stdout.take().expect("a piped stdout"));
+        let mut banner = Vec::new();
+        loop {
+            let mut line = String::new();
+            if out.read_line(&mut line).unwrap_or(0) == 0 {
+                let _ = child.wait();
+                let err = stderr.join().unwrap_or_default();
+                panic!("twice serve ended before it was ready: {banner:?}\n{err}");
+            }
+            let ready = line.starts_with("ready in");
+            banner.push(line.trim_end().to_owned());
+            if ready {
+                break;
+            }
+        }
+        let stdout = std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = out.read_to_string(&mut rest);
+            rest
+        });
+        Self { child, banner, stdout: Some(stdout), stderr: Some(stderr) }
+    }
+
+    /// The lines it printed up to and including `ready in …`.
+    pub fn banner(&self) -> &[String] {
+        &self.banner
+    }
+
+    /// The connection string of the banner, as printed (with a key of the user's own, it names
+    /// the key instead of showing it).
+    pub fn connection_string(&self) -> Option<&str> {
+        self.banner.iter().find_map(|l| l.strip_prefix("connection string: "))
+    }
+
+    /// The AMQP address of the banner's first line.
+    ///
+    /// # Panics
+    ///
+    /// When the first line names no address.
+    pub fn amqp_addr(&self) -> SocketAddr {
+        self.banner
+            .first()
+            .into_iter()
+            .flat_map(|l| l.split_whitespace())
+            .find_map(|w| w.trim_end_matches(',').parse().ok())
+            .unwrap_or_else(|| panic!("no AMQP address in the banner: {:?}", self.banner))
+    }
+
+    /// The HTTP address (`host:port`) of the banner's `health` line.
+    ///
+    /// # Panics
+    ///
+    /// When it serves no HTTP port (`--no-http`).
+    pub fn http_addr(&self) -> String {
+        let line = self
+            .banner
+            .iter()
+            .find(|l| l.starts_with("health"))
+            .unwrap_or_else(|| panic!("no health line in the banner: {:?}", self.banner));
+        let url = line.split_whitespace().find(|w| w.ends_with("/health")).expect("health url");
+        url.trim_start_matches("http://").trim_end_matches("/health").to_owned()
+    }
+
+    /// The base URL of the HTTP port, `http://host:port`.
+    ///
+    /// # Panics
+    ///
+    /// As [`ServeProcess::http_addr`].
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.http_addr())
+    }
+
+    /// The whole response to `GET path` on the HTTP port.
+    ///
+    /// # Panics
+    ///
+    /// When the port cannot be reached.
+    pub fn get(&self, path: &str) -> String {
+        let mut s = TcpStream::connect(self.http_addr()).expect("connecting to the HTTP port");
+        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .expect("writing the request");
+        let mut response = String::new();
+        s.read_to_string(&mut response).expect("reading the response");
+        response
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether it is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Sends SIGTERM, as a service manager stops a service, and waits for it to end.
+    ///
+    /// # Panics
+    ///
+    /// When the signal cannot be sent or the process cannot be waited for.
+    pub fn terminate(self) -> Stopped {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        assert!(status.is_ok_and(|s| s.success()), "sending SIGTERM to twice serve");
+        self.wait()
+    }
+
+    /// Waits for it to end by itself.
+    ///
+    /// # Panics
+    ///
+    /// When the process cannot be waited for.
+    pub fn wait(mut self) -> Stopped {
+        let status = self.child.wait().expect("waiting for twice serve");
+        let join =
+            |h: Option<JoinHandle<String>>| h.and_then(|h| h.join().ok()).unwrap_or_default();
+        Stopped { status, stdout: join(self.stdout.take()), stderr: join(self.stderr.take()) }
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        // A test that failed half-way leaves no process behind.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
