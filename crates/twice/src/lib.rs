@@ -118,6 +118,7 @@ pub mod clock;
 pub mod counters;
 pub mod error;
 pub mod handler;
+pub mod health;
 pub mod idempotency;
 pub mod ids;
 pub mod inbox;
@@ -138,6 +139,7 @@ pub use handler::{
     BoxFuture, Context, DESERIALIZATION_FAILED, Handler, HandlerFn, Json, JsonFn, JsonHandler,
     handler_fn, json_fn,
 };
+pub use health::{Health, HealthHandle};
 pub use idempotency::IdempotencyKey;
 pub use ids::{LockToken, MessageId, SequenceNumber, SessionId};
 pub use inbox::{Claim, Inbox};

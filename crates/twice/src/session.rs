@@ -167,11 +167,15 @@ where
                     Err(_) => break Ok(()),
                 },
             };
+            core.activity.receive_started(options.clock.now());
             let accepted = tokio::select! {
                 biased;
                 () = &mut shutdown => break Ok(()),
                 r = transport.accept_next_session(options.max_wait) => r,
             };
+            if accepted.is_ok() {
+                core.activity.received(options.clock.now());
+            }
             match accepted {
                 Ok(Some(session)) => {
                     tasks.spawn(run_session(

@@ -15,6 +15,7 @@ use crate::clock::{SharedClock, Stopwatch, Timestamp};
 use crate::counters::{Counter, Counters, InFlight};
 use crate::error::{ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, ProcessError};
 use crate::handler::{Context, Handler};
+use crate::health::Activity;
 use crate::ids::MessageId;
 use crate::inbox::{Claim, Inbox};
 use crate::message::ReceivedMessage;
@@ -31,6 +32,7 @@ pub(crate) struct Core<I, H> {
     pub(crate) retry: RetryPolicy,
     pub(crate) clock: SharedClock,
     pub(crate) counters: Arc<Counters>,
+    pub(crate) activity: Arc<Activity>,
     pub(crate) hooks: Hooks,
 }
 

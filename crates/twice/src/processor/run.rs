@@ -79,6 +79,7 @@ where
             };
             if buffer.is_empty() {
                 let want = (semaphore.available_permits() + 1).max(options.get_prefetch_count());
+                core.activity.receive_started(clock.now());
                 let received = tokio::select! {
                     biased;
                     () = &mut shutdown => break Ok(()),
@@ -87,6 +88,7 @@ where
                 match received {
                     Ok(deliveries) => {
                         let now = clock.now();
+                        core.activity.received(now);
                         buffer.extend(deliveries.into_iter().map(|d| (d, now)));
                     }
                     Err(TransportError::Closed) => {

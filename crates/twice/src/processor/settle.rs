@@ -99,7 +99,12 @@ impl<I, H> Core<I, H> {
             other => other.map(|()| counter),
         };
         match settled {
-            Ok(counter) => self.counters.inc(counter),
+            Ok(counter) => {
+                if counter == Counter::Completed {
+                    self.activity.completed(self.clock.now());
+                }
+                self.counters.inc(counter);
+            }
             Err(e) => {
                 self.counters.inc(Counter::SettleFailures);
                 if completing && e.is_lock_lost() {

@@ -4,6 +4,7 @@
 
 #![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
 
+mod health;
 mod memory;
 #[cfg(feature = "metrics")]
 mod metrics;
