@@ -127,6 +127,7 @@ pub mod outcome;
 pub mod processor;
 pub mod retry;
 pub mod session;
+pub mod trace_context;
 pub mod transport;
 
 pub use clock::{Clock, ManualClock, SharedClock, Stopwatch, SystemClock, Timestamp};

@@ -121,6 +121,8 @@ impl<T: Transport, I: Inbox, H> Base<T, I, H> {
             inbox: Arc::clone(&self.inbox),
             handler: Arc::clone(&self.handler),
             consumer: self.consumer(settings).to_owned(),
+            system: self.transport.system(),
+            destination: self.transport.entity().path.clone(),
             mode: settings.mode,
             retry: settings.retry.clone(),
             clock: settings.clock.clone(),

@@ -10,3 +10,4 @@ mod memory;
 mod metrics;
 mod pipeline;
 mod settlement;
+mod spans;
