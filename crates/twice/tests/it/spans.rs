@@ -104,7 +104,7 @@ fn outcomes(spans: &[Fields], id: &str) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn a_processed_message_has_a_span_with_the_messaging_fields_and_its_sender_as_parent() {
+async fn a_processed_message_has_a_span_with_the_messaging_fields_and_its_senders_trace_context() {
     let mut sent = Message::new("{}").with_message_id("order-1");
     inject(&mut sent, &PARENT.parse::<TraceParent>().expect("valid"));
     let spans = process(vec![sent]).await;
@@ -140,4 +140,49 @@ async fn a_duplicate_is_recorded_as_one_and_a_bad_trace_context_is_ignored() {
     assert_eq!(outcomes(&spans, "order-3"), ["completed"]);
     let order_3 = spans.iter().find(|f| f["messaging.message.id"] == "order-3").expect("span");
     assert_eq!(order_3.get("trace_parent"), None, "a bad traceparent is ignored: {order_3:?}");
+}
+
+/// With the `opentelemetry` feature the sender's span is the OpenTelemetry parent of the
+/// message's span, and so of the handler's work.
+#[cfg(feature = "opentelemetry")]
+#[tokio::test]
+async fn the_sender_is_the_opentelemetry_parent_of_the_message_span() {
+    use opentelemetry::trace::{TraceContextExt as _, noop::NoopTracer};
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let layer = tracing_opentelemetry::layer().with_tracer(NoopTracer::new());
+    let _default = subscriber::set_default(tracing_subscriber::registry().with(layer));
+    let transport = Arc::new(MemoryTransport::new());
+    let mut sent = Message::new("{}").with_message_id("order-5");
+    inject(&mut sent, &PARENT.parse::<TraceParent>().expect("valid"));
+    transport.send(sent);
+    let seen = Arc::new(Mutex::new(None));
+    let seen_in_handler = Arc::clone(&seen);
+    let handler = handler_fn(move |_: Context<'_>, _: &mut MemoryTx| {
+        // The handler runs inside the message's span; a no-op tracer's context is its parent's.
+        let cx = tracing::Span::current().context();
+        let span = cx.span();
+        let ids = (span.span_context().trace_id().to_string(), span.span_context().span_id());
+        *seen_in_handler.lock().expect("seen") = Some(ids);
+        Box::pin(async { Ok(Outcome::Complete) }) as BoxFuture<'_, _>
+    });
+    let processor = Processor::from_arcs(
+        Arc::clone(&transport),
+        Arc::new(MemoryInbox::default()),
+        Arc::new(handler),
+        ProcessorOptions::new().max_wait(Duration::from_millis(10)),
+    );
+    let t = Arc::clone(&transport);
+    let settled = async move {
+        while t.settled().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), processor.run(settled))
+        .await
+        .expect("settled in time")
+        .expect("run");
+    let (trace_id, span_id) = seen.lock().expect("seen").clone().expect("the handler ran");
+    assert_eq!(trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(span_id.to_string(), "00f067aa0ba902b7");
 }
