@@ -193,6 +193,29 @@ pub(crate) fn set_otel_parent(span: &tracing::Span, parent: &TraceParent) {
     let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote));
 }
 
+/// The trace context of `span` as OpenTelemetry sees it, for a sender to [`inject`]: `None`
+/// when the subscriber has no OpenTelemetry layer, or the span is not recorded.
+#[cfg(feature = "opentelemetry")]
+pub fn of_span(span: &tracing::Span) -> Option<TraceParent> {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    let cx = span.context();
+    let otel = cx.span();
+    let context = otel.span_context();
+    if !context.is_valid() {
+        return None;
+    }
+    let mut parent = TraceParent::new(
+        context.trace_id().to_bytes(),
+        context.span_id().to_bytes(),
+        context.is_sampled(),
+    )
+    .ok()?;
+    parent.flags = context.trace_flags().to_u8();
+    Some(parent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
