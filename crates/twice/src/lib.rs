@@ -113,6 +113,22 @@
 //! A processor then runs it: `Processor::new(transport, inbox, handler,
 //! ProcessorOptions::new().max_concurrent_calls(16)).run(shutdown).await`; the `twice-sqlx`
 //! crate docs run the same handler end to end against a broker and a database.
+//!
+//! # Observability
+//!
+//! - Each message is processed in a `twice.process` span whose fields follow the
+//!   OpenTelemetry semantic conventions for messaging (`messaging.system` from
+//!   [`Transport::system`], `messaging.destination.name`, `messaging.message.id`,
+//!   `messaging.operation.type = "process"`, `messaging.consumer.group.name`, the delivery
+//!   count, `otel.kind = "consumer"`), with `twice.outcome` recorded when it is settled and
+//!   `trace_parent` when the message carries the sender's W3C trace context
+//!   ([`trace_context`]). With the `opentelemetry` feature, that context is the span's
+//!   OpenTelemetry parent, so a trace runs from the sender to the handler;
+//!   `examples/otlp.rs` (feature `otlp-example`) exports such a trace over OTLP/HTTP.
+//! - [`Processor::health_handle`] checks whether the processor is receiving, when it last
+//!   completed a message, and whether its inbox answers ([`health`]).
+//! - [`Processor::counters`], and with the `metrics` feature the `metrics` facade, count
+//!   what happened to the messages.
 
 pub mod clock;
 pub mod counters;
