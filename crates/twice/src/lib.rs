@@ -113,11 +113,28 @@
 //! A processor then runs it: `Processor::new(transport, inbox, handler,
 //! ProcessorOptions::new().max_concurrent_calls(16)).run(shutdown).await`; the `twice-sqlx`
 //! crate docs run the same handler end to end against a broker and a database.
+//!
+//! # Observability
+//!
+//! - Each message is processed in a `twice.process` span whose fields follow the
+//!   OpenTelemetry semantic conventions for messaging (`messaging.system` from
+//!   [`Transport::system`], `messaging.destination.name`, `messaging.message.id`,
+//!   `messaging.operation.type = "process"`, `messaging.consumer.group.name`, the delivery
+//!   count, `otel.kind = "consumer"`), with `twice.outcome` recorded when it is settled and
+//!   `trace_parent` when the message carries the sender's W3C trace context
+//!   ([`trace_context`]). With the `opentelemetry` feature, that context is the span's
+//!   OpenTelemetry parent, so a trace runs from the sender to the handler;
+//!   `examples/otlp.rs` (feature `otlp-example`) exports such a trace over OTLP/HTTP.
+//! - [`Processor::health_handle`] checks whether the processor is receiving, when it last
+//!   completed a message, and whether its inbox answers ([`health`]).
+//! - [`Processor::counters`], and with the `metrics` feature the `metrics` facade, count
+//!   what happened to the messages.
 
 pub mod clock;
 pub mod counters;
 pub mod error;
 pub mod handler;
+pub mod health;
 pub mod idempotency;
 pub mod ids;
 pub mod inbox;
@@ -126,6 +143,7 @@ pub mod outcome;
 pub mod processor;
 pub mod retry;
 pub mod session;
+pub mod trace_context;
 pub mod transport;
 
 pub use clock::{Clock, ManualClock, SharedClock, Stopwatch, SystemClock, Timestamp};
@@ -138,6 +156,7 @@ pub use handler::{
     BoxFuture, Context, DESERIALIZATION_FAILED, Handler, HandlerFn, Json, JsonFn, JsonHandler,
     handler_fn, json_fn,
 };
+pub use health::{Health, HealthHandle};
 pub use idempotency::IdempotencyKey;
 pub use ids::{LockToken, MessageId, SequenceNumber, SessionId};
 pub use inbox::{Claim, Inbox};

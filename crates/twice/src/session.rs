@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
+use tracing::Instrument as _;
 
 use crate::clock::{SharedClock, Timestamp};
 use crate::error::{ErrorSource, ProcessError, ProcessorError};
@@ -32,7 +33,7 @@ use crate::processor::{
     report_join, shared_options,
 };
 use crate::retry::RetryPolicy;
-use crate::transport::{SessionReceiver, SessionTransport, TransportError};
+use crate::transport::{Delivery as _, SessionReceiver, SessionTransport, TransportError};
 
 /// Options of a [`SessionProcessor`], with Service Bus names and defaults.
 #[derive(Clone, Debug)]
@@ -167,11 +168,15 @@ where
                     Err(_) => break Ok(()),
                 },
             };
+            core.activity.receive_started(options.clock.now());
             let accepted = tokio::select! {
                 biased;
                 () = &mut shutdown => break Ok(()),
                 r = transport.accept_next_session(options.max_wait) => r,
             };
+            if accepted.is_ok() {
+                core.activity.received(options.clock.now());
+            }
             match accepted {
                 Ok(Some(session)) => {
                     tasks.spawn(run_session(
@@ -257,6 +262,7 @@ async fn run_session<T, I, H>(
                 Ok(deliveries) => {
                     for delivery in deliveries {
                         let received_at: Timestamp = clock.now();
+                        let span = core.span(delivery.message());
                         core.process(
                             &settler,
                             &delivery,
@@ -264,6 +270,7 @@ async fn run_session<T, I, H>(
                             &lock,
                             flag_set(lost_rx.clone()),
                         )
+                        .instrument(span)
                         .await;
                     }
                 }

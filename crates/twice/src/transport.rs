@@ -144,6 +144,13 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
     /// The entity this transport receives from.
     fn entity(&self) -> &EntityInfo;
 
+    /// The messaging system, as the OpenTelemetry semantic conventions name it in
+    /// `messaging.system` (`servicebus`, `rabbitmq`, `nats`, ...): recorded on the span of
+    /// every message. The default is `unknown`.
+    fn system(&self) -> &'static str {
+        "unknown"
+    }
+
     /// Receives up to `max_messages` messages, each locked for this receiver. Waits up to
     /// `max_wait` for the first one; returns an empty vector if none came.
     ///

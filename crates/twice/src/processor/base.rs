@@ -13,6 +13,7 @@ use crate::clock::SharedClock;
 use crate::counters::Counters;
 use crate::error::{ErrorSource, ProcessError, ProcessorError};
 use crate::handler::Handler;
+use crate::health::{Activity, HealthHandle};
 use crate::inbox::Inbox;
 use crate::message::ReceivedMessage;
 use crate::retry::RetryPolicy;
@@ -38,6 +39,7 @@ pub(crate) struct Settings<'a> {
     pub(crate) concurrency: (usize, &'static str),
     pub(crate) mode: Mode,
     pub(crate) max_auto_lock_renewal_duration: Duration,
+    pub(crate) max_wait: Duration,
     pub(crate) retry: &'a RetryPolicy,
     pub(crate) clock: &'a SharedClock,
 }
@@ -48,12 +50,30 @@ pub(crate) struct Base<T, I, H> {
     pub(crate) inbox: Arc<I>,
     pub(crate) handler: Arc<H>,
     pub(crate) counters: Arc<Counters>,
+    pub(crate) activity: Arc<Activity>,
     pub(crate) hooks: Hooks,
 }
 
 impl<T: Transport, I: Inbox, H> Base<T, I, H> {
     pub(crate) fn new(transport: Arc<T>, inbox: Arc<I>, handler: Arc<H>) -> Self {
-        Self { transport, inbox, handler, counters: Arc::default(), hooks: Hooks::default() }
+        Self {
+            transport,
+            inbox,
+            handler,
+            counters: Arc::default(),
+            activity: Arc::default(),
+            hooks: Hooks::default(),
+        }
+    }
+
+    /// A handle on the health of the processor built from these parts.
+    pub(crate) fn health_handle(&self, settings: &Settings<'_>) -> HealthHandle {
+        HealthHandle::new(
+            Arc::clone(&self.activity),
+            Arc::clone(&self.inbox),
+            settings.clock.clone(),
+            settings.max_wait,
+        )
     }
 
     /// Writes `name { transport, inbox, options, .. }`.
@@ -101,10 +121,13 @@ impl<T: Transport, I: Inbox, H> Base<T, I, H> {
             inbox: Arc::clone(&self.inbox),
             handler: Arc::clone(&self.handler),
             consumer: self.consumer(settings).to_owned(),
+            system: self.transport.system(),
+            destination: self.transport.entity().path.clone(),
             mode: settings.mode,
             retry: settings.retry.clone(),
             clock: settings.clock.clone(),
             counters: Arc::clone(&self.counters),
+            activity: Arc::clone(&self.activity),
             hooks: self.hooks.clone(),
         })
     }
@@ -211,6 +234,13 @@ macro_rules! processor_type {
                 std::sync::Arc::clone(&self.base.counters)
             }
 
+            /// A handle that checks the processor's health (is it receiving, when did it last
+            /// complete a message, does its inbox answer), before, while and after it runs:
+            /// take it before [`Self::run`], which consumes the processor.
+            pub fn health_handle(&self) -> $crate::HealthHandle {
+                self.base.health_handle(&self.options.settings())
+            }
+
             /// The consumer name the inbox keys are scoped to.
             pub fn consumer(&self) -> &str {
                 self.base.consumer(&self.options.settings())
@@ -238,6 +268,7 @@ macro_rules! processor_type {
                 shutdown: impl std::future::Future<Output = ()> + Send,
             ) -> Result<(), $crate::ProcessorError> {
                 self.check()?;
+                let _running = self.base.activity.start();
                 let core = self.base.core(&self.options.settings());
                 Self::serve(self.base.transport, self.options, core, shutdown).await
             }
@@ -348,6 +379,7 @@ macro_rules! shared_options {
                 concurrency: (self.$concurrency, $option),
                 mode: self.mode,
                 max_auto_lock_renewal_duration: self.max_auto_lock_renewal_duration,
+                max_wait: self.max_wait,
                 retry: &self.retry,
                 clock: &self.clock,
             }

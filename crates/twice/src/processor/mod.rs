@@ -142,6 +142,14 @@
 //! [`Processor::counters`] is live while the processor runs. Errors that do not stop the
 //! processor (receive, claim, handler, commit, settle, renewal) go to the callback set with
 //! [`Processor::on_error`] (by default they are logged with `tracing`).
+//!
+//! # Spans and health
+//!
+//! Each message is processed in a `twice.process` span (claim, handler, commit, settlement)
+//! with the OpenTelemetry messaging fields, its `twice.outcome` and the sender's
+//! `trace_parent`; see the [crate docs](crate#observability). [`Processor::health_handle`],
+//! taken before the run, reports whether the processor is receiving, when it last completed a
+//! message, and whether its inbox answers.
 
 mod base;
 mod dedup;

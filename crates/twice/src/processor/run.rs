@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tracing::Instrument as _;
 
 use super::base::{processor_type, report_join};
 use super::lock::{LockState, keep_lock, renewal_margin};
@@ -79,6 +80,7 @@ where
             };
             if buffer.is_empty() {
                 let want = (semaphore.available_permits() + 1).max(options.get_prefetch_count());
+                core.activity.receive_started(clock.now());
                 let received = tokio::select! {
                     biased;
                     () = &mut shutdown => break Ok(()),
@@ -87,6 +89,7 @@ where
                 match received {
                     Ok(deliveries) => {
                         let now = clock.now();
+                        core.activity.received(now);
                         buffer.extend(deliveries.into_iter().map(|d| (d, now)));
                     }
                     Err(TransportError::Closed) => {
@@ -109,15 +112,19 @@ where
                 // it again, so it must not be processed here.
                 continue;
             }
-            tasks.spawn(process_one(
-                Arc::clone(&core),
-                Arc::clone(&transport),
-                delivery,
-                received_at,
-                options.get_max_auto_lock_renewal_duration(),
-                permit,
-                Arc::clone(&settlements),
-            ));
+            let span = core.span(delivery.message());
+            tasks.spawn(
+                process_one(
+                    Arc::clone(&core),
+                    Arc::clone(&transport),
+                    delivery,
+                    received_at,
+                    options.get_max_auto_lock_renewal_duration(),
+                    permit,
+                    Arc::clone(&settlements),
+                )
+                .instrument(span),
+            );
         };
 
         for (delivery, _) in buffer.drain(..) {

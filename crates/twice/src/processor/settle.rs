@@ -67,14 +67,17 @@ impl<I, H> Core<I, H> {
         verdict: Verdict,
     ) {
         let id = delivery.message().message_id();
+        let mut duplicate = false;
         let (how, counter) = match verdict {
             Verdict::LockLost => {
+                tracing::Span::current().record("twice.outcome", "lock_lost");
                 self.counters.inc(Counter::LockLost);
                 tracing::info!(message_id = %id, "lock lost while processing; rolled back");
                 return;
             }
-            Verdict::Complete(duplicate) => {
-                if let Some(c) = duplicate {
+            Verdict::Complete(duplicate_of) => {
+                if let Some(c) = duplicate_of {
+                    duplicate = true;
                     self.counters.inc(c);
                 }
                 (Settlement::Complete, Counter::Completed)
@@ -99,8 +102,15 @@ impl<I, H> Core<I, H> {
             other => other.map(|()| counter),
         };
         match settled {
-            Ok(counter) => self.counters.inc(counter),
+            Ok(counter) => {
+                tracing::Span::current().record("twice.outcome", outcome(counter, duplicate));
+                if counter == Counter::Completed {
+                    self.activity.completed(self.clock.now());
+                }
+                self.counters.inc(counter);
+            }
             Err(e) => {
+                tracing::Span::current().record("twice.outcome", "settle_failed");
                 self.counters.inc(Counter::SettleFailures);
                 if completing && e.is_lock_lost() {
                     tracing::warn!(
@@ -112,5 +122,19 @@ impl<I, H> Core<I, H> {
                 self.report(ProcessError::new(ErrorSource::Settle, Some(id), e));
             }
         }
+    }
+}
+
+/// The `twice.outcome` recorded on a message's span once it is settled and counted as
+/// `counter`.
+fn outcome(counter: Counter, duplicate: bool) -> &'static str {
+    match counter {
+        Counter::Completed if duplicate => "duplicate",
+        Counter::Completed => "completed",
+        Counter::Abandoned => "abandoned",
+        Counter::DeadLettered => "dead_lettered",
+        Counter::Deferred => "deferred",
+        Counter::DelayedRedeliveries => "redelivered_later",
+        _ => "settled",
     }
 }

@@ -4,8 +4,10 @@
 
 #![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
 
+mod health;
 mod memory;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod pipeline;
 mod settlement;
+mod spans;

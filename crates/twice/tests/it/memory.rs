@@ -336,6 +336,10 @@ impl Transport for MemoryTransport {
         &self.entity
     }
 
+    fn system(&self) -> &'static str {
+        "memory"
+    }
+
     async fn receive(
         &self,
         max_messages: usize,
