@@ -87,6 +87,10 @@ impl Transport for Receiver {
         &self.info
     }
 
+    fn system(&self) -> &'static str {
+        "twice"
+    }
+
     /// # Cancel safety
     ///
     /// Cancel safe: messages locked for a receive whose future was dropped are released

@@ -613,6 +613,10 @@ impl Transport for NatsTransport {
         &self.inner.info
     }
 
+    fn system(&self) -> &'static str {
+        "nats"
+    }
+
     /// # Cancel safety
     ///
     /// Cancel safe in the trait's sense: messages pulled for a call that was dropped come back

@@ -673,6 +673,10 @@ impl Transport for RabbitMqTransport {
         &self.inner.info
     }
 
+    fn system(&self) -> &'static str {
+        "rabbitmq"
+    }
+
     /// # Cancel safety
     ///
     /// Cancel safe: deliveries not yet taken from the consumer stay in its buffer for the next

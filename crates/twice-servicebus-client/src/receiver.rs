@@ -620,6 +620,10 @@ impl twice::Transport for Receiver {
         &self.shared.info
     }
 
+    fn system(&self) -> &'static str {
+        "servicebus"
+    }
+
     async fn receive(
         &self,
         max_messages: usize,
@@ -872,6 +876,10 @@ impl twice::Transport for SessionClient {
 
     fn entity(&self) -> &EntityInfo {
         &self.receiver.shared.info
+    }
+
+    fn system(&self) -> &'static str {
+        "servicebus"
     }
 
     async fn receive(

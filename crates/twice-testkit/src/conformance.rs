@@ -738,6 +738,10 @@ impl<T: Transport> Transport for LoseFirstCompletion<T> {
         self.inner.entity()
     }
 
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
+
     async fn receive(&self, n: usize, wait: Duration) -> Result<Vec<T::Delivery>, TransportError> {
         self.inner.receive(n, wait).await
     }

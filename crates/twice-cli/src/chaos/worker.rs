@@ -92,6 +92,10 @@ impl Transport for Recording {
         self.inner.entity()
     }
 
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
+
     async fn receive(
         &self,
         n: usize,

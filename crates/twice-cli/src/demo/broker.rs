@@ -573,6 +573,15 @@ impl Transport for DemoTransport {
         }
     }
 
+    fn system(&self) -> &'static str {
+        match self {
+            Self::Embedded { receiver, .. } => receiver.system(),
+            Self::RabbitMq(t) => t.system(),
+            Self::Nats(t) => t.system(),
+            Self::ServiceBus(q) => q.receiver.system(),
+        }
+    }
+
     /// # Cancel safety
     ///
     /// As the transport inside.

@@ -89,6 +89,10 @@ impl Transport for FaultyReceiver {
         self.inner.entity()
     }
 
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
+
     async fn receive(
         &self,
         max: usize,

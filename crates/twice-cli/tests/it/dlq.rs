@@ -1,7 +1,8 @@
 //! `twice dlq` against a `twice serve` child process: messages are dead-lettered through the
 //! Service Bus client, then listed, shown, exported, resubmitted and purged with the binary.
 
-use std::process::{Command, Output, Stdio};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use twice::{DeadLetterReason, Message};

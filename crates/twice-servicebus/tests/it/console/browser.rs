@@ -19,7 +19,7 @@ use twice_servicebus::{Backend, Server, ServerOptions};
 
 use super::webdriver::{Browser, CHROMEDRIVER, CHROMIUM};
 use super::{counts, dead_letter};
-use crate::harness::{may_skip, target_dir};
+use crate::harness::may_skip;
 
 /// A few entities, as a small deployment has them.
 const CONFIG: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Queues":[
@@ -143,4 +143,12 @@ async fn scenario(browser: &Browser, http: SocketAddr, seq: i64) -> anyhow::Resu
     browser.wait_for(&cell(2), "the session's one message", |t| t == "1").await?;
     browser.wait_for(&cell(3), "that no receiver holds it", |t| t == "no").await?;
     Ok(())
+}
+
+/// The workspace's target directory, where a failure's screenshot goes.
+fn target_dir() -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(t) => t.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"),
+    }
 }

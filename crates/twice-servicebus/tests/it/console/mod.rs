@@ -95,11 +95,10 @@ pub async fn dead_letter(broker: &Broker, queue: &str, message: Message, reason:
             .await
             .unwrap();
     let lock = got[0].lock_token.unwrap();
-    let how = Settlement::DeadLetter {
-        reason: Some(reason.to_owned()),
-        description: Some(format!("{reason}: the handler gave up")),
-        properties: Default::default(),
-    };
+    let how = Settlement::DeadLetter(
+        twice::DeadLetterReason::new(reason, format!("{reason}: the handler gave up")),
+        Default::default(),
+    );
     Backend::settle(broker, queue, lock, how).await.unwrap();
     let dlq = format!("{queue}/$deadletterqueue");
     let peeked = Backend::peek(broker, &dlq, None, SequenceNumber::new(0), 100).await.unwrap();
