@@ -7,7 +7,7 @@
 //! # fn binary() -> &'static str { "target/debug/twice" }
 //! // In a test of the `twice-cli` package: `ServeProcess::start(env!("CARGO_BIN_EXE_twice"), …)`.
 //! let serve = ServeProcess::start(binary(), &["--in-memory"]);
-//! let connection_string = serve.connection_string().expect("printed for the default key");
+//! let connection_string = serve.connection_string().expect("printed for the default key").to_owned();
 //! assert!(serve.get("/health").starts_with("HTTP/1.1 200"));
 //! let stopped = serve.terminate();
 //! assert!(stopped.status.success(), "{}", stopped.stderr);
