@@ -122,6 +122,25 @@ const MAX_HEAD: usize = 16 * 1024;
 /// How long one connection may take, from accept to the last byte of its response.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// One HTTP request, read whole, as the console and the administration API take it.
+#[derive(Debug)]
+pub(crate) struct Request<'a> {
+    pub(crate) method: &'a str,
+    /// The path, percent-encoded, without the query.
+    pub(crate) path: &'a str,
+    pub(crate) query: &'a str,
+    /// Headers with lowercase names.
+    pub(crate) headers: &'a [(String, String)],
+    pub(crate) body: &'a [u8],
+}
+
+impl Request<'_> {
+    /// The value of a header, by its lowercase name.
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
 pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
     let addr = listener
         .local_addr()
@@ -261,8 +280,7 @@ async fn http_request<B: Backend>(
     let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
     if crate::console::owns(path) {
         let method = head.method.as_str();
-        let req =
-            crate::console::Request { method, path, query, headers: &head.headers, body: &body };
+        let req = Request { method, path, query, headers: &head.headers, body: &body };
         let r = crate::console::handle(shared, addr, &req).await;
         return respond_with(&mut stream, r.status, r.content_type, &r.headers, &r.body).await;
     }
@@ -274,8 +292,7 @@ async fn http_request<B: Backend>(
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await),
         ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
         (method, _) => {
-            let req =
-                crate::admin::Request { method, path, query, headers: &head.headers, body: &body };
+            let req = Request { method, path, query, headers: &head.headers, body: &body };
             let r = crate::admin::handle(shared, admin, addr, &req).await;
             (r.status, r.content_type, r.body)
         }

@@ -23,6 +23,7 @@ use twice_broker::config::{
 
 use crate::backend::{Backend, BackendError};
 use crate::grants::{Grants, audience_is_ours};
+pub(crate) use crate::http::Request;
 use crate::sas::Claim;
 use crate::shared::Shared;
 use xml::{BadRequest, Description, FeedEntry, Times};
@@ -30,23 +31,7 @@ use xml::{BadRequest, Description, FeedEntry, Times};
 /// The most entries a list returns at once, as Service Bus.
 const MAX_TOP: usize = 100;
 
-/// One HTTP request of the administration API.
-#[derive(Debug)]
-pub(crate) struct Request<'a> {
-    pub(crate) method: &'a str,
-    /// The path, percent-encoded, without the query.
-    pub(crate) path: &'a str,
-    pub(crate) query: &'a str,
-    /// Headers with lowercase names.
-    pub(crate) headers: &'a [(String, String)],
-    pub(crate) body: &'a [u8],
-}
-
 impl Request<'_> {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-    }
-
     fn query(&self, name: &str) -> Option<usize> {
         self.query.split('&').find_map(|kv| {
             let (k, v) = kv.split_once('=')?;

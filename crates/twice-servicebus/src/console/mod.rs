@@ -28,6 +28,7 @@ mod auth;
 use std::net::SocketAddr;
 
 use crate::backend::{Backend, BackendError};
+pub(crate) use crate::http::Request;
 use crate::shared::Shared;
 
 /// The page: markup and style; its script is [`SCRIPT`].
@@ -55,24 +56,6 @@ const PAGE_HEADERS: [(&str, &str); 2] = [
     ),
     ("x-frame-options", "DENY"),
 ];
-
-/// One request to the console.
-#[derive(Debug)]
-pub(crate) struct Request<'a> {
-    pub(crate) method: &'a str,
-    /// The path, percent-encoded, without the query.
-    pub(crate) path: &'a str,
-    pub(crate) query: &'a str,
-    /// Headers with lowercase names.
-    pub(crate) headers: &'a [(String, String)],
-    pub(crate) body: &'a [u8],
-}
-
-impl Request<'_> {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-    }
-}
 
 /// A response: status line text, content type, extra headers and body.
 #[derive(Debug, PartialEq, Eq)]
