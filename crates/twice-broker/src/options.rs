@@ -166,25 +166,4 @@ impl BrokerOptions {
     pub fn get_max_commands_per_turn(&self) -> usize {
         self.max_commands_per_turn
     }
-
-    /// [`BrokerOptions::clock`], by its earlier name.
-    #[doc(hidden)]
-    #[must_use]
-    pub fn with_clock(self, clock: impl Into<SharedClock>) -> Self {
-        self.clock(clock)
-    }
-
-    /// [`BrokerOptions::config`], by its earlier name.
-    #[doc(hidden)]
-    #[must_use]
-    pub fn with_config(self, config: Config) -> Self {
-        self.config(config)
-    }
-
-    /// [`BrokerOptions::segment_size`], by its earlier name.
-    #[doc(hidden)]
-    #[must_use]
-    pub fn with_segment_size(self, bytes: u64) -> Self {
-        self.segment_size(bytes)
-    }
 }

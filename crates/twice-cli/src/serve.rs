@@ -105,7 +105,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.config {
         let config = Config::from_path(path)
             .with_context(|| format!("reading the configuration {}", path.display()))?;
-        options = options.with_config(config);
+        options = options.config(config);
     }
     if !args.in_memory {
         std::fs::create_dir_all(&args.data_dir)

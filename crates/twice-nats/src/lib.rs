@@ -176,13 +176,49 @@ impl NatsOptions {
         self
     }
 
+    /// The server's URL.
+    pub fn get_url(&self) -> &str {
+        &self.url
+    }
+
     /// The stream.
     pub fn get_stream(&self) -> &str {
         &self.stream
     }
 
-    fn subject_name(&self) -> String {
+    /// The subject the stream stores: the one set, else the stream name in lower case.
+    pub fn get_subject(&self) -> String {
         self.subject.clone().unwrap_or_else(|| self.stream.to_lowercase())
+    }
+
+    /// The durable consumer's name.
+    pub fn get_consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The lock duration (the consumer's `AckWait`).
+    pub fn get_lock_duration(&self) -> Duration {
+        self.lock_duration
+    }
+
+    /// Deliveries before a message is dead-lettered (`None`: unlimited).
+    pub fn get_max_delivery_count(&self) -> Option<u32> {
+        self.max_delivery_count
+    }
+
+    /// The stream's duplicate window.
+    pub fn get_duplicate_window(&self) -> Duration {
+        self.duplicate_window
+    }
+
+    /// The `max_age` of a stream this transport creates (zero: none).
+    pub fn get_max_age(&self) -> Duration {
+        self.max_age
+    }
+
+    /// The clock for lock deadlines.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
     }
 }
 
@@ -302,7 +338,7 @@ impl NatsTransport {
             .await
             .map_err(|e| other("connecting to NATS", e))?;
         let context = jetstream::new(client.clone());
-        let subject = options.subject_name();
+        let subject = options.get_subject();
         let dead_letter_subject = (!is_dead_letter).then(|| format!("{subject}.dead-letter"));
         // JetStream refuses a duplicate window longer than the stream's `max_age`.
         let create = |name: String, subject: String, max_age: Duration| stream::Config {

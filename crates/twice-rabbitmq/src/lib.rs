@@ -233,6 +233,21 @@ impl RabbitMqOptions {
     pub fn get_queue(&self) -> &str {
         &self.queue
     }
+
+    /// The server's URI.
+    pub fn get_uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// Whether the transport declares the queue and its dead-letter queue.
+    pub fn get_declare(&self) -> bool {
+        self.declare
+    }
+
+    /// The clock for lock deadlines.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
+    }
 }
 
 /// What a queue is for: its arguments differ.

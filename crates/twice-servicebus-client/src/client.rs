@@ -139,18 +139,28 @@ impl ClientOptions {
     }
 
     /// The host.
-    pub fn host(&self) -> &str {
+    pub fn get_host(&self) -> &str {
         &self.host
     }
 
     /// The port.
-    pub fn port(&self) -> u16 {
+    pub fn get_port(&self) -> u16 {
         self.port
     }
 
     /// The TLS settings, if the client uses TLS.
-    pub fn tls_options(&self) -> Option<&TlsOptions> {
+    pub fn get_tls(&self) -> Option<&TlsOptions> {
         self.tls.as_ref()
+    }
+
+    /// The clock used for token refresh and backoff.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// Reconnect backoff.
+    pub fn get_retry(&self) -> &RetryOptions {
+        &self.retry
     }
 
     /// How long a connect, attach, send or management request may take.
@@ -234,7 +244,11 @@ impl Inner {
             self.options.clock.sleep_until(at).await;
         }
         let o = &self.options;
-        let attempt = tokio::time::timeout(o.operation_timeout, crate::tls::connect(o)).await;
+        let attempt = tokio::time::timeout(
+            o.operation_timeout,
+            crate::tls::connect(&o.host, o.port, o.tls.as_ref()),
+        )
+        .await;
         match attempt.unwrap_or(Err(Error::Timeout)) {
             Ok(engine) => {
                 tracing::debug!(host = %o.host, port = o.port, "connected");

@@ -87,9 +87,25 @@ impl ReceiverOptions {
         self
     }
 
+    /// Peek-lock or receive-and-delete.
+    pub fn get_mode(&self) -> ReceiveMode {
+        self.mode
+    }
+
     /// The credit.
     pub fn get_prefetch(&self) -> u32 {
         self.prefetch
+    }
+
+    /// The entity info given with [`entity_info`](Self::entity_info), if any.
+    pub fn get_entity_info(&self) -> Option<&EntityInfo> {
+        self.entity.as_ref()
+    }
+
+    /// The entity's time to live given with
+    /// [`message_time_to_live`](Self::message_time_to_live), if any.
+    pub fn get_message_time_to_live(&self) -> Option<Duration> {
+        self.message_time_to_live
     }
 
     /// The entity info a receiver on `entity` reports.

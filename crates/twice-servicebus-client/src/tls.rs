@@ -9,7 +9,6 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpStream;
 
-use crate::client::ClientOptions;
 use crate::engine::Engine;
 use crate::error::Error;
 
@@ -59,16 +58,21 @@ impl TlsOptions {
     }
 }
 
-/// Opens TCP (and TLS if configured) to the namespace and starts an AMQP connection on it.
-pub(crate) async fn connect(o: &ClientOptions) -> Result<Engine, Error> {
-    let addr = format!("{}:{}", o.host(), o.port());
-    let tcp = TcpStream::connect((o.host(), o.port()))
+/// Opens TCP (and TLS with `tls`) to the namespace at `host`:`port` and starts an AMQP
+/// connection on it.
+pub(crate) async fn connect(
+    host: &str,
+    port: u16,
+    tls: Option<&TlsOptions>,
+) -> Result<Engine, Error> {
+    let addr = format!("{host}:{port}");
+    let tcp = TcpStream::connect((host, port))
         .await
         .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
     // Settlements and requests are small frames; waiting to batch them only adds latency.
     tcp.set_nodelay(true).map_err(|source| Error::Connect { addr, source })?;
-    let Some(tls) = o.tls_options() else {
-        return Engine::start(tcp, o.host()).await;
+    let Some(tls) = tls else {
+        return Engine::start(tcp, host).await;
     };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
@@ -76,11 +80,11 @@ pub(crate) async fn connect(o: &ClientOptions) -> Result<Engine, Error> {
         .map_err(|e| Error::Tls(e.to_string()))?
         .with_root_certificates(tls.roots.clone())
         .with_no_client_auth();
-    let name = tls.server_name.clone().unwrap_or_else(|| o.host().to_owned());
+    let name = tls.server_name.clone().unwrap_or_else(|| host.to_owned());
     let name = ServerName::try_from(name).map_err(|e| Error::Tls(e.to_string()))?;
     let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, tcp)
         .await
         .map_err(|e| Error::Tls(e.to_string()))?;
-    Engine::start(stream, o.host()).await
+    Engine::start(stream, host).await
 }

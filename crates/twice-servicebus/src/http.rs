@@ -16,6 +16,7 @@ use crate::admin::Admin;
 
 use crate::backend::{Backend, EntityStats};
 use crate::metrics::EntityCounters;
+use crate::request::Request;
 use crate::shared::Shared;
 
 fn label(s: &str) -> String {
@@ -121,25 +122,6 @@ pub(crate) const MAX_BODY: usize = 1024 * 1024;
 const MAX_HEAD: usize = 16 * 1024;
 /// How long one connection may take, from accept to the last byte of its response.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// One HTTP request, read whole, as the console and the administration API take it.
-#[derive(Debug)]
-pub(crate) struct Request<'a> {
-    pub(crate) method: &'a str,
-    /// The path, percent-encoded, without the query.
-    pub(crate) path: &'a str,
-    pub(crate) query: &'a str,
-    /// Headers with lowercase names.
-    pub(crate) headers: &'a [(String, String)],
-    pub(crate) body: &'a [u8],
-}
-
-impl Request<'_> {
-    /// The value of a header, by its lowercase name.
-    pub(crate) fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-    }
-}
 
 pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
     let addr = listener

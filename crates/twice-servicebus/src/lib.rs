@@ -99,6 +99,7 @@ mod ids;
 pub mod metrics;
 mod mgmt;
 mod options;
+mod request;
 mod server;
 mod shared;
 

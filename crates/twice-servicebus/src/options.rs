@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use twice::SharedClock;
+
 use crate::sas::Keys;
 
 /// How a [`Server`](crate::Server) listens and what it allows.
@@ -25,6 +27,7 @@ pub struct ServerOptions {
     pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
     pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
+    pub(crate) clock: SharedClock,
 }
 
 impl Default for ServerOptions {
@@ -46,6 +49,7 @@ impl Default for ServerOptions {
             write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
             tls: None,
+            clock: SharedClock::system(),
         }
     }
 }
@@ -171,6 +175,14 @@ impl ServerOptions {
         self
     }
 
+    /// The clock for token expiry (default: the system clock; tests move time instead of
+    /// waiting).
+    #[must_use]
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
     /// Serves amqps: TLS with this certificate chain and private key (PEM), as Azure does on
     /// port 5671. The connection string then leaves out `UseDevelopmentEmulator`, so clients
     /// use TLS.
@@ -263,6 +275,11 @@ impl ServerOptions {
     /// The idle timeout.
     pub fn get_idle_timeout(&self) -> Duration {
         self.idle_timeout
+    }
+
+    /// The clock for token expiry.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
     }
 }
 

@@ -9,7 +9,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
-use twice::SharedClock;
 
 use crate::backend::Backend;
 use crate::connection::{self, Admission};
@@ -65,20 +64,11 @@ impl<B: Backend> Server<B> {
         };
         let shared = Arc::new(Shared {
             backend,
+            clock: options.clock.clone(),
             options,
-            clock: SharedClock::system(),
             metrics: Arc::new(Metrics::default()),
         });
         Ok(Self { shared, amqp, http })
-    }
-
-    /// Uses this clock for token expiry (tests move time instead of waiting).
-    #[must_use]
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.clock = clock;
-        }
-        self
     }
 
     /// The bound AMQP address.

@@ -17,7 +17,7 @@ psql_() { psql -h 127.0.0.1 -U postgres -d test -qAt "$@"; }
 # SKIP_BUILD=1 reuses binaries already built (when another build holds cargo's lock).
 if [ -z "${SKIP_BUILD:-}" ]; then
   cargo build --release -p twice-sqlx --all-features \
-    --example bench_processor --example bench_claim_latency
+    --example bench_stores --example bench_claim_latency
 fi
 bin=target/release/examples
 
@@ -40,7 +40,7 @@ echo "## processor on the embedded broker (in memory)"
 for store in sqlite postgres; do
   for calls in 1 16; do
     for mode in claim noclaim; do
-      echo "$store $("$bin/bench_processor" "$store" "$messages" "$calls" "$mode")"
+      echo "$store $("$bin/bench_stores" "$store" "$messages" "$calls" "$mode")"
     done
   done
 done

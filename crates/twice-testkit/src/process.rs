@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{ChildStdout, Command, Stdio};
 
 /// The path of example `name` of `package`, whose manifest is in `manifest_dir` (pass
-/// `env!("CARGO_MANIFEST_DIR")`).
+/// `env!("CARGO_MANIFEST_DIR")`), built with `features` of the package when it has to be built
+/// (the example's `required-features`; `&[]` for none).
 ///
 /// `cargo test -p <package>` builds examples next to the test binary. When the example is
 /// missing there, or older than the package's library or its own source (a run limited with
@@ -16,7 +17,7 @@ use std::process::{ChildStdout, Command, Stdio};
 /// # Panics
 ///
 /// When the test executable's directory cannot be found or the build fails.
-pub fn example_bin(manifest_dir: &str, package: &str, name: &str) -> PathBuf {
+pub fn example_bin(manifest_dir: &str, package: &str, name: &str, features: &[&str]) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/it-<hash> → target/<profile>/examples/<name>
     let profile_dir = exe.parent().and_then(Path::parent).expect("target profile directory");
@@ -46,6 +47,9 @@ pub fn example_bin(manifest_dir: &str, package: &str, name: &str) -> PathBuf {
     cmd.args(["build", "--quiet", "-p", package, "--example", name])
         .env("CARGO_TARGET_DIR", &target)
         .current_dir(manifest_dir);
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
+    }
     if release {
         cmd.arg("--release");
     }

@@ -45,5 +45,5 @@ pub(crate) const NOW: Duration = Duration::ZERO;
 /// The path of an example of this crate, never stale (see
 /// [`twice_testkit::process::example_bin`]).
 pub(crate) fn example_bin(name: &str) -> PathBuf {
-    twice_testkit::process::example_bin(env!("CARGO_MANIFEST_DIR"), "twice-broker", name)
+    twice_testkit::process::example_bin(env!("CARGO_MANIFEST_DIR"), "twice-broker", name, &[])
 }

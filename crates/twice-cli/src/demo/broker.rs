@@ -122,14 +122,14 @@ impl DemoBroker {
     ) -> anyhow::Result<Self> {
         Ok(match kind {
             BrokerKind::Embedded => Self::Embedded(
-                Broker::open(BrokerOptions::durable(dir).with_clock(clock))
+                Broker::open(BrokerOptions::durable(dir).clock(clock))
                     .await
                     .context("opening the embedded broker")?,
             ),
             BrokerKind::RabbitMq(url) => Self::RabbitMq { url: url.clone(), run_id: run_id.into() },
             BrokerKind::Nats(url) => Self::Nats { url: url.clone(), run_id: run_id.into() },
             BrokerKind::Serve => {
-                let broker = Broker::open(BrokerOptions::durable(dir).with_clock(clock))
+                let broker = Broker::open(BrokerOptions::durable(dir).clock(clock))
                     .await
                     .context("opening the broker of twice serve")?;
                 // A key made for this run: nothing else on the machine can use the server.

@@ -20,7 +20,7 @@ fn text(b: &[u8]) -> String {
 }
 
 fn options(dir: &Path) -> BrokerOptions {
-    BrokerOptions::durable(dir).with_clock(ManualClock::default()).with_segment_size(4096)
+    BrokerOptions::durable(dir).clock(ManualClock::default()).segment_size(4096)
 }
 
 /// 60 messages of about 300 bytes in queue `q`, over several segments.

@@ -32,7 +32,7 @@ impl Serve {
         let clock = ManualClock::new(SystemClock.now());
         let shared = SharedClock::from(clock.clone());
         let broker =
-            Broker::open(BrokerOptions::in_memory().with_clock(shared)).await.expect("open broker");
+            Broker::open(BrokerOptions::in_memory().clock(shared)).await.expect("open broker");
         let q = QueueProperties::default()
             .with_lock_duration(Duration::from_secs(30))
             .with_max_delivery_count(3);
@@ -59,11 +59,9 @@ impl Serve {
     }
 
     async fn listen(&mut self) {
-        let options = self.options.clone().amqp_addr(self.addr);
-        let server = Server::bind(options, self.broker.clone())
-            .await
-            .expect("bind")
-            .with_clock(SharedClock::from(self.clock.clone()));
+        let options =
+            self.options.clone().amqp_addr(self.addr).clock(SharedClock::from(self.clock.clone()));
+        let server = Server::bind(options, self.broker.clone()).await.expect("bind");
         self.addr = server.amqp_addr();
         self.connection_string = server.connection_string();
         let (stop, stopped) = oneshot::channel::<()>();

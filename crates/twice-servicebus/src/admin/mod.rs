@@ -23,7 +23,7 @@ use twice_broker::config::{
 
 use crate::backend::{Backend, BackendError};
 use crate::grants::{Grants, audience_is_ours};
-pub(crate) use crate::http::Request;
+pub(crate) use crate::request::Request;
 use crate::sas::Claim;
 use crate::shared::Shared;
 use xml::{BadRequest, Description, FeedEntry, Times};

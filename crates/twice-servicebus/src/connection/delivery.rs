@@ -1,5 +1,5 @@
-//! What twice sends: the session's outgoing queue written within the peer's window, link
-//! credit and drain, and the messages a pump took turned into deliveries.
+//! What twice sends: link credit and drain, and the messages a pump took turned into
+//! deliveries on the session's outgoing queue (written by [`super::state::Out`]).
 
 use bytes::Bytes;
 use twice::{LockToken, ReceivedMessage};
@@ -8,142 +8,12 @@ use uuid::Uuid;
 use crate::address::Node;
 use crate::backend::{Backend, BackendError, BackendSession, ReceiveMode, Settlement};
 use crate::conditions::{backend_error, session_lock_lost, token_expired};
-use crate::frame;
 use crate::mapping::{self, Presentation};
 use crate::metrics::Counter;
-use crate::performative::{Flow, Performative, Transfer};
+use crate::performative::{Flow, Performative};
 
-use super::handshake::need_of;
-use super::links::{Job, PumpCtl, Source};
-use super::session::{Link, Session};
-use super::transfer::Unsettled;
+use super::state::{Job, Source, Unsettled, need_of, update_pump};
 use super::{Conn, SESSION_WINDOW};
-
-/// A delivery on its way out, frame by frame as the peer's session window allows.
-pub(super) struct Outgoing {
-    pub(super) link: u64,
-    pub(super) remote_handle: u32,
-    pub(super) local_handle: u32,
-    pub(super) delivery_id: u32,
-    pub(super) tag: Bytes,
-    pub(super) settled: bool,
-    pub(super) payload: Vec<u8>,
-    /// Payload bytes already written.
-    pub(super) written: usize,
-    pub(super) started: bool,
-    /// The broker lock of the message: completed once written when `settled`
-    /// (receive-and-delete), released if the delivery is dropped before it is written.
-    pub(super) lock: Option<LockToken>,
-}
-
-/// What waits in a session's outgoing queue: deliveries, and the link flows that must not
-/// overtake them (a drain answer counts the deliveries before it).
-pub(super) enum Queued {
-    Delivery(Outgoing),
-    Flow { link: u64, flow: Flow },
-}
-
-impl Queued {
-    pub(super) fn link(&self) -> u64 {
-        match self {
-            Queued::Delivery(o) => o.link,
-            Queued::Flow { link, .. } => *link,
-        }
-    }
-}
-
-/// Bytes waiting to be written, and how to split transfers.
-pub(super) struct Out {
-    pub(super) buf: Vec<u8>,
-    pub(super) peer_max_frame: u32,
-}
-
-impl Out {
-    pub(super) fn send(&mut self, channel: u16, p: &Performative) {
-        tracing::trace!(channel, frame = ?p, "send");
-        frame::write_frame(&mut self.buf, frame::TYPE_AMQP, channel, p, &[]);
-    }
-
-    /// Writes what a session has queued while the peer's window has room: deliveries split
-    /// into frames that fit the peer's frame size, and the link flows between them.
-    pub(super) fn flush<S>(&mut self, s: &mut Session<S>) {
-        let max = usize::try_from(self.peer_max_frame).unwrap_or(usize::MAX);
-        loop {
-            let o = match s.outgoing.front_mut() {
-                None => break,
-                Some(Queued::Flow { .. }) => {
-                    let Some(Queued::Flow { flow, .. }) = s.outgoing.pop_front() else { break };
-                    // The session fields as they are now, not as they were when it was queued.
-                    let flow = Flow { ..flow_with_session(flow, s) };
-                    self.send(s.local_channel, &Performative::Flow(flow));
-                    continue;
-                }
-                Some(Queued::Delivery(o)) => o,
-            };
-            if s.remote_incoming_window == 0 {
-                break;
-            }
-            // Room for the frame header and the largest transfer performative twice writes.
-            let room = max.saturating_sub(8 + 64 + o.tag.len()).max(64);
-            let end = o.payload.len().min(o.written + room);
-            let more = end < o.payload.len();
-            let first = !o.started;
-            if first {
-                tracing::trace!(
-                    channel = s.local_channel,
-                    handle = o.local_handle,
-                    delivery_id = o.delivery_id,
-                    settled = o.settled,
-                    bytes = o.payload.len(),
-                    "send transfer"
-                );
-            }
-            let t = Transfer {
-                handle: o.local_handle,
-                delivery_id: first.then_some(o.delivery_id),
-                delivery_tag: first.then(|| o.tag.clone()),
-                message_format: first.then_some(0),
-                settled: Some(o.settled),
-                more,
-                ..Transfer::default()
-            };
-            frame::write_frame(
-                &mut self.buf,
-                frame::TYPE_AMQP,
-                s.local_channel,
-                &Performative::Transfer(t),
-                o.payload.get(o.written..end).unwrap_or(&[]),
-            );
-            o.written = end;
-            o.started = true;
-            s.next_outgoing_id = s.next_outgoing_id.wrapping_add(1);
-            s.remote_incoming_window -= 1;
-            if more {
-                continue;
-            }
-            let Some(Queued::Delivery(done)) = s.outgoing.pop_front() else { break };
-            if let (true, Some(lock)) = (done.settled, done.lock) {
-                // Receive-and-delete: the message is the client's now.
-                if let Some(l) = s.links.get(&done.remote_handle).filter(|l| l.id == done.link) {
-                    l.job(Job::Complete(lock));
-                }
-            }
-        }
-    }
-}
-
-/// A link flow with the session's current fields.
-fn flow_with_session<S>(link: Flow, s: &Session<S>) -> Flow {
-    Flow {
-        handle: link.handle,
-        delivery_count: link.delivery_count,
-        link_credit: link.link_credit,
-        available: link.available,
-        drain: link.drain,
-        echo: link.echo,
-        ..sflow!(s)
-    }
-}
 
 impl<B: Backend> Conn<B> {
     pub(super) fn on_flow(&mut self, ch: u16, f: &Flow) {
@@ -315,26 +185,6 @@ impl<B: Backend> Conn<B> {
             update_pump(l, max_unsettled);
         }
     }
-}
-
-/// Tells the pump of a link what it may take now (see [`PumpCtl`]).
-pub(super) fn update_pump<S>(l: &mut Link<S>, max_unsettled: u32) {
-    let Some(pump) = &l.pump else { return };
-    let credit = if l.mode == ReceiveMode::ReceiveAndDelete {
-        l.credit
-    } else {
-        l.credit.min(max_unsettled.saturating_sub(l.unsettled))
-    };
-    let ctl = PumpCtl {
-        limit: l.taken + u64::from(credit),
-        drain: if l.drain { l.drain_seq } else { 0 },
-    };
-    // Only a change wakes the pump.
-    pump.send_if_modified(|current| {
-        let changed = *current != ctl;
-        *current = ctl;
-        changed
-    });
 }
 
 /// Unlocks messages taken for a link that cannot deliver them.

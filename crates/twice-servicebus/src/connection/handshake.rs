@@ -16,7 +16,7 @@ use crate::performative::{AmqpError, Open, Performative};
 use crate::sas::{Claim, Claims};
 use crate::shared::Shared;
 
-use super::session::Link;
+use super::state::{max_channel, need_of};
 use super::{Conn, End};
 
 /// Answers a connection over the limit whose first frame was `open`: `open` and a `close`
@@ -222,19 +222,4 @@ impl<B: Backend> Conn<B> {
             self.detach_with(ch, handle, token_expired(&path));
         }
     }
-}
-
-/// The claim a link needs: sending to an entity, receiving from one, or (for a management
-/// node, checked per request) any.
-pub(super) fn need_of<S>(l: &Link<S>) -> Option<Claim> {
-    match l.node {
-        Node::Entity(_) if l.client_receives => Some(Claim::Listen),
-        Node::Entity(_) => Some(Claim::Send),
-        Node::Management(_) | Node::Cbs => None,
-    }
-}
-
-/// The highest channel a connection with at most `sessions` sessions announces.
-pub(super) fn max_channel(sessions: usize) -> u16 {
-    u16::try_from(sessions.saturating_sub(1)).unwrap_or(u16::MAX)
 }

@@ -7,125 +7,15 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use twice::{LockToken, ReceivedMessage, SharedClock};
 
-use crate::backend::{Backend, BackendError, BackendSession, EntityKind, ReceiveMode, Settlement};
+use crate::backend::{Backend, BackendError, BackendSession, ReceiveMode, Settlement};
 use crate::conditions::{self as cond, backend_error};
 use crate::metrics::{Counter, Metrics};
 use crate::mgmt;
 use crate::performative::{AmqpError, Outcome};
 
 use super::delivery::release_all;
+use super::state::{Event, Job, PendingSend, PumpCtl, Source};
 use super::{PUMP_BATCH, PUMP_WAIT, SETTLE_BATCH};
-
-/// What the pump of a receiver link may take.
-///
-/// `limit` counts messages the pump has handed over since the link was attached: the pump may
-/// take more while it has handed over fewer. Counting in absolute terms means a batch still on
-/// its way to the connection is never counted twice. `drain` is the number of the drain the
-/// client asked for last (0 when it is not draining).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct PumpCtl {
-    pub(super) limit: u64,
-    pub(super) drain: u64,
-}
-
-/// Where a receiver link takes messages from.
-pub(super) enum Source<S> {
-    Entity(String),
-    Session(Arc<S>),
-}
-
-impl<S> Clone for Source<S> {
-    fn clone(&self) -> Self {
-        match self {
-            Source::Entity(e) => Source::Entity(e.clone()),
-            Source::Session(s) => Source::Session(s.clone()),
-        }
-    }
-}
-
-/// A delivery outcome to echo: delivery id, outcome, and whether the client waits for it.
-pub(super) type Echo = (u32, Outcome, bool);
-
-/// Reports from the tasks a connection spawned.
-pub(super) enum Event<S> {
-    /// The pump took messages (or answers drain number `drain` with what it found).
-    Batch {
-        link: u64,
-        drain: u64,
-        source: Source<S>,
-        result: Result<Vec<ReceivedMessage>, BackendError>,
-    },
-    /// The broker knows the entity of an attach (or not).
-    Resolved {
-        link: u64,
-        kind: Option<EntityKind>,
-    },
-    SessionAccepted {
-        link: u64,
-        result: Result<Option<S>, BackendError>,
-    },
-    /// Sends of one sender link stored (or refused): delivery id, settled by the client,
-    /// message count, outcome; and the bytes of the transfers.
-    Sent {
-        link: u64,
-        entity: String,
-        results: Vec<(u32, bool, usize, Outcome)>,
-        bytes: usize,
-    },
-    /// Dispositions the settler applied.
-    Settled {
-        link: u64,
-        results: Vec<Echo>,
-    },
-    /// A management request answered; `settled` are the locks it settled.
-    Replied {
-        link: u64,
-        reply: mgmt::Reply,
-        settled: Vec<LockToken>,
-    },
-    /// The session lock of a session receiver link is gone.
-    SessionLockLost {
-        link: u64,
-    },
-}
-
-/// A send waiting for its link's sender task.
-pub(super) struct PendingSend {
-    pub(super) delivery_id: u32,
-    pub(super) settled: bool,
-    /// The size of the transfer, counted against the connection's bytes in flight.
-    pub(super) bytes: usize,
-    pub(super) messages: Vec<twice::Message>,
-}
-
-/// Work for a receiver link's settler, applied in the order queued.
-pub(super) enum Job {
-    /// A client's disposition: apply `how` (nothing for a non-terminal state), then echo
-    /// `echo` (or the error the broker gave) if `reply`.
-    Settle {
-        delivery_id: u32,
-        lock: LockToken,
-        how: Option<Settlement>,
-        echo: Outcome,
-        reply: bool,
-    },
-    /// Complete a message delivered settled (receive-and-delete) once it is written.
-    Complete(LockToken),
-    /// Release a message taken but never delivered.
-    Release(LockToken),
-}
-
-impl Job {
-    /// The lock of a completion, which runs with its neighbours in one broker call.
-    fn completes(&self) -> Option<LockToken> {
-        match self {
-            Job::Settle { lock, how: Some(Settlement::Complete), .. } | Job::Complete(lock) => {
-                Some(*lock)
-            }
-            _ => None,
-        }
-    }
-}
 
 /// Takes up to `max` messages, locked: receive-and-delete links complete theirs once written,
 /// so a message that never reaches the client can always be released.

@@ -17,12 +17,14 @@
 //! Outgoing transfers respect the peer's session incoming window: deliveries wait in the
 //! session's queue until the peer's flow makes room.
 //!
-//! This file holds the socket loop and the dispatch of frames and task reports. The rest:
-//! `handshake` (protocol headers, SASL, `open`, `$cbs` tokens and what they authorize),
-//! `session` (session and link state, `begin`/`end`, attach and detach), `transfer` (the
-//! client's transfers, requests and dispositions, and the echoes), `delivery` (the outgoing
-//! queue, credit and drain, the messages a pump took) and `links` (the tasks of a link).
-//! The conditions sent live in [`crate::conditions`].
+//! This file holds the socket loop and the dispatch of frames and task reports. The rest, each
+//! acting on `state` and none on another the other way round: `state` (session and link
+//! state, the outgoing queue and its writing within the peer's window, what the link tasks are
+//! given and report), `handshake` (protocol headers, SASL, `open`, `$cbs` tokens and what they
+//! authorize), `delivery` (credit and drain, the messages a pump took), `links` (the tasks of
+//! a link), and, above those, `session` (`begin`/`end`, attach and detach) and `transfer` (the
+//! client's transfers, requests and dispositions, and the echoes). The conditions sent live in
+//! [`crate::conditions`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,10 +42,8 @@ use crate::metrics::Metrics;
 use crate::performative::{AmqpError, Performative};
 use crate::shared::Shared;
 
-use delivery::Out;
 use handshake::{handshake, refuse};
-use links::Event;
-use session::Session;
+use state::{Event, Out, Session};
 
 /// Credit granted to client senders, topped up when half is used.
 const SENDER_CREDIT: u32 = 1000;
@@ -77,6 +77,7 @@ mod delivery;
 mod handshake;
 mod links;
 mod session;
+mod state;
 mod transfer;
 
 /// Why a connection ends.

@@ -1,164 +1,24 @@
-//! Sessions and links: their state, `begin` and `end`, attach and detach, and the pools of
-//! channels and handles.
+//! Sessions and links: `begin` and `end`, attach and detach, and the pools of channels and
+//! handles. Their state is in [`super::state`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
-use twice::{LockToken, SessionId};
+use twice::SessionId;
 
 use crate::address::{self, Node};
 use crate::backend::{Backend, BackendSession, EntityKind, ReceiveMode};
 use crate::codec::Value;
 use crate::conditions::{self as cond, not_found};
 use crate::ids::IdPool;
-use crate::mgmt;
 use crate::performative::{AmqpError, Attach, Begin, Detach, Flow, Performative, ROLE_RECEIVER};
 use crate::sas::Claim;
 
-use super::delivery::{Outgoing, Queued, update_pump};
-use super::handshake::max_channel;
-use super::links::{Event, Job, PendingSend, PumpCtl, Source, pump, settler, watch_session_lock};
-use super::transfer::{Partial, Unsettled};
+use super::links::{pump, settler, watch_session_lock};
+use super::state::{Event, Link, PumpCtl, Session, Source, max_channel, update_pump};
 use super::{Conn, DEFAULT_SESSION_WAIT, End, SENDER_CREDIT, SESSION_WINDOW};
-
-pub(super) struct Link<S> {
-    pub(super) id: u64,
-    pub(super) name: String,
-    pub(super) local_handle: u32,
-    /// The client receives on this link (twice sends).
-    pub(super) client_receives: bool,
-    pub(super) node: Node,
-    pub(super) path: String,
-    pub(super) target_address: Option<String>,
-    pub(super) attach: Attach,
-    /// twice has sent its attach.
-    pub(super) attached: bool,
-    /// twice has sent its detach.
-    pub(super) detached: bool,
-    // Twice as sender.
-    pub(super) mode: ReceiveMode,
-    pub(super) delivery_count: u32,
-    pub(super) credit: u32,
-    /// A drain the client asked for is not answered yet.
-    pub(super) drain: bool,
-    /// The number of the client's last drain.
-    pub(super) drain_seq: u64,
-    /// Messages the pump handed over (see [`PumpCtl`]).
-    pub(super) taken: u64,
-    pub(super) unsettled: u32,
-    pub(super) pump: Option<watch::Sender<PumpCtl>>,
-    pub(super) session: Option<Arc<S>>,
-    pub(super) settle: Option<mpsc::UnboundedSender<Job>>,
-    /// Dropping it stops the link's session lock timer.
-    pub(super) lock_watch: Option<oneshot::Sender<()>>,
-    pub(super) replies: VecDeque<Vec<u8>>,
-    // Twice as receiver.
-    pub(super) rx_delivery_count: u32,
-    pub(super) rx_credit: u32,
-    /// Deliveries received and handed to the sender or request task, not yet answered: the
-    /// credit they took comes back only when they are.
-    pub(super) rx_in_flight: u32,
-    pub(super) partial: Option<Partial>,
-    pub(super) sends: Option<mpsc::UnboundedSender<PendingSend>>,
-    pub(super) requests: Option<mpsc::UnboundedSender<(mgmt::Request, Option<Arc<S>>)>>,
-}
-
-impl<S> Link<S> {
-    /// Queues work for the link's settler.
-    pub(super) fn job(&self, job: Job) {
-        if let Some(tx) = &self.settle {
-            let _ = tx.send(job);
-        }
-    }
-}
-
-pub(super) struct Session<S> {
-    pub(super) local_channel: u16,
-    pub(super) next_outgoing_id: u32,
-    pub(super) next_delivery_id: u32,
-    pub(super) next_incoming_id: u32,
-    pub(super) incoming_window: u32,
-    /// How many more transfer frames the peer takes (its incoming window as twice sees it).
-    pub(super) remote_incoming_window: u32,
-    pub(super) frames_since_flow: u32,
-    pub(super) links: HashMap<u32, Link<S>>,
-    /// Local handles of this session's links.
-    pub(super) handles: IdPool,
-    /// By delivery id, ordered so a disposition's range costs only the deliveries in it.
-    pub(super) unsettled: BTreeMap<u32, Unsettled>,
-    pub(super) outgoing: VecDeque<Queued>,
-}
-
-impl<S> Session<S> {
-    /// Forgets a link of this session, giving its local handle back.
-    fn remove_link(&mut self, handle: u32) -> Option<Link<S>> {
-        let l = self.links.remove(&handle)?;
-        self.handles.give_back(l.local_handle);
-        Some(l)
-    }
-
-    /// Queues a delivery on the link with this remote handle; returns its delivery id.
-    pub(super) fn deliver(
-        &mut self,
-        remote_handle: u32,
-        tag: Bytes,
-        settled: bool,
-        payload: Vec<u8>,
-        lock: Option<LockToken>,
-    ) -> Option<u32> {
-        let l = self.links.get(&remote_handle)?;
-        let delivery_id = self.next_delivery_id;
-        self.next_delivery_id = self.next_delivery_id.wrapping_add(1);
-        self.outgoing.push_back(Queued::Delivery(Outgoing {
-            link: l.id,
-            remote_handle,
-            local_handle: l.local_handle,
-            delivery_id,
-            tag,
-            settled,
-            payload,
-            written: 0,
-            started: false,
-            lock,
-        }));
-        Some(delivery_id)
-    }
-
-    /// Queues a settled reply on a management or CBS receiver link.
-    pub(super) fn send_reply(&mut self, handle: u32, payload: Vec<u8>) {
-        let Some(l) = self.links.get_mut(&handle) else { return };
-        l.credit = l.credit.saturating_sub(1);
-        l.delivery_count = l.delivery_count.wrapping_add(1);
-        let tag = Bytes::copy_from_slice(&u64::from(l.delivery_count).to_be_bytes());
-        self.deliver(handle, tag, true, payload, None);
-    }
-
-    /// Queues a link flow behind the deliveries already queued.
-    pub(super) fn link_flow(&mut self, link: u64, flow: Flow) {
-        self.outgoing.push_back(Queued::Flow { link, flow });
-    }
-
-    /// Drops the queued deliveries of one link (or of all), releasing their messages.
-    fn discard_outgoing(&mut self, link: Option<u64>) {
-        let queued = std::mem::take(&mut self.outgoing);
-        for q in queued {
-            if link.is_some_and(|id| id != q.link()) {
-                self.outgoing.push_back(q);
-                continue;
-            }
-            let Queued::Delivery(o) = q else { continue };
-            self.unsettled.remove(&o.delivery_id);
-            if let Some(lock) = o.lock {
-                if let Some(l) = self.links.get(&o.remote_handle).filter(|l| l.id == o.link) {
-                    l.job(Job::Release(lock));
-                }
-            }
-        }
-    }
-}
 
 impl<B: Backend> Conn<B> {
     pub(super) fn on_begin(&mut self, ch: u16, b: &Begin) -> Result<(), End> {

@@ -17,25 +17,9 @@ use crate::performative::{
     AmqpError, Disposition, Flow, Outcome, Performative, ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
 
-use super::delivery::{Out, update_pump};
-use super::handshake::need_of;
-use super::links::{Echo, Job, PendingSend, request_task, sender_task};
+use super::links::{request_task, sender_task};
+use super::state::{Echo, Job, Out, Partial, PendingSend, need_of, update_pump};
 use super::{Conn, SENDER_CREDIT, SESSION_WINDOW};
-
-/// A delivery twice sent and the client has not settled.
-pub(super) struct Unsettled {
-    pub(super) link: u64,
-    pub(super) lock: LockToken,
-}
-
-#[derive(Default)]
-pub(super) struct Partial {
-    pub(super) delivery_id: u32,
-    pub(super) format: u32,
-    pub(super) settled: bool,
-    pub(super) buf: Vec<u8>,
-    pub(super) oversize: bool,
-}
 
 impl<B: Backend> Conn<B> {
     pub(super) fn on_transfer(&mut self, ch: u16, t: Transfer, payload: &[u8]) {

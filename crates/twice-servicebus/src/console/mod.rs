@@ -28,7 +28,7 @@ mod auth;
 use std::net::SocketAddr;
 
 use crate::backend::{Backend, BackendError};
-pub(crate) use crate::http::Request;
+pub(crate) use crate::request::Request;
 use crate::shared::Shared;
 
 /// The page: markup and style; its script is [`SCRIPT`].

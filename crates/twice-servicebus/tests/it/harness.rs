@@ -83,8 +83,9 @@ impl TestServer {
             .expect("open broker");
         let options = options
             .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));
-        let server = Server::bind(options, broker.clone()).await.expect("bind").with_clock(shared);
+            .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))))
+            .clock(shared);
+        let server = Server::bind(options, broker.clone()).await.expect("bind");
         let addr = server.amqp_addr();
         let http = server.http_addr().expect("http port");
         let connection_string = server.connection_string();

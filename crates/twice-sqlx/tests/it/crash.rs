@@ -1,6 +1,6 @@
 //! A process killed after commit and before complete: the redelivery is a no-op that completes.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -19,33 +19,15 @@ use crate::support::{
     BrokerQueue, Fixture, Shutdown, create_shipments, inbox_rows, shipments, until_async,
 };
 
-/// The example binary `crash_after_commit`, built from the current source. `cargo test` builds
-/// examples next to the test binary, but a run limited to `--test it` does not, and would run
-/// whatever an earlier build left there. So an example older than this crate's library or its
-/// own source is built again, into a target directory of its own: the cargo running this test
-/// holds the lock of the main one.
+/// The example binary `crash_after_commit`, built from the current source (see
+/// [`twice_testkit::process::example_bin`]).
 fn child_binary() -> PathBuf {
-    const NAME: &str = "crash_after_commit";
-    let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/it-<hash> → target/<profile>
-    let profile = exe.parent().and_then(Path::parent).expect("target profile directory");
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let libs = std::fs::read_dir(profile.join("deps")).expect("deps directory").flatten();
-    let libs = libs.filter(|e| e.file_name().to_string_lossy().starts_with("libtwice_sqlx-"));
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{NAME}.rs"));
-    let inputs = libs.filter_map(|e| modified(&e.path())).chain(modified(&source)).max();
-    let built = profile.join("examples").join(NAME);
-    if modified(&built).is_some_and(|b| inputs.is_none_or(|newest| b >= newest)) {
-        return built;
-    }
-    let target = profile.parent().expect("target directory").join("example-children");
-    let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "twice-sqlx", "--all-features", "--example", NAME])
-        .env("CARGO_TARGET_DIR", &target)
-        .status()
-        .expect("run cargo build");
-    assert!(status.success(), "building example {NAME} failed");
-    target.join("debug/examples").join(NAME)
+    twice_testkit::process::example_bin(
+        env!("CARGO_MANIFEST_DIR"),
+        "twice-sqlx",
+        "crash_after_commit",
+        &["sqlite", "postgres", "mysql"],
+    )
 }
 
 async fn crash_after_commit_then_redelivery_is_a_no_op<F: Fixture>(f: F)
@@ -80,7 +62,7 @@ where
     // lock, so the test holds in any year.
     let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_crash")).await);
     let clock = twice::ManualClock::new(SystemClock.now() + Duration::from_secs(31));
-    let broker = Broker::open(BrokerOptions::durable(&dir).with_clock(clock.clone()))
+    let broker = Broker::open(BrokerOptions::durable(&dir).clock(clock.clone()))
         .await
         .expect("reopen the broker");
     let queue = BrokerQueue::existing(broker, "orders");

@@ -670,11 +670,10 @@ where
     create_shipments(&f, false).await;
     let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_sessions")).await);
     let clock = twice::ManualClock::default();
-    let broker = twice_broker::Broker::open(
-        twice_broker::BrokerOptions::in_memory().with_clock(clock.clone()),
-    )
-    .await
-    .expect("broker");
+    let broker =
+        twice_broker::Broker::open(twice_broker::BrokerOptions::in_memory().clock(clock.clone()))
+            .await
+            .expect("broker");
     broker
         .create_queue(
             "order-events",

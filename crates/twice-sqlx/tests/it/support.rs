@@ -471,9 +471,8 @@ macro_rules! on_server_stores {
 /// 10, on a manual clock.
 pub async fn queue(path: &str) -> (BrokerQueue, ManualClock) {
     let clock = ManualClock::default();
-    let broker = Broker::open(BrokerOptions::in_memory().with_clock(clock.clone()))
-        .await
-        .expect("open broker");
+    let broker =
+        Broker::open(BrokerOptions::in_memory().clock(clock.clone())).await.expect("open broker");
     let queue = BrokerQueue::create(broker, path).await;
     (queue, clock)
 }

@@ -1,7 +1,9 @@
 //! The dedup-only mode's attempt: the record committed first, then the handler's work.
 
 use super::lock::LockState;
-use super::pipeline::{Attempt, Core, Step, Verdict, duplicate_counter};
+use super::pipeline::{Attempt, Step, duplicate_counter};
+use super::settle::Verdict;
+use super::shared::Core;
 use crate::clock::Timestamp;
 use crate::counters::Counter;
 use crate::error::{ErrorClass, ErrorSource, ProcessError};

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use super::pipeline::Core;
+use super::shared::Core;
 use crate::clock::Timestamp;
 use crate::counters::Counter;
 use crate::error::{ErrorSource, ProcessError};

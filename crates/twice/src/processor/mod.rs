@@ -158,6 +158,7 @@ mod options;
 mod pipeline;
 mod run;
 mod settle;
+mod shared;
 
 use crate::ids::MessageId;
 #[cfg(doc)]
@@ -165,12 +166,13 @@ use crate::{
     inbox::Claim, inbox::Inbox, outcome::Outcome, retry::RetryPolicy, transport::Transport,
 };
 
-pub(crate) use base::{Base, Hooks, Settings, processor_type, report_join, shared_options};
+pub(crate) use base::{Base, Hooks, Settings, processor_type, report_join};
 pub(crate) use lock::{LockState, keep_lock, renewal_margin};
+pub(crate) use options::shared_options;
 pub use options::{ProcessorOptions, redelivery_horizon};
-pub(crate) use pipeline::Core;
 pub use run::Processor;
 pub(crate) use settle::{Settlement, Settler};
+pub(crate) use shared::Core;
 
 /// How the processor protects a handler's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

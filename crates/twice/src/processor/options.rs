@@ -4,12 +4,122 @@
 use std::time::Duration;
 
 use super::Mode;
-use super::base::shared_options;
 use crate::clock::SharedClock;
 use crate::error::{ProcessorError, format_duration};
 use crate::inbox::Inbox;
 use crate::retry::RetryPolicy;
 use crate::transport::EntityInfo;
+
+/// The options [`ProcessorOptions`](ProcessorOptions) and
+/// [`SessionProcessorOptions`](crate::SessionProcessorOptions) share, with a setter and a
+/// getter each, written once; the docs of the setters that differ are passed in.
+macro_rules! shared_options {
+    (
+        $concurrency:ident / $get_concurrency:ident ($option:literal): $concurrency_doc:literal,
+        max_auto_lock_renewal_duration: $renewal:literal,
+        max_wait: $max_wait:literal,
+        retry: $retry:literal,
+        clock: $clock:literal $(,)?
+    ) => {
+        #[doc = $concurrency_doc]
+        #[must_use]
+        pub fn $concurrency(mut self, n: usize) -> Self {
+            self.$concurrency = n.max(1);
+            self
+        }
+
+        #[doc = concat!("As set by [`Self::", stringify!($concurrency), "`].")]
+        pub fn $get_concurrency(&self) -> usize {
+            self.$concurrency
+        }
+
+        /// The consumer name, the scope of the inbox key (default: the entity path, which
+        /// differs between the subscriptions of a topic, which share message ids).
+        #[must_use]
+        pub fn consumer(mut self, consumer: impl Into<String>) -> Self {
+            self.consumer = Some(consumer.into());
+            self
+        }
+
+        /// The consumer name set, if any.
+        pub fn get_consumer(&self) -> Option<&str> {
+            self.consumer.as_deref()
+        }
+
+        #[doc = $renewal]
+        #[must_use]
+        pub fn max_auto_lock_renewal_duration(mut self, d: std::time::Duration) -> Self {
+            self.max_auto_lock_renewal_duration = d;
+            self
+        }
+
+        /// How long a lock is renewed; see [`Self::max_auto_lock_renewal_duration`].
+        pub fn get_max_auto_lock_renewal_duration(&self) -> std::time::Duration {
+            self.max_auto_lock_renewal_duration
+        }
+
+        #[doc = $max_wait]
+        #[must_use]
+        pub fn max_wait(mut self, d: std::time::Duration) -> Self {
+            self.max_wait = d;
+            self
+        }
+
+        /// How long one receive call waits; see [`Self::max_wait`].
+        pub fn get_max_wait(&self) -> std::time::Duration {
+            self.max_wait
+        }
+
+        /// How the handler's work is protected (default [`Mode::Claim`](crate::Mode::Claim)).
+        #[must_use]
+        pub fn mode(mut self, mode: $crate::Mode) -> Self {
+            self.mode = mode;
+            self
+        }
+
+        /// How the handler's work is protected.
+        pub fn get_mode(&self) -> $crate::Mode {
+            self.mode
+        }
+
+        #[doc = $retry]
+        #[must_use]
+        pub fn retry(mut self, retry: $crate::RetryPolicy) -> Self {
+            self.retry = retry;
+            self
+        }
+
+        /// How failed attempts are retried.
+        pub fn get_retry(&self) -> &$crate::RetryPolicy {
+            &self.retry
+        }
+
+        #[doc = $clock]
+        #[must_use]
+        pub fn clock(mut self, clock: $crate::SharedClock) -> Self {
+            self.clock = clock;
+            self
+        }
+
+        /// The clock.
+        pub fn get_clock(&self) -> &$crate::SharedClock {
+            &self.clock
+        }
+
+        pub(crate) fn settings(&self) -> $crate::processor::Settings<'_> {
+            $crate::processor::Settings {
+                consumer: self.consumer.as_deref(),
+                concurrency: (self.$concurrency, $option),
+                mode: self.mode,
+                max_auto_lock_renewal_duration: self.max_auto_lock_renewal_duration,
+                max_wait: self.max_wait,
+                retry: &self.retry,
+                clock: &self.clock,
+            }
+        }
+    };
+}
+pub(crate) use shared_options;
 
 /// Options of a [`Processor`](super::Processor), with Service Bus names and defaults.
 #[derive(Clone, Debug)]

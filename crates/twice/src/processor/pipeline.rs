@@ -3,119 +3,23 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt as _;
 
 use super::lock::LockState;
-use super::settle::Settler;
-use super::{BusinessKeyDuplicate, HANDLER_FAILED, Hooks, MISSING_MESSAGE_ID, Mode};
-use crate::clock::{SharedClock, Stopwatch, Timestamp};
-use crate::counters::{Counter, Counters, InFlight};
+use super::settle::{Settler, Verdict};
+use super::shared::Core;
+use super::{HANDLER_FAILED, MISSING_MESSAGE_ID, Mode};
+use crate::clock::{Stopwatch, Timestamp};
+use crate::counters::{Counter, InFlight};
 use crate::error::{ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, ProcessError};
 use crate::handler::{Context, Handler};
-use crate::health::Activity;
-use crate::ids::MessageId;
 use crate::inbox::{Claim, Inbox};
 use crate::message::ReceivedMessage;
 use crate::outcome::Outcome;
-use crate::retry::{RetryPolicy, random_u64};
-use crate::trace_context;
+use crate::retry::random_u64;
 use crate::transport::{DeadLetterReason, Delivery};
-
-/// What every message's processing shares, whatever the transport.
-pub(crate) struct Core<I, H> {
-    pub(crate) inbox: Arc<I>,
-    pub(crate) handler: Arc<H>,
-    pub(crate) consumer: String,
-    /// The transport's [`messaging.system`](crate::Transport::system) and the entity path,
-    /// for the spans.
-    pub(crate) system: &'static str,
-    pub(crate) destination: String,
-    pub(crate) mode: Mode,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) clock: SharedClock,
-    pub(crate) counters: Arc<Counters>,
-    pub(crate) activity: Arc<Activity>,
-    pub(crate) hooks: Hooks,
-}
-
-impl<I, H> Core<I, H> {
-    /// The span of one message's processing, named and with fields as the OpenTelemetry
-    /// semantic conventions for messaging name them; its `twice.outcome` is recorded when the
-    /// message is settled, and its `trace_parent` is the sender's W3C trace context, if the
-    /// message carries a valid one.
-    pub(crate) fn span(&self, msg: &ReceivedMessage) -> tracing::Span {
-        let span = tracing::info_span!(
-            "twice.process",
-            "otel.name" = %format_args!("process {}", self.destination),
-            "otel.kind" = "consumer",
-            "messaging.system" = self.system,
-            "messaging.operation.type" = "process",
-            "messaging.operation.name" = "process",
-            "messaging.destination.name" = %self.destination,
-            "messaging.consumer.group.name" = %self.consumer,
-            "messaging.message.id" = %msg.message_id(),
-            "messaging.servicebus.message.delivery_count" = msg.delivery_count,
-            "trace_parent" = tracing::field::Empty,
-            "twice.outcome" = tracing::field::Empty,
-        );
-        if let Some(parent) = trace_context::extract(&msg.message) {
-            span.record("trace_parent", tracing::field::display(parent));
-            #[cfg(feature = "opentelemetry")]
-            trace_context::set_otel_parent(&span, &parent);
-        }
-        span
-    }
-
-    pub(crate) fn report(&self, error: ProcessError) {
-        match &self.hooks.on_error {
-            Some(f) => f(&error),
-            None => tracing::warn!(consumer = %self.consumer, "{error}"),
-        }
-    }
-
-    /// Logs a completion by business key at warn level and tells the hook.
-    pub(super) fn business_key_duplicate(&self, id: &MessageId, constraint: &str, at_commit: bool) {
-        tracing::warn!(
-            consumer = %self.consumer,
-            message_id = %id,
-            %constraint,
-            at_commit,
-            "completed as a duplicate by business key, without its work"
-        );
-        if let Some(f) = &self.hooks.on_business_key {
-            f(&BusinessKeyDuplicate {
-                message_id: id.clone(),
-                constraint: constraint.to_owned(),
-                at_commit,
-            });
-        }
-    }
-}
-
-/// What became of the handler's work.
-#[derive(Debug)]
-pub(super) enum Verdict {
-    /// Complete; the counter says why (work done, or which kind of duplicate).
-    Complete(Option<Counter>),
-    Abandon,
-    /// The handler failed and its immediate retries are used up: redeliver later if the
-    /// policy says so, else abandon.
-    Retry,
-    DeadLetter(DeadLetterReason),
-    Defer,
-    /// The lock was lost: nothing to settle.
-    LockLost,
-}
-
-impl Verdict {
-    /// Whether the broker is to be told: all but a lost lock.
-    pub(super) fn settles(&self) -> bool {
-        !matches!(self, Self::LockLost)
-    }
-}
 
 /// What one attempt came to.
 #[derive(Debug)]

@@ -4,11 +4,33 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::pipeline::{Core, Verdict};
+use super::shared::Core;
 use crate::counters::Counter;
 use crate::error::{ErrorSource, ProcessError};
 use crate::message::Properties;
 use crate::transport::{DeadLetterReason, Delivery, Transport, TransportError};
+
+/// What became of the handler's work.
+#[derive(Debug)]
+pub(crate) enum Verdict {
+    /// Complete; the counter says why (work done, or which kind of duplicate).
+    Complete(Option<Counter>),
+    Abandon,
+    /// The handler failed and its immediate retries are used up: redeliver later if the
+    /// policy says so, else abandon.
+    Retry,
+    DeadLetter(DeadLetterReason),
+    Defer,
+    /// The lock was lost: nothing to settle.
+    LockLost,
+}
+
+impl Verdict {
+    /// Whether the broker is to be told: all but a lost lock.
+    pub(crate) fn settles(&self) -> bool {
+        !matches!(self, Self::LockLost)
+    }
+}
 
 /// How a message is settled.
 #[derive(Debug)]

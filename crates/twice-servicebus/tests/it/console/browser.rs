@@ -33,7 +33,7 @@ const CONFIG: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Que
 /// `stop` is sent.
 async fn start() -> (SocketAddr, SocketAddr, Broker, oneshot::Sender<()>) {
     let config = Config::from_json(CONFIG).unwrap();
-    let broker = Broker::open(BrokerOptions::in_memory().with_config(config)).await.unwrap();
+    let broker = Broker::open(BrokerOptions::in_memory().config(config)).await.unwrap();
     let options = ServerOptions::new()
         .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
         .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));

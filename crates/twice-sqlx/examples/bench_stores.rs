@@ -1,7 +1,7 @@
 //! Throughput of the processor on the embedded broker, with the inbox claim and without it
 //! (the same handler in [`Mode::NaturallyIdempotent`]), on SQLite and PostgreSQL.
 //!
-//! Usage: `bench_processor <sqlite|postgres> <messages> <max concurrent calls> <claim|noclaim>`
+//! Usage: `bench_stores <sqlite|postgres> <messages> <max concurrent calls> <claim|noclaim>`
 //! (PostgreSQL: database `test` on 127.0.0.1:5432). Prints one line of results.
 
 use std::time::Duration;
@@ -88,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let [_, store, n, calls, mode] = args.as_slice() else {
         anyhow::bail!(
-            "usage: bench_processor <sqlite|postgres> <messages> <calls> <claim|noclaim>"
+            "usage: bench_stores <sqlite|postgres> <messages> <calls> <claim|noclaim>"
         );
     };
     let n: u64 = n.parse()?;
