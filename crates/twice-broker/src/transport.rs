@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use twice::{
-    DeadLetterReason, EntityInfo, LockToken, Properties, ReceivedMessage, SessionId,
+    DeadLetterReason, EntityInfo, LockToken, Properties, Receive, ReceivedMessage, SessionId,
     SessionReceiver, SessionTransport, Timestamp, Transport, TransportError,
 };
 
@@ -80,16 +80,8 @@ fn token(d: &ReceivedMessage) -> Result<LockToken, TransportError> {
     d.lock_token.ok_or(TransportError::LockLost)
 }
 
-impl Transport for Receiver {
+impl Receive for Receiver {
     type Delivery = ReceivedMessage;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.info
-    }
-
-    fn system(&self) -> &'static str {
-        "twice"
-    }
 
     /// # Cancel safety
     ///
@@ -128,6 +120,16 @@ impl Transport for Receiver {
 
     async fn defer(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
         Ok(self.broker.defer_in(&self.info.path, token(delivery)?, Properties::new()).await?)
+    }
+}
+
+impl Transport for Receiver {
+    fn entity(&self) -> &EntityInfo {
+        &self.info
+    }
+
+    fn system(&self) -> &'static str {
+        "twice"
     }
 
     async fn release(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
@@ -179,16 +181,8 @@ impl SessionTransport for Receiver {
     }
 }
 
-impl SessionReceiver for Session {
+impl Receive for Session {
     type Delivery = ReceivedMessage;
-
-    fn session_id(&self) -> &SessionId {
-        Session::session_id(self)
-    }
-
-    fn locked_until(&self) -> Timestamp {
-        Session::locked_until(self)
-    }
 
     async fn receive(
         &self,
@@ -220,6 +214,16 @@ impl SessionReceiver for Session {
 
     async fn defer(&self, delivery: &ReceivedMessage) -> Result<(), TransportError> {
         Ok(Session::defer(self, token(delivery)?, Properties::new()).await?)
+    }
+}
+
+impl SessionReceiver for Session {
+    fn session_id(&self) -> &SessionId {
+        Session::session_id(self)
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        Session::locked_until(self)
     }
 
     async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {

@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), twice::TransportError> {
-//! use twice::{Message, Transport as _};
+//! use twice::{Message, Receive as _, Transport as _};
 //! use twice_nats::{NatsOptions, NatsTransport};
 //!
 //! let orders = NatsTransport::connect(NatsOptions::new("nats://127.0.0.1:4222", "ORDERS")).await?;
@@ -84,8 +84,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use futures::StreamExt as _;
 use twice::{
-    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
-    SharedClock, Timestamp, Transport, TransportError,
+    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, Receive,
+    ReceivedMessage, SharedClock, Timestamp, Transport, TransportError,
 };
 
 /// The dead-letter reason of a message whose deliveries reached MaxDeliveryCount.
@@ -642,16 +642,8 @@ fn raw_sequence(m: &ReceivedMessage) -> u64 {
     u64::try_from(m.sequence_number.get()).unwrap_or_default()
 }
 
-impl Transport for NatsTransport {
+impl Receive for NatsTransport {
     type Delivery = NatsDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.inner.info
-    }
-
-    fn system(&self) -> &'static str {
-        "nats"
-    }
 
     /// # Cancel safety
     ///
@@ -709,6 +701,16 @@ impl Transport for NatsTransport {
 
     async fn defer(&self, _delivery: &NatsDelivery) -> Result<(), TransportError> {
         Err(TransportError::Unsupported("defer on NATS JetStream"))
+    }
+}
+
+impl Transport for NatsTransport {
+    fn entity(&self) -> &EntityInfo {
+        &self.inner.info
+    }
+
+    fn system(&self) -> &'static str {
+        "nats"
     }
 
     async fn release(&self, delivery: &NatsDelivery) -> Result<(), TransportError> {

@@ -2,7 +2,7 @@
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), twice::TransportError> {
-//! use twice::{Message, Transport as _};
+//! use twice::{Message, Receive as _, Transport as _};
 //! use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport};
 //!
 //! let orders = RabbitMqTransport::connect(
@@ -93,8 +93,8 @@ use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 use twice::{
-    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
-    SharedClock, Timestamp, Transport, TransportError,
+    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, Receive,
+    ReceivedMessage, SharedClock, Timestamp, Transport, TransportError,
 };
 
 use crate::lock::Lock;
@@ -681,16 +681,8 @@ impl RabbitMqTransport {
     }
 }
 
-impl Transport for RabbitMqTransport {
+impl Receive for RabbitMqTransport {
     type Delivery = RabbitMqDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.inner.info
-    }
-
-    fn system(&self) -> &'static str {
-        "rabbitmq"
-    }
 
     /// # Cancel safety
     ///
@@ -796,6 +788,16 @@ impl Transport for RabbitMqTransport {
 
     async fn defer(&self, _delivery: &RabbitMqDelivery) -> Result<(), TransportError> {
         Err(TransportError::Unsupported("defer on RabbitMQ"))
+    }
+}
+
+impl Transport for RabbitMqTransport {
+    fn entity(&self) -> &EntityInfo {
+        &self.inner.info
+    }
+
+    fn system(&self) -> &'static str {
+        "rabbitmq"
     }
 
     async fn release(&self, delivery: &RabbitMqDelivery) -> Result<(), TransportError> {

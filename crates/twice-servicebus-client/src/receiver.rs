@@ -613,16 +613,8 @@ impl Receiver {
     }
 }
 
-impl twice::Transport for Receiver {
+impl twice::Receive for Receiver {
     type Delivery = ServiceBusDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.shared.info
-    }
-
-    fn system(&self) -> &'static str {
-        "servicebus"
-    }
 
     async fn receive(
         &self,
@@ -654,6 +646,16 @@ impl twice::Transport for Receiver {
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
         Ok(self.defer_message(d).await?)
+    }
+}
+
+impl twice::Transport for Receiver {
+    fn entity(&self) -> &EntityInfo {
+        &self.shared.info
+    }
+
+    fn system(&self) -> &'static str {
+        "servicebus"
     }
 
     async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
@@ -871,16 +873,8 @@ impl twice::SessionTransport for SessionClient {
     }
 }
 
-impl twice::Transport for SessionClient {
+impl twice::Receive for SessionClient {
     type Delivery = ServiceBusDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.receiver.shared.info
-    }
-
-    fn system(&self) -> &'static str {
-        "servicebus"
-    }
 
     async fn receive(
         &self,
@@ -893,11 +887,11 @@ impl twice::Transport for SessionClient {
     // Settling through the entity (not the session) is what the receiver does; a message of a
     // session is settled through its `SessionReceiver`.
     async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        twice::Transport::complete(&self.receiver, d).await
+        twice::Receive::complete(&self.receiver, d).await
     }
 
     async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
-        twice::Transport::abandon(&self.receiver, d, p).await
+        twice::Receive::abandon(&self.receiver, d, p).await
     }
 
     async fn dead_letter(
@@ -905,11 +899,21 @@ impl twice::Transport for SessionClient {
         d: &ServiceBusDelivery,
         r: DeadLetterReason,
     ) -> Result<(), TransportError> {
-        twice::Transport::dead_letter(&self.receiver, d, r).await
+        twice::Receive::dead_letter(&self.receiver, d, r).await
     }
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        twice::Transport::defer(&self.receiver, d).await
+        twice::Receive::defer(&self.receiver, d).await
+    }
+}
+
+impl twice::Transport for SessionClient {
+    fn entity(&self) -> &EntityInfo {
+        &self.receiver.shared.info
+    }
+
+    fn system(&self) -> &'static str {
+        "servicebus"
     }
 
     async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
@@ -923,16 +927,8 @@ impl twice::Transport for SessionClient {
     }
 }
 
-impl twice::SessionReceiver for SessionReceiver {
+impl twice::Receive for SessionReceiver {
     type Delivery = ServiceBusDelivery;
-
-    fn session_id(&self) -> &SessionId {
-        &self.hold.session_id
-    }
-
-    fn locked_until(&self) -> Timestamp {
-        self.session_locked_until()
-    }
 
     async fn receive(
         &self,
@@ -964,6 +960,16 @@ impl twice::SessionReceiver for SessionReceiver {
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
         Ok(self.settle(d, Settle::Defer).await?)
+    }
+}
+
+impl twice::SessionReceiver for SessionReceiver {
+    fn session_id(&self) -> &SessionId {
+        &self.hold.session_id
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        self.session_locked_until()
     }
 
     async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {

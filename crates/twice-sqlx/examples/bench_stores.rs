@@ -87,9 +87,7 @@ macro_rules! bench {
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let [_, store, n, calls, mode] = args.as_slice() else {
-        anyhow::bail!(
-            "usage: bench_stores <sqlite|postgres> <messages> <calls> <claim|noclaim>"
-        );
+        anyhow::bail!("usage: bench_stores <sqlite|postgres> <messages> <calls> <claim|noclaim>");
     };
     let n: u64 = n.parse()?;
     let calls: usize = calls.parse()?;

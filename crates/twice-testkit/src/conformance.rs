@@ -28,8 +28,8 @@ use std::time::Duration;
 use sqlx::{MySql, Postgres, Sqlite};
 use twice::{
     CounterSnapshot, DeadLetterReason, Delivery, EntityInfo, HandlerError, Inbox, Message,
-    MessageId, Outcome, Processor, ProcessorOptions, Properties, ReceivedMessage, Timestamp,
-    Transport, TransportError, handler_fn,
+    MessageId, Outcome, Processor, ProcessorOptions, Properties, Receive, ReceivedMessage,
+    Timestamp, Transport, TransportError, handler_fn,
 };
 use twice_sqlx::{InboxOptions, SqlxInbox};
 
@@ -731,16 +731,8 @@ struct LoseFirstCompletion<T> {
     lost: Mutex<std::collections::HashSet<MessageId>>,
 }
 
-impl<T: Transport> Transport for LoseFirstCompletion<T> {
+impl<T: Transport> Receive for LoseFirstCompletion<T> {
     type Delivery = T::Delivery;
-
-    fn entity(&self) -> &EntityInfo {
-        self.inner.entity()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
 
     async fn receive(&self, n: usize, wait: Duration) -> Result<Vec<T::Delivery>, TransportError> {
         self.inner.receive(n, wait).await
@@ -776,6 +768,16 @@ impl<T: Transport> Transport for LoseFirstCompletion<T> {
 
     async fn defer(&self, d: &T::Delivery) -> Result<(), TransportError> {
         self.inner.defer(d).await
+    }
+}
+
+impl<T: Transport> Transport for LoseFirstCompletion<T> {
+    fn entity(&self) -> &EntityInfo {
+        self.inner.entity()
+    }
+
+    fn system(&self) -> &'static str {
+        self.inner.system()
     }
 
     async fn release(&self, d: &T::Delivery) -> Result<(), TransportError> {

@@ -8,8 +8,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::mysql::MySqlConnectOptions;
+use sqlx::postgres::PgConnectOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{ConnectOptions, Connection};
 
@@ -23,19 +23,85 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
-/// A fresh PostgreSQL database, dropped (with its connections) on `Drop`.
-pub struct PgDatabase {
-    name: String,
-    options: PgConnectOptions,
+/// A database server the tests create databases on: PostgreSQL or MariaDB.
+pub trait Server: sqlx::Database {
+    /// The server's name in messages.
+    const SERVER: &'static str;
+    /// The URL every test connects to.
+    const URL: &'static str;
+
+    /// The options of database `name` on the server of `admin`.
+    fn with_database(admin: ConnectOptionsOf<Self>, name: &str) -> ConnectOptionsOf<Self>;
+
+    /// The statement that drops database `name`, with its connections.
+    fn drop_database(name: &str) -> String;
+
+    /// Runs `sql` on the server, connected as [`Server::URL`] says.
+    fn run(sql: String) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
-impl fmt::Debug for PgDatabase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgDatabase").field("name", &self.name).finish()
+/// The connection options of a database type.
+pub type ConnectOptionsOf<DB> = <<DB as sqlx::Database>::Connection as Connection>::Options;
+
+impl Server for sqlx::Postgres {
+    const SERVER: &'static str = "PostgreSQL";
+    const URL: &'static str = POSTGRES_URL;
+
+    fn with_database(admin: PgConnectOptions, name: &str) -> PgConnectOptions {
+        admin.database(name)
+    }
+
+    fn drop_database(name: &str) -> String {
+        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    }
+
+    async fn run(sql: String) -> Result<(), sqlx::Error> {
+        let mut conn = PgConnectOptions::from_str(Self::URL)?.connect().await?;
+        sqlx::query(&sql).execute(&mut conn).await?;
+        conn.close().await
     }
 }
 
-impl PgDatabase {
+impl Server for sqlx::MySql {
+    const SERVER: &'static str = "MariaDB";
+    const URL: &'static str = MARIADB_URL;
+
+    fn with_database(admin: MySqlConnectOptions, name: &str) -> MySqlConnectOptions {
+        admin.database(name)
+    }
+
+    fn drop_database(name: &str) -> String {
+        format!("DROP DATABASE IF EXISTS {name}")
+    }
+
+    async fn run(sql: String) -> Result<(), sqlx::Error> {
+        let mut conn = MySqlConnectOptions::from_str(Self::URL)?.connect().await?;
+        sqlx::query(&sql).execute(&mut conn).await?;
+        conn.close().await
+    }
+}
+
+/// A fresh database on a [`Server`], dropped (with its connections) on `Drop`.
+pub struct ServerDatabase<DB: Server> {
+    name: String,
+    options: ConnectOptionsOf<DB>,
+}
+
+/// A fresh PostgreSQL database.
+pub type PgDatabase = ServerDatabase<sqlx::Postgres>;
+/// A fresh MariaDB database.
+pub type MariaDatabase = ServerDatabase<sqlx::MySql>;
+
+impl<DB: Server> fmt::Debug for ServerDatabase<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerDatabase")
+            .field("server", &DB::SERVER)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl<DB: Server> ServerDatabase<DB> {
     /// Creates a database named after `prefix` plus a random suffix.
     ///
     /// # Errors
@@ -43,11 +109,9 @@ impl PgDatabase {
     /// When the server is unreachable.
     pub async fn create(prefix: &str) -> Result<Self, sqlx::Error> {
         let name = unique_name(prefix);
-        let admin = PgConnectOptions::from_str(POSTGRES_URL)?;
-        let mut conn = admin.connect().await?;
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-        conn.close().await?;
-        Ok(Self { options: admin.database(&name), name })
+        DB::run(format!("CREATE DATABASE {name}")).await?;
+        let admin = ConnectOptionsOf::<DB>::from_str(DB::URL)?;
+        Ok(Self { options: DB::with_database(admin, &name), name })
     }
 
     /// The database name.
@@ -56,7 +120,7 @@ impl PgDatabase {
     }
 
     /// Connection options for the database.
-    pub fn options(&self) -> PgConnectOptions {
+    pub fn options(&self) -> ConnectOptionsOf<DB> {
         self.options.clone()
     }
 
@@ -65,8 +129,8 @@ impl PgDatabase {
     /// # Errors
     ///
     /// When the server is unreachable.
-    pub async fn pool(&self, max: u32) -> Result<PgPool, sqlx::Error> {
-        PgPoolOptions::new()
+    pub async fn pool(&self, max: u32) -> Result<sqlx::Pool<DB>, sqlx::Error> {
+        sqlx::pool::PoolOptions::<DB>::new()
             .max_connections(max)
             .acquire_timeout(Duration::from_secs(60))
             .connect_with(self.options())
@@ -74,76 +138,10 @@ impl PgDatabase {
     }
 }
 
-impl Drop for PgDatabase {
+impl<DB: Server> Drop for ServerDatabase<DB> {
     fn drop(&mut self) {
-        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        crate::run_cleanup("test database", move || async move {
-            let mut conn = PgConnectOptions::from_str(POSTGRES_URL)?.connect().await?;
-            sqlx::query(&sql).execute(&mut conn).await?;
-            conn.close().await
-        });
-    }
-}
-
-/// A fresh MariaDB database, dropped on `Drop`.
-pub struct MariaDatabase {
-    name: String,
-    options: MySqlConnectOptions,
-}
-
-impl fmt::Debug for MariaDatabase {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MariaDatabase").field("name", &self.name).finish()
-    }
-}
-
-impl MariaDatabase {
-    /// Creates a database named after `prefix` plus a random suffix.
-    ///
-    /// # Errors
-    ///
-    /// When the server is unreachable.
-    pub async fn create(prefix: &str) -> Result<Self, sqlx::Error> {
-        let name = unique_name(prefix);
-        let admin = MySqlConnectOptions::from_str(MARIADB_URL)?;
-        let mut conn = admin.connect().await?;
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
-        conn.close().await?;
-        Ok(Self { options: admin.database(&name), name })
-    }
-
-    /// The database name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Connection options for the database.
-    pub fn options(&self) -> MySqlConnectOptions {
-        self.options.clone()
-    }
-
-    /// A pool of up to `max` connections.
-    ///
-    /// # Errors
-    ///
-    /// When the server is unreachable.
-    pub async fn pool(&self, max: u32) -> Result<MySqlPool, sqlx::Error> {
-        MySqlPoolOptions::new()
-            .max_connections(max)
-            .acquire_timeout(Duration::from_secs(60))
-            .connect_with(self.options())
-            .await
-    }
-}
-
-impl Drop for MariaDatabase {
-    fn drop(&mut self) {
-        let sql = format!("DROP DATABASE IF EXISTS {}", self.name);
-        crate::run_cleanup("test database", move || async move {
-            let mut conn = MySqlConnectOptions::from_str(MARIADB_URL)?.connect().await?;
-            sqlx::query(&sql).execute(&mut conn).await?;
-            conn.close().await
-        });
+        let sql = DB::drop_database(&self.name);
+        crate::run_cleanup("test database", move || DB::run(sql));
     }
 }
 

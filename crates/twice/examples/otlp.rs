@@ -27,8 +27,8 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use twice::trace_context::{inject, of_span};
 use twice::{
     BoxFuture, Claim, Context, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId,
-    Outcome, Processor, ProcessorOptions, Properties, ReceivedMessage, SequenceNumber, SharedClock,
-    Timestamp, Transport, TransportError, handler_fn,
+    Outcome, Processor, ProcessorOptions, Properties, Receive, ReceivedMessage, SequenceNumber,
+    SharedClock, Timestamp, Transport, TransportError, handler_fn,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -118,16 +118,8 @@ impl Queue {
     }
 }
 
-impl Transport for Queue {
+impl Receive for Queue {
     type Delivery = ReceivedMessage;
-
-    fn entity(&self) -> &EntityInfo {
-        self.entity.get_or_init(|| EntityInfo::new("orders"))
-    }
-
-    fn system(&self) -> &'static str {
-        "memory"
-    }
 
     async fn receive(
         &self,
@@ -163,6 +155,16 @@ impl Transport for Queue {
 
     async fn defer(&self, _: &ReceivedMessage) -> Result<(), TransportError> {
         self.settle()
+    }
+}
+
+impl Transport for Queue {
+    fn entity(&self) -> &EntityInfo {
+        self.entity.get_or_init(|| EntityInfo::new("orders"))
+    }
+
+    fn system(&self) -> &'static str {
+        "memory"
     }
 
     async fn release(&self, _: &ReceivedMessage) -> Result<(), TransportError> {

@@ -169,6 +169,6 @@ pub use processor::{
 pub use retry::{REDELIVERY_COUNT_PROPERTY, RetryPolicy, redelivery_count};
 pub use session::{SessionProcessor, SessionProcessorOptions};
 pub use transport::{
-    DeadLetterReason, Delivery, EntityInfo, SessionReceiver, SessionTransport, Transport,
+    DeadLetterReason, Delivery, EntityInfo, Receive, SessionReceiver, SessionTransport, Transport,
     TransportError,
 };

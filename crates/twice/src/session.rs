@@ -33,7 +33,9 @@ use crate::processor::{
     report_join, shared_options,
 };
 use crate::retry::RetryPolicy;
-use crate::transport::{Delivery as _, SessionReceiver, SessionTransport, TransportError};
+use crate::transport::{
+    Delivery as _, Receive as _, SessionReceiver, SessionTransport, TransportError,
+};
 
 /// Options of a [`SessionProcessor`], with Service Bus names and defaults.
 #[derive(Clone, Debug)]

@@ -134,25 +134,18 @@ impl Delivery for ReceivedMessage {
     }
 }
 
-/// A receiver on one entity of a broker, with peek-lock settlement.
+/// What a receiver of either kind does: receive messages locked for it, and settle them. An
+/// entity's receiver ([`Transport`]) and a session's ([`SessionReceiver`]) build on it, as
+/// Service Bus's session receiver extends its receiver.
 ///
 /// Implementations are cheap to share (`&self` everywhere) and safe to call from many tasks.
-pub trait Transport: Send + Sync + fmt::Debug + 'static {
+pub trait Receive: Send + Sync + fmt::Debug + 'static {
     /// The handle of one delivery.
     type Delivery: Delivery;
 
-    /// The entity this transport receives from.
-    fn entity(&self) -> &EntityInfo;
-
-    /// The messaging system, as the OpenTelemetry semantic conventions name it in
-    /// `messaging.system` (`servicebus`, `rabbitmq`, `nats`, ...): recorded on the span of
-    /// every message. The default is `unknown`.
-    fn system(&self) -> &'static str {
-        "unknown"
-    }
-
-    /// Receives up to `max_messages` messages, each locked for this receiver. Waits up to
-    /// `max_wait` for the first one; returns an empty vector if none came.
+    /// Receives up to `max_messages` messages, each locked for this receiver (of a session:
+    /// that session's, in order). Waits up to `max_wait` for the first one; returns an empty
+    /// vector if none came.
     ///
     /// # Cancel safety
     ///
@@ -190,6 +183,19 @@ pub trait Transport: Send + Sync + fmt::Debug + 'static {
         &self,
         delivery: &Self::Delivery,
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
+}
+
+/// A receiver on one entity of a broker, with peek-lock settlement.
+pub trait Transport: Receive {
+    /// The entity this transport receives from.
+    fn entity(&self) -> &EntityInfo;
+
+    /// The messaging system, as the OpenTelemetry semantic conventions name it in
+    /// `messaging.system` (`servicebus`, `rabbitmq`, `nats`, ...): recorded on the span of
+    /// every message. The default is `unknown`.
+    fn system(&self) -> &'static str {
+        "unknown"
+    }
 
     /// Releases the lock without counting a delivery (the message was never handed to a
     /// handler).
@@ -254,53 +260,13 @@ pub trait SessionTransport: Transport {
 }
 
 /// A session held by this receiver. Dropping it without [`SessionReceiver::close`] lets the
-/// session lock expire.
-pub trait SessionReceiver: Send + Sync + fmt::Debug + 'static {
-    /// The handle of one delivery.
-    type Delivery: Delivery;
-
+/// session lock expire. What it receives are that session's messages, in order.
+pub trait SessionReceiver: Receive {
     /// The session id.
     fn session_id(&self) -> &SessionId;
 
     /// Until when the session lock holds, as of the last accept or renewal.
     fn locked_until(&self) -> Timestamp;
-
-    /// Receives up to `max_messages` of this session's messages, in order.
-    ///
-    /// # Cancel safety
-    ///
-    /// As [`Transport::receive`].
-    fn receive(
-        &self,
-        max_messages: usize,
-        max_wait: Duration,
-    ) -> impl Future<Output = Result<Vec<Self::Delivery>, TransportError>> + Send;
-
-    /// Completes a message of this session.
-    fn complete(
-        &self,
-        delivery: &Self::Delivery,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send;
-
-    /// Abandons a message of this session.
-    fn abandon(
-        &self,
-        delivery: &Self::Delivery,
-        properties: Properties,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send;
-
-    /// Dead-letters a message of this session.
-    fn dead_letter(
-        &self,
-        delivery: &Self::Delivery,
-        reason: DeadLetterReason,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send;
-
-    /// Defers a message of this session.
-    fn defer(
-        &self,
-        delivery: &Self::Delivery,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send;
 
     /// Renews the session lock; returns the new locked-until time.
     fn renew_session_lock(&self) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;

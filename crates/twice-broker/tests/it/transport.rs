@@ -1,6 +1,7 @@
 //! The in-process `twice::Transport`, as the idempotent processor uses it.
 
 use std::time::Duration;
+use twice::Receive;
 
 use twice::{
     DeadLetterReason, ManualClock, Message, SessionReceiver, SessionTransport, Transport,
@@ -114,11 +115,11 @@ async fn sessions_deliver_in_order_to_one_holder() {
     let err = rx.accept_session(&"even".into()).await.unwrap_err();
     assert!(matches!(err, TransportError::Invalid(_)), "held by another receiver: {err:?}");
 
-    let evens = SessionReceiver::receive(&first, 10, NOW).await.unwrap();
+    let evens = Receive::receive(&first, 10, NOW).await.unwrap();
     let bodies: Vec<_> = evens.iter().map(|m| m.body().clone()).collect();
     assert_eq!(bodies, ["0", "2", "4"]);
     for m in &evens {
-        SessionReceiver::complete(&first, m).await.unwrap();
+        Receive::complete(&first, m).await.unwrap();
     }
     SessionReceiver::set_state(&first, Some("done".into())).await.unwrap();
     assert_eq!(SessionReceiver::get_state(&first).await.unwrap(), Some("done".into()));
@@ -129,11 +130,11 @@ async fn sessions_deliver_in_order_to_one_holder() {
 
     // The odd session's lock expires: its messages go to the next holder.
     clock.advance(Duration::from_secs(61));
-    let err = SessionReceiver::receive(&second, 10, NOW).await.unwrap_err();
+    let err = Receive::receive(&second, 10, NOW).await.unwrap_err();
     assert!(err.is_lock_lost(), "{err:?}");
     let next = rx.accept_next_session(NOW).await.unwrap().expect("odd is free again");
     assert_eq!(next.session_id().as_str(), "odd");
-    assert_eq!(SessionReceiver::receive(&next, 10, NOW).await.unwrap().len(), 2);
+    assert_eq!(Receive::receive(&next, 10, NOW).await.unwrap().len(), 2);
 }
 
 #[tokio::test]

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use sqlx::Postgres;
 use twice::{
     DeadLetterReason, EntityInfo, HandlerError, Outcome, Processor, ProcessorOptions, Properties,
-    ResultExt as _, SharedClock, Timestamp, Transport, TransportError, json_fn,
+    Receive, ResultExt as _, SharedClock, Timestamp, Transport, TransportError, json_fn,
 };
 use twice_servicebus_client::{Receiver, ReceiverOptions, ServiceBusClient, ServiceBusDelivery};
 use twice_sqlx::{InboxOptions, SqlxInbox};
@@ -85,16 +85,8 @@ fn id_of(d: &ServiceBusDelivery) -> &str {
     d.message().message_id().as_str()
 }
 
-impl Transport for Recording {
+impl Receive for Recording {
     type Delivery = ServiceBusDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        self.inner.entity()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
 
     async fn receive(
         &self,
@@ -134,6 +126,16 @@ impl Transport for Recording {
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
         self.inner.defer(d).await
+    }
+}
+
+impl Transport for Recording {
+    fn entity(&self) -> &EntityInfo {
+        self.inner.entity()
+    }
+
+    fn system(&self) -> &'static str {
+        self.inner.system()
     }
 
     async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {

@@ -13,8 +13,8 @@ use std::time::Duration;
 use crate::dlq::admin::{AdminClient, AdminUrl};
 use anyhow::Context as _;
 use twice::{
-    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, ReceivedMessage,
-    SequenceNumber, SharedClock, Timestamp, Transport, TransportError,
+    DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, Receive,
+    ReceivedMessage, SequenceNumber, SharedClock, Timestamp, Transport, TransportError,
 };
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions, Receiver, SendOutcome};
@@ -561,26 +561,8 @@ async fn drain<T: Transport>(t: &T, note: &mut impl FnMut(&ReceivedMessage)) -> 
     }
 }
 
-impl Transport for DemoTransport {
+impl Receive for DemoTransport {
     type Delivery = DemoDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        match self {
-            Self::Embedded { receiver, .. } => receiver.entity(),
-            Self::RabbitMq(t) => t.entity(),
-            Self::Nats(t) => t.entity(),
-            Self::ServiceBus(q) => q.receiver.entity(),
-        }
-    }
-
-    fn system(&self) -> &'static str {
-        match self {
-            Self::Embedded { receiver, .. } => receiver.system(),
-            Self::RabbitMq(t) => t.system(),
-            Self::Nats(t) => t.system(),
-            Self::ServiceBus(q) => q.receiver.system(),
-        }
-    }
 
     /// # Cancel safety
     ///
@@ -658,6 +640,26 @@ impl Transport for DemoTransport {
             (Self::Nats(t), DemoDelivery::Nats(d)) => t.defer(d).await,
             (Self::ServiceBus(q), DemoDelivery::ServiceBus(d)) => q.receiver.defer(d).await,
             _ => Err(mismatch()),
+        }
+    }
+}
+
+impl Transport for DemoTransport {
+    fn entity(&self) -> &EntityInfo {
+        match self {
+            Self::Embedded { receiver, .. } => receiver.entity(),
+            Self::RabbitMq(t) => t.entity(),
+            Self::Nats(t) => t.entity(),
+            Self::ServiceBus(q) => q.receiver.entity(),
+        }
+    }
+
+    fn system(&self) -> &'static str {
+        match self {
+            Self::Embedded { receiver, .. } => receiver.system(),
+            Self::RabbitMq(t) => t.system(),
+            Self::Nats(t) => t.system(),
+            Self::ServiceBus(q) => q.receiver.system(),
         }
     }
 

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use twice::{
-    DeadLetterReason, Delivery as _, EntityInfo, MessageId, Properties, ReceivedMessage, Timestamp,
-    Transport, TransportError,
+    DeadLetterReason, Delivery as _, EntityInfo, MessageId, Properties, Receive, ReceivedMessage,
+    Timestamp, Transport, TransportError,
 };
 
 use super::broker::{DemoDelivery, DemoTransport};
@@ -82,16 +82,8 @@ impl FaultyReceiver {
     }
 }
 
-impl Transport for FaultyReceiver {
+impl Receive for FaultyReceiver {
     type Delivery = DemoDelivery;
-
-    fn entity(&self) -> &EntityInfo {
-        self.inner.entity()
-    }
-
-    fn system(&self) -> &'static str {
-        self.inner.system()
-    }
 
     async fn receive(
         &self,
@@ -128,6 +120,16 @@ impl Transport for FaultyReceiver {
 
     async fn defer(&self, d: &DemoDelivery) -> Result<(), TransportError> {
         self.inner.defer(d).await
+    }
+}
+
+impl Transport for FaultyReceiver {
+    fn entity(&self) -> &EntityInfo {
+        self.inner.entity()
+    }
+
+    fn system(&self) -> &'static str {
+        self.inner.system()
     }
 
     async fn release(&self, d: &DemoDelivery) -> Result<(), TransportError> {

@@ -11,8 +11,8 @@ use sqlx::{Pool, Transaction};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use twice::{
-    Context, Delivery as _, HandlerError, Outcome, Properties, ReceivedMessage, ResultExt,
-    SharedClock, Transport,
+    Context, Delivery as _, HandlerError, Outcome, Properties, Receive, ReceivedMessage, ResultExt,
+    SharedClock,
 };
 
 use super::broker::DemoDelivery;

@@ -319,7 +319,7 @@ async fn resubmit_filters_on_a_property_and_combines_filters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resubmit_to_a_session_enabled_queue_keeps_the_session_id() {
-    use twice::SessionReceiver as _;
+    use twice::{Receive as _, SessionReceiver as _};
     let s = Serve::start();
     let client = s.client();
     let cart = twice::SessionId::new("cart-7");

@@ -1,6 +1,7 @@
 //! The NATS JetStream transport against the NATS server on 127.0.0.1:4222.
 
 use std::time::Duration;
+use twice::Receive as _;
 
 use twice::{DeadLetterReason, Delivery as _, Message, Properties, Transport, TransportError};
 use twice_nats::{NatsDelivery, NatsOptions, NatsTransport};

@@ -1,6 +1,7 @@
 //! The RabbitMQ transport against the RabbitMQ server on 127.0.0.1:5672.
 
 use std::time::Duration;
+use twice::Receive as _;
 
 use twice::{
     DeadLetterReason, Delivery as _, ManualClock, Message, Properties, SharedClock, Transport,

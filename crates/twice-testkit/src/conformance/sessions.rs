@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use sqlx::Postgres;
 use twice::{
-    Delivery as _, HandlerError, Message, Outcome, Processor, SessionProcessor,
+    Delivery as _, HandlerError, Message, Outcome, Processor, Receive as _, SessionProcessor,
     SessionProcessorOptions, SessionReceiver as _, SessionTransport, TransportError, handler_fn,
 };
 use twice_sqlx::{InboxOptions, SqlxInbox};

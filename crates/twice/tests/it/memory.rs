@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use twice::{
     Claim, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId, Properties,
-    ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
+    Receive, ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
 };
 
 type Key = (String, MessageId);
@@ -329,16 +329,8 @@ impl MemoryTransport {
     }
 }
 
-impl Transport for MemoryTransport {
+impl Receive for MemoryTransport {
     type Delivery = ReceivedMessage;
-
-    fn entity(&self) -> &EntityInfo {
-        &self.entity
-    }
-
-    fn system(&self) -> &'static str {
-        "memory"
-    }
 
     async fn receive(
         &self,
@@ -397,6 +389,16 @@ impl Transport for MemoryTransport {
     async fn defer(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
         self.record(d, Settled::Defer);
         Ok(())
+    }
+}
+
+impl Transport for MemoryTransport {
+    fn entity(&self) -> &EntityInfo {
+        &self.entity
+    }
+
+    fn system(&self) -> &'static str {
+        "memory"
     }
 
     async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
