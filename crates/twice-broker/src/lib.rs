@@ -41,7 +41,6 @@
 
 mod broker;
 pub mod config;
-pub mod dead_letter_reasons;
 mod engine;
 mod error;
 mod options;
@@ -58,6 +57,8 @@ pub use broker::{
 pub use error::Error;
 pub use options::BrokerOptions;
 pub use session::Session;
+/// The dead-letter reasons, the broker's among them ([`dead_letter_reasons::BROKER`]).
+pub use twice::dead_letter_reasons;
 pub use storage::data;
 pub use transport::Receiver;
 pub use vocabulary::{ReceiveMode, SendOutcome, Settlement};

@@ -88,8 +88,7 @@ use twice::{
     ReceivedMessage, SharedClock, Timestamp, Transport, TransportError,
 };
 
-/// The dead-letter reason of a message whose deliveries reached MaxDeliveryCount.
-pub const MAX_DELIVERY_COUNT_EXCEEDED: &str = "MaxDeliveryCountExceeded";
+pub use twice::dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED;
 
 /// Options of a [`NatsTransport`], with Service Bus names and defaults where Service Bus has the
 /// concept.

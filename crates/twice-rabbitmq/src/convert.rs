@@ -223,7 +223,7 @@ pub(crate) fn from_amqp(d: &lapin::message::Delivery, now: Timestamp) -> Receive
             // Dead-lettered by RabbitMQ itself; its reasons in Service Bus's words.
             r.dead_letter_reason = Some(match why.as_str() {
                 "delivery_limit" => crate::MAX_DELIVERY_COUNT_EXCEEDED.to_owned(),
-                "expired" => "TTLExpiredException".to_owned(),
+                "expired" => twice::dead_letter_reasons::TTL_EXPIRED_EXCEPTION.to_owned(),
                 _ => why.clone(),
             });
             r.dead_letter_error_description = Some(format!("RabbitMQ dead-lettered it: {why}"));

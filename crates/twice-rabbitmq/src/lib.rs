@@ -99,10 +99,7 @@ use twice::{
 
 use crate::lock::Lock;
 
-/// The dead-letter reason of a message that arrived without a message id.
-pub const MISSING_MESSAGE_ID: &str = "MissingMessageId";
-/// The dead-letter reason of a message whose deliveries reached MaxDeliveryCount.
-pub const MAX_DELIVERY_COUNT_EXCEEDED: &str = "MaxDeliveryCountExceeded";
+pub use twice::dead_letter_reasons::{MAX_DELIVERY_COUNT_EXCEEDED, MISSING_MESSAGE_ID};
 
 /// The name of the dead-letter queue of `queue`.
 pub fn dead_letter_queue_name(queue: &str) -> String {

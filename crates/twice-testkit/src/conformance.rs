@@ -302,7 +302,7 @@ async fn max_delivery<H: Harness>(h: &H) -> Option<String> {
     let dead = take_dead_letters_until(&e, 1, S).await;
     let m = dead.iter().find(|m| m.message_id().as_str() == id);
     Some(match m.and_then(|m| m.dead_letter_reason.as_deref()) {
-        Some("MaxDeliveryCountExceeded") => YES.into(),
+        Some(twice::dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED) => YES.into(),
         Some(other) => format!("dead-lettered with reason {other:?}"),
         None => fail(S, "the message is neither in the entity nor dead-lettered: lost"),
     })

@@ -141,8 +141,7 @@ pub trait JsonHandler<T, Tx>: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Outcome, HandlerError>> + Send + 'a;
 }
 
-/// The dead-letter reason of a message whose body does not deserialize.
-pub const DESERIALIZATION_FAILED: &str = "DeserializationFailed";
+pub use crate::dead_letter_reasons::DESERIALIZATION_FAILED;
 
 /// Adapts a [`JsonHandler`] into a [`Handler`]: a body that does not parse as `T` is
 /// dead-lettered at once with reason [`DESERIALIZATION_FAILED`] and the parse error as its

@@ -132,6 +132,7 @@
 
 pub mod clock;
 pub mod counters;
+pub mod dead_letter_reasons;
 pub mod error;
 pub mod handler;
 pub mod health;

@@ -194,12 +194,7 @@ pub enum Mode {
     DedupOnly,
 }
 
-/// The dead-letter reason used for a permanent error that names no reason of its own.
-pub const HANDLER_FAILED: &str = "HandlerFailed";
-
-/// The dead-letter reason of a message that arrived without a message id (or with an empty
-/// one): it is never processed, because it cannot be told apart from other id-less messages.
-pub const MISSING_MESSAGE_ID: &str = "MissingMessageId";
+pub use crate::dead_letter_reasons::{HANDLER_FAILED, MISSING_MESSAGE_ID};
 
 /// A message completed as a duplicate because its work broke a unique business key: what
 /// [`Processor::on_business_key_duplicate`] reports. Each one is also logged at warn level.
