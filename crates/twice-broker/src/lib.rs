@@ -57,8 +57,8 @@ pub use broker::{
 pub use error::Error;
 pub use options::BrokerOptions;
 pub use session::Session;
-/// The dead-letter reasons, the broker's among them ([`dead_letter_reasons::BROKER`]).
-pub use twice::dead_letter_reasons;
 pub use storage::data;
 pub use transport::Receiver;
+/// The dead-letter reasons, the broker's among them ([`dead_letter_reasons::BROKER`]).
+pub use twice::dead_letter_reasons;
 pub use vocabulary::{ReceiveMode, SendOutcome, Settlement};
