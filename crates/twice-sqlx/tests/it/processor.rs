@@ -662,7 +662,8 @@ where
 on_all_stores!(short_retention_is_refused);
 
 /// A session's messages are handled one at a time, in order, and a duplicate inside the
-/// session still meets the claim.
+/// session still meets the claim; the session processor's health says it is receiving while it
+/// runs, when it last completed, and not after it stops.
 async fn session_processor_keeps_order_and_claims<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
@@ -700,12 +701,21 @@ where
             .clock(SharedClock::from(clock.clone())),
     );
     let counters = p.counters();
+    let health = p.health_handle();
+    let before = health.check().await;
+    assert!(!before.receiving && before.last_receive_at.is_none(), "{before:?}");
     let shutdown = Shutdown::default();
     let task = tokio::spawn(p.run(shutdown.wait()));
     let queue = BrokerQueue::existing(broker, "order-events");
     until_async("all four completed", || async { queue.completed().await == 4 }).await;
+    let running = health.check().await;
+    assert!(running.receiving && running.is_healthy(), "{}: {running:?}", F::NAME);
+    assert!(running.last_receive_at.is_some(), "{running:?}");
+    assert_eq!(running.last_completed_at, Some(twice::Clock::now(&clock)), "{running:?}");
     shutdown.trigger();
     task.await.expect("join").expect("run");
+    let stopped = health.check().await;
+    assert!(!stopped.receiving && !stopped.is_healthy(), "{stopped:?}");
 
     let mut order_seen = Vec::new();
     while let Ok(id) = entered.try_recv() {
