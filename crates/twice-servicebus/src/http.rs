@@ -127,7 +127,7 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
     let addr = listener
         .local_addr()
         .unwrap_or_else(|_| shared.options.http_addr.unwrap_or(shared.options.amqp_addr));
-    let admin = Arc::new(Admin::new(shared.clock.now()));
+    let admin = Arc::new(Admin::new(shared.options.clock.now()));
     // A connection is accepted only with a slot free: beyond the limit, clients wait in the
     // kernel's backlog instead of each costing a task and a buffer here.
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));

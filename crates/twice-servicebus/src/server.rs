@@ -62,12 +62,7 @@ impl<B: Backend> Server<B> {
             ),
             None => None,
         };
-        let shared = Arc::new(Shared {
-            backend,
-            clock: options.clock.clone(),
-            options,
-            metrics: Arc::new(Metrics::default()),
-        });
+        let shared = Arc::new(Shared { backend, options, metrics: Arc::new(Metrics::default()) });
         Ok(Self { shared, amqp, http })
     }
 

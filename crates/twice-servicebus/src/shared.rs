@@ -1,9 +1,7 @@
-//! What every connection and the HTTP side port share: the backend, the options, the clock and
-//! the counters.
+//! What every connection and the HTTP side port share: the backend, the options (the clock
+//! among them) and the counters.
 
 use std::sync::Arc;
-
-use twice::SharedClock;
 
 use crate::metrics::Metrics;
 use crate::options::ServerOptions;
@@ -13,6 +11,5 @@ use crate::options::ServerOptions;
 pub(crate) struct Shared<B> {
     pub(crate) backend: B,
     pub(crate) options: ServerOptions,
-    pub(crate) clock: SharedClock,
     pub(crate) metrics: Arc<Metrics>,
 }

@@ -148,7 +148,7 @@ fn authorize<B>(
     let Some(token) = token else {
         return Err(error(401, format!("the request has no {header} header")));
     };
-    let now = shared.clock.now().as_millis().div_euclid(1000);
+    let now = shared.options.clock.now().as_millis().div_euclid(1000);
     let opts = &shared.options;
     let grant = opts.keys.validate(token, now).map_err(|e| error(401, format!("{header}: {e}")))?;
     if grant.resource.contains("://") && !audience_is_ours(&grant.resource, &opts.hostname, addr) {
@@ -292,7 +292,7 @@ type Reply = Result<Response, Response>;
 
 impl<B: Backend> Ctx<'_, B> {
     fn now(&self) -> Timestamp {
-        self.shared.clock.now()
+        self.shared.options.clock.now()
     }
 
     fn is_update(&self) -> bool {

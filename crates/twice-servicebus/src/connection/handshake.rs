@@ -158,11 +158,11 @@ impl<B: Backend> Conn<B> {
     }
 
     pub(super) fn authorized(&self, path: &str, need: Option<Claim>) -> bool {
-        self.grants.allows(path, self.shared.clock.now().as_millis() / 1000, need)
+        self.grants.allows(path, self.shared.options.clock.now().as_millis() / 1000, need)
     }
 
     pub(super) fn on_cbs(&mut self, payload: &[u8]) -> Option<mgmt::Reply> {
-        let now = self.shared.clock.now().as_millis() / 1000;
+        let now = self.shared.options.clock.now().as_millis() / 1000;
         let req = mgmt::Request::parse(payload).ok()?;
         let (status, description) = if req.operation() == Some("put-token") {
             let token = req.body.as_str().unwrap_or("");

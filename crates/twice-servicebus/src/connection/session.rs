@@ -345,7 +345,7 @@ impl<B: Backend> Conn<B> {
             let (stop, stopped) = oneshot::channel();
             tokio::spawn(watch_session_lock(
                 sess.clone(),
-                shared.clock.clone(),
+                shared.options.clock.clone(),
                 stopped,
                 events.clone(),
                 l.id,

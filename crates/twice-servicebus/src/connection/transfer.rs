@@ -48,7 +48,7 @@ impl<B: Backend> Conn<B> {
             return;
         }
         // Checked once per delivery: the token that authorized the link may have expired.
-        let now = self.shared.clock.now().as_millis() / 1000;
+        let now = self.shared.options.clock.now().as_millis() / 1000;
         if l.partial.is_none()
             && l.node != Node::Cbs
             && !self.grants.allows(&l.path, now, need_of(l))

@@ -150,7 +150,7 @@ pub(super) async fn entities<B: Backend>(shared: &Shared<B>) -> Response {
         }));
     }
     let body = serde_json::json!({
-        "time_ms": shared.clock.now().as_millis(),
+        "time_ms": shared.options.clock.now().as_millis(),
         "reads_need_token": reads_need_token(shared),
         "entities": list,
     });
@@ -394,7 +394,7 @@ async fn settle_wanted<B: Backend>(
     action: &Action,
 ) -> Outcome {
     let backend = &shared.backend;
-    let now = shared.clock.now();
+    let now = shared.options.clock.now();
     let mut out = Outcome::default();
     let mut held = Vec::new();
     let mut scanned = 0usize;

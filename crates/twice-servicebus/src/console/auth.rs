@@ -93,7 +93,7 @@ pub(super) fn authorize<B: Backend>(
             "this needs a SharedAccessSignature token in the Authorization header".into(),
         ));
     };
-    let now = shared.clock.now().as_millis().div_euclid(1000);
+    let now = shared.options.clock.now().as_millis().div_euclid(1000);
     let opts = &shared.options;
     let grant =
         opts.keys.validate(token, now).map_err(|e| ApiError::Unauthorized(e.to_string()))?;
