@@ -146,6 +146,8 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
     // Records are replayed until the first damage or gap: what follows cannot be trusted to
     // apply on top of what is missing.
     let mut replaying = true;
+    // The segment last read to its end: its id, its length and its last commit.
+    let mut previous: Option<(u64, u64, u64)> = None;
     let last = ids.last().copied();
     for &id in &ids {
         let path = dir.join(format::segment_file_name(id));
@@ -181,6 +183,21 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
             }
         };
         files.insert(id, (file.clone(), scan.header.salt));
+        // The segment before this one must end at the commit that started this one.
+        let cut_before = previous
+            .take()
+            .filter(|&(_, _, last_seq)| last_seq < scan.header.predecessor_ends_at());
+        if let Some((before, end, _)) = cut_before {
+            if let Some(r) = segments.iter_mut().find(|r| r.id == before) {
+                r.damage = Some(end);
+            }
+            if verdict == Verdict::Opens {
+                verdict = Verdict::Refuses(
+                    StorageError::Corrupt { segment: before, offset: end }.to_string(),
+                );
+            }
+            replaying = false;
+        }
         loop {
             match scan
                 .next_block()
@@ -209,7 +226,11 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
                         engine.replay(record, engine_location(location)?)?;
                     }
                 }
-                Scanned::End => break,
+                Scanned::End => {
+                    let floor = scan.header.first_seq.saturating_sub(1);
+                    previous = Some((id, bytes, scan.last_seq().unwrap_or(floor)));
+                    break;
+                }
                 Scanned::Damaged { block, at, header } => {
                     report.damage = Some(at);
                     replaying = false;

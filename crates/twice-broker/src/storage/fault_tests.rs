@@ -231,11 +231,20 @@ fn closed_segment_case(seed: u64) -> Result<(), String> {
     let opts = options(&fs, 1024 + rng.below(2048), 0);
     let (mut log, _) = Log::open(data_dir(), opts.clone()).map_err(|e| e.to_string())?;
     for _ in 0..40 + rng.below(60) {
+        // A commit starts a segment before its records, after them, or between them (the
+        // broker's way: records, then a checkpoint in the new segment).
+        let roll_first = rng.chance(20);
+        if roll_first && log.should_roll() {
+            log.roll();
+        }
         for _ in 0..1 + rng.below(3) {
             log.append(random_payload(&mut rng)).map_err(|e| e.to_string())?;
         }
-        if log.should_roll() {
+        if !roll_first && log.should_roll() {
             log.roll();
+            if rng.chance(50) {
+                log.append(random_payload(&mut rng)).map_err(|e| e.to_string())?;
+            }
         }
         log.flush_blocking().map_err(|e| e.to_string())?;
     }
@@ -347,4 +356,67 @@ fn a_torn_first_block_of_a_segment_is_not_taken_for_the_commit_that_rolled_it() 
     let got = replay.collect::<Result<Vec<_>, _>>().unwrap();
     assert_eq!(got.len(), 1, "the acknowledged commit stays, the torn group goes");
     assert_eq!(got[0].payload, Bytes::from(vec![1u8; 700]));
+}
+
+/// How a commit starts a new segment: after its records (the broker's way, with a checkpoint
+/// in the new segment or none), or before any.
+#[derive(Clone, Copy, Debug)]
+enum RollShape {
+    RecordsThenRoll,
+    RecordsRollRecords,
+    RollThenRecords,
+}
+
+/// Writes commit 1 (one record in segment 1), then commit 2 that starts segment 2 in `shape`,
+/// closes the log, cuts segment 1 at the start of commit 2's block in it (or, when commit 2
+/// wrote nothing there, at the start of commit 1's), and opens it again.
+fn cut_at_the_block_boundary_before_a_roll(shape: RollShape) -> Result<Vec<Bytes>, StorageError> {
+    let fs = FaultFs::new(Plan::default(), 23);
+    let (mut log, _) = Log::open(data_dir(), options(&fs, 1 << 20, 0)).unwrap();
+    log.append(Bytes::from(vec![1u8; 100])).unwrap();
+    log.flush_blocking().unwrap();
+    let boundary = log.active_len;
+    match shape {
+        RollShape::RecordsThenRoll => {
+            log.append(Bytes::from(vec![2u8; 100])).unwrap();
+            assert_eq!(log.roll(), Some(2));
+        }
+        RollShape::RecordsRollRecords => {
+            log.append(Bytes::from(vec![2u8; 100])).unwrap();
+            assert_eq!(log.roll(), Some(2));
+            log.append(Bytes::from(vec![3u8; 100])).unwrap();
+        }
+        RollShape::RollThenRecords => {
+            assert_eq!(log.roll(), Some(2));
+            log.append(Bytes::from(vec![3u8; 100])).unwrap();
+        }
+    }
+    log.flush_blocking().unwrap();
+    log.close().unwrap();
+    let path = data_dir().join(format::segment_file_name(1));
+    let mut data = fs.read_file(&path).unwrap();
+    let cut = match shape {
+        RollShape::RollThenRecords => data.len().min(usize::try_from(boundary).unwrap()),
+        _ => usize::try_from(boundary).unwrap(),
+    };
+    let cut = if cut == data.len() { usize::try_from(HEADER_LEN).unwrap() } else { cut };
+    data.truncate(cut);
+    fs.write_file(&path, data);
+    let (_, replay) = Log::open(data_dir(), options(&fs, 1 << 20, 0))?;
+    replay.map(|r| r.map(|r| r.payload)).collect()
+}
+
+#[test]
+fn a_closed_segment_cut_at_a_block_boundary_is_refused_when_no_later_block_covers_it() {
+    for shape in
+        [RollShape::RecordsThenRoll, RollShape::RecordsRollRecords, RollShape::RollThenRecords]
+    {
+        match cut_at_the_block_boundary_before_a_roll(shape) {
+            Err(StorageError::Corrupt { segment: 1, .. }) => {}
+            other => panic!(
+                "{shape:?}: a closed segment lost its last commit: {:?}",
+                other.map(|r| r.len())
+            ),
+        }
+    }
 }

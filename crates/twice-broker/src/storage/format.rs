@@ -5,7 +5,7 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0..8 | magic `TWICELOG` |
-//! | 8..12 | format version, little-endian `u32` (currently 2) |
+//! | 8..12 | format version, little-endian `u32` (currently 3; 2 is still read) |
 //! | 12..16 | CRC-32 of the other 36 header bytes |
 //! | 16..24 | segment id, little-endian `u64` |
 //! | 24..28 | salt: random, drawn when the segment is created |
@@ -31,6 +31,14 @@
 //! own. A block is complete when its header checks and its records exactly fill its body; the
 //! watermark tells recovery whether damage can be a torn write (only the newest commits, not
 //! yet durable when a later complete block was written, can be torn).
+//!
+//! The commit that starts a segment writes a block (empty if it has no records there) both to
+//! the segment it closes and to the one it starts, whose header names it as the first commit.
+//! The new segment takes its name only once the one it closes is durable, so every closed
+//! segment ends with a block of the commit its successor names first: a closed segment cut at
+//! a block boundary, which its own scan cannot see, is told by that (version 3). Version 2
+//! wrote those blocks only when the commit had records there, so its closed segments end at
+//! least at the commit before.
 
 use super::StorageError;
 
@@ -38,8 +46,10 @@ use super::StorageError;
 pub(crate) const MAGIC: [u8; 8] = *b"TWICELOG";
 /// The first bytes of every commit block.
 pub(crate) const BLOCK_MAGIC: [u8; 4] = *b"TWCB";
-/// The format version this build writes and reads.
-pub(crate) const VERSION: u32 = 2;
+/// The format version this build writes.
+pub(crate) const VERSION: u32 = 3;
+/// The oldest format version this build reads.
+pub(crate) const OLDEST_VERSION: u32 = 2;
 /// The size of a segment header.
 pub(crate) const HEADER_LEN: u64 = 40;
 /// The size of a commit block header.
@@ -56,14 +66,27 @@ pub(crate) struct SegmentHeader {
     pub(crate) salt: u32,
     /// The lowest commit number a block of the segment may carry.
     pub(crate) first_seq: u64,
+    /// The format version it was written in.
+    pub(crate) version: u32,
 }
 
 impl SegmentHeader {
-    /// The header of segment `id`.
+    /// A header this build writes.
+    pub(crate) fn new(salt: u32, first_seq: u64) -> Self {
+        Self { salt, first_seq, version: VERSION }
+    }
+
+    /// The first commit whose block a closed segment must hold, when the segment after it
+    /// has this header: the commit that started that one (see the module's text).
+    pub(crate) fn predecessor_ends_at(&self) -> u64 {
+        if self.version >= 3 { self.first_seq } else { self.first_seq.saturating_sub(1) }
+    }
+
+    /// The header of segment `id`, in the version it names.
     pub(crate) fn encode(&self, id: u64) -> [u8; 40] {
         let mut h = [0u8; 40];
         h[..8].copy_from_slice(&MAGIC);
-        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[8..12].copy_from_slice(&self.version.to_le_bytes());
         h[16..24].copy_from_slice(&id.to_le_bytes());
         h[24..28].copy_from_slice(&self.salt.to_le_bytes());
         h[32..40].copy_from_slice(&self.first_seq.to_le_bytes());
@@ -80,13 +103,13 @@ impl SegmentHeader {
             return Err(corrupt);
         }
         let version = u32_at(h, 8);
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(StorageError::UnsupportedVersion { segment: id, version });
         }
         if u32_at(h, 12) != header_crc(h) || u64_at(h, 16) != id || h[28..32] != [0; 4] {
             return Err(corrupt);
         }
-        Ok(SegmentHeader { salt: u32_at(h, 24), first_seq: u64_at(h, 32) })
+        Ok(SegmentHeader { salt: u32_at(h, 24), first_seq: u64_at(h, 32), version })
     }
 }
 
@@ -276,9 +299,13 @@ mod tests {
 
     #[test]
     fn headers() {
-        let sh = SegmentHeader { salt: 99, first_seq: 12 };
+        let sh = SegmentHeader::new(99, 12);
         let h = sh.encode(3);
         assert_eq!(SegmentHeader::decode(3, &h).unwrap(), sh);
+        let v2 = SegmentHeader { version: 2, ..sh };
+        assert_eq!(SegmentHeader::decode(3, &v2.encode(3)).unwrap(), v2);
+        assert_eq!(sh.predecessor_ends_at(), 12);
+        assert_eq!(v2.predecessor_ends_at(), 11);
         assert!(matches!(
             SegmentHeader::decode(4, &h),
             Err(StorageError::Corrupt { segment: 4, offset: 0 })

@@ -79,7 +79,9 @@ pub(crate) enum StorageError {
     #[error("the data directory {0} is already in use")]
     Locked(PathBuf),
     /// A segment was written by a newer or unknown format version.
-    #[error("log segment {segment} has format version {version}; this build reads version 2")]
+    #[error(
+        "log segment {segment} has format version {version}; this build reads versions 2 and 3"
+    )]
     UnsupportedVersion {
         /// The segment id.
         segment: u64,
@@ -508,16 +510,31 @@ impl Log {
     pub(crate) fn roll(&mut self) -> Option<u64> {
         self.prepare_spare();
         let spare = self.spare.take()?;
+        // The commit that starts a segment ends the one it closes with a block, empty if it
+        // has no records there, and opens the new one with another: every closed segment then
+        // ends at the commit its successor names first, and a cut at a block boundary shows.
+        if !self.pending.last().is_some_and(|c| c.segment == self.active && c.has_block) {
+            self.pending.push(Chunk {
+                segment: self.active,
+                offset: self.active_len,
+                create: None,
+                has_block: true,
+                block: Bytes::new(),
+                body_len: 0,
+                frames: Vec::new(),
+            });
+            self.active_len += BLOCK_LEN;
+        }
         // The first commit number is settled by [`Log::commit`]; this one is a lower bound.
-        let header = SegmentHeader { salt: new_salt(), first_seq: self.last_seq + 1 };
+        let header = SegmentHeader::new(new_salt(), self.last_seq + 1);
         self.active = spare.id;
-        self.active_len = HEADER_LEN;
+        self.active_len = HEADER_LEN + BLOCK_LEN;
         self.segments.insert(self.active, Segment { file: spare.file.clone(), salt: header.salt });
         self.pending.push(Chunk {
             segment: self.active,
             offset: 0,
             create: Some((spare.file, Bytes::copy_from_slice(&header.encode(self.active)))),
-            has_block: false,
+            has_block: true,
             block: Bytes::new(),
             body_len: 0,
             frames: Vec::new(),
@@ -560,7 +577,7 @@ impl Log {
                 // segment (which is durable, and would make a torn write look like damage).
                 let first_seq = if c.has_block { seq } else { seq + 1 };
                 *header =
-                    Bytes::copy_from_slice(&SegmentHeader { salt, first_seq }.encode(c.segment));
+                    Bytes::copy_from_slice(&SegmentHeader::new(salt, first_seq).encode(c.segment));
             }
             if c.has_block {
                 let block = Block { body_len: c.body_len, seq, watermark };
@@ -773,7 +790,7 @@ fn create_segment(
 ) -> Result<Recovered, StorageError> {
     let path = dir.join(format::segment_file_name(id));
     let salt = new_salt();
-    let header = SegmentHeader { salt, first_seq }.encode(id);
+    let header = SegmentHeader::new(salt, first_seq).encode(id);
     let io = io_err(&path);
     let file = vfs.open(&path, OpenMode::Create).map_err(io_err(&path))?;
     file.write_at(&header, 0)
@@ -884,6 +901,7 @@ impl Replay {
                     ScanError::Storage(e) => e,
                     ScanError::Io(e) => StorageError::Io { path: path.clone(), source: e },
                 })?;
+                self.check_predecessor(&scan.header)?;
                 self.note_gap(scan.header.first_seq);
                 self.current = Some(ReplaySegment { scan, records: VecDeque::new() });
                 continue;
@@ -941,6 +959,20 @@ impl Replay {
         if self.gap.is_none() && seq > last.saturating_add(1) {
             self.gap = Some((before, end, last.saturating_add(1)));
         }
+    }
+
+    /// Refuses the log when the segment before one with `header` ends before the commit that
+    /// started it: that segment was complete on disk before its successor took its name, so
+    /// its end was cut (at a block boundary, which its own scan cannot see).
+    fn check_predecessor(&mut self, header: &SegmentHeader) -> Result<(), StorageError> {
+        let Some((segment, offset, last)) = self.previous else { return Ok(()) };
+        if last >= header.predecessor_ends_at() {
+            return Ok(());
+        }
+        tracing::error!(segment, offset, "log segment lost its last commits");
+        self.segments.clear();
+        self.current = None;
+        Err(StorageError::Corrupt { segment, offset })
     }
 
     /// Refuses the log once a block written after a gap says a missing commit was durable
