@@ -27,7 +27,8 @@ pub(crate) struct ServeArgs {
     /// tokens must name it in their audience (a server on loopback also takes `localhost`).
     #[arg(long, value_name = "NAME", default_value = "localhost")]
     hostname: String,
-    /// The HTTP address for `/health`, `/metrics` and `/entities`.
+    /// The HTTP address for the web console, the administration API, `/health`, `/metrics`
+    /// and `/entities` (https with --tls-cert).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5300")]
     http: SocketAddr,
     /// Serve no HTTP port.
@@ -63,9 +64,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 5000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_unsettled_per_link: u32,
-    /// Serve amqps (TLS, as Azure does on port 5671) with this certificate chain (PEM); needs
-    /// --tls-key. The printed connection string then leaves out UseDevelopmentEmulator, so
-    /// clients use TLS.
+    /// Serve amqps (TLS, as Azure does on port 5671) with this certificate chain (PEM), and
+    /// https on the HTTP port; needs --tls-key. The printed connection string then leaves out
+    /// UseDevelopmentEmulator, so clients use TLS.
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.
@@ -170,9 +171,11 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let scheme = if args.tls_cert.is_some() { "amqps (TLS)" } else { "AMQP 1.0" };
     println!("twice serve: Service Bus over {scheme} on {}, {storage}", server.amqp_addr());
     if let Some(http) = server.http_addr() {
-        println!("web console: http://{http}/");
+        // With a certificate, the HTTP port speaks https with it (see --tls-cert).
+        let web = if args.tls_cert.is_some() { "https" } else { "http" };
+        println!("web console: {web}://{http}/");
         println!(
-            "health and metrics: http://{http}/health  http://{http}/metrics  http://{http}/entities"
+            "health and metrics: {web}://{http}/health  {web}://{http}/metrics  {web}://{http}/entities"
         );
     }
     println!(

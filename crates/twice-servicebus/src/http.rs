@@ -1,6 +1,10 @@
 //! The HTTP side port: its listener, and the bodies it serves (health, Prometheus text, the
 //! entity list, the web console of [`crate::console`], and the administration API of
 //! [`crate::admin`]).
+//!
+//! A server with a certificate speaks https on this port, with the certificate of amqps: the
+//! administration API and the console carry SAS tokens, and the SDKs' administration clients
+//! speak only https. A plain request there gets a plain `400` that says so.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -8,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -140,10 +144,44 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
         let shared = shared.clone();
         let admin = admin.clone();
         tokio::spawn(async move {
-            let request = http_request(stream, &shared, &admin, addr);
+            let request = async {
+                match shared.options.tls.clone() {
+                    None => http_request(stream, &shared, &admin, addr).await,
+                    Some(tls) => https_request(stream, tls, &shared, &admin, addr).await,
+                }
+            };
             let _ = tokio::time::timeout(REQUEST_TIMEOUT, request).await;
             drop(slot);
         });
+    }
+}
+
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// Serves one connection of a server with a certificate: TLS, then the request.
+async fn https_request<B: Backend>(
+    mut stream: TcpStream,
+    tls: Arc<rustls::ServerConfig>,
+    shared: &Arc<Shared<B>>,
+    admin: &Admin,
+    addr: SocketAddr,
+) -> std::io::Result<()> {
+    let mut first = [0u8; 1];
+    if stream.peek(&mut first).await? == 0 {
+        return Ok(());
+    }
+    if first[0] != TLS_HANDSHAKE {
+        let host = &shared.options.hostname;
+        let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
+        return respond(&mut stream, "400 Bad Request", "text/plain", &msg).await;
+    }
+    match tokio_rustls::TlsAcceptor::from(tls).accept(stream).await {
+        Ok(stream) => http_request(stream, shared, admin, addr).await,
+        Err(e) => {
+            tracing::debug!(error = %e, "tls handshake on the http port failed");
+            Ok(())
+        }
     }
 }
 
@@ -180,7 +218,7 @@ fn parse_head(buf: &[u8]) -> Result<Option<Head>, &'static str> {
 }
 
 async fn respond(
-    stream: &mut TcpStream,
+    stream: &mut (impl AsyncWrite + Unpin),
     status: &str,
     content_type: &str,
     body: &str,
@@ -189,7 +227,7 @@ async fn respond(
 }
 
 async fn respond_with(
-    stream: &mut TcpStream,
+    stream: &mut (impl AsyncWrite + Unpin),
     status: &str,
     content_type: &str,
     headers: &[(&str, &str)],
@@ -209,7 +247,7 @@ async fn respond_with(
 }
 
 async fn http_request<B: Backend>(
-    mut stream: TcpStream,
+    mut stream: impl AsyncRead + AsyncWrite + Unpin,
     shared: &Arc<Shared<B>>,
     admin: &Admin,
     addr: SocketAddr,

@@ -136,22 +136,23 @@ impl ServeProcess {
     ///
     /// When it serves no HTTP port (`--no-http`).
     pub fn http_addr(&self) -> String {
+        let url = self.http_url();
+        url.split_once("://").map_or(url.as_str(), |(_, addr)| addr).to_owned()
+    }
+
+    /// The base URL of the HTTP port, `http://host:port` (`https://` with a certificate).
+    ///
+    /// # Panics
+    ///
+    /// As [`ServeProcess::http_addr`].
+    pub fn http_url(&self) -> String {
         let line = self
             .banner
             .iter()
             .find(|l| l.starts_with("health"))
             .unwrap_or_else(|| panic!("no health line in the banner: {:?}", self.banner));
         let url = line.split_whitespace().find(|w| w.ends_with("/health")).expect("health url");
-        url.trim_start_matches("http://").trim_end_matches("/health").to_owned()
-    }
-
-    /// The base URL of the HTTP port, `http://host:port`.
-    ///
-    /// # Panics
-    ///
-    /// As [`ServeProcess::http_addr`].
-    pub fn http_url(&self) -> String {
-        format!("http://{}", self.http_addr())
+        url.trim_end_matches("/health").to_owned()
     }
 
     /// The whole response to `GET path` on the HTTP port.

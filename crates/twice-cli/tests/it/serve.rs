@@ -197,7 +197,7 @@ fn serve_keeps_its_connections_within_the_descriptor_limit() {
 }
 
 /// `--tls-cert/--tls-key`: amqps with a certificate made here; a client that trusts its CA
-/// sends and receives, and the printed connection string asks for TLS.
+/// sends and receives, the printed connection string asks for TLS, and the HTTP port is https.
 #[test]
 fn serve_speaks_amqps_with_a_certificate() {
     let dir = tempfile::tempdir().unwrap();
@@ -242,7 +242,8 @@ fn serve_speaks_amqps_with_a_certificate() {
     // With a key of the user's own (not printed), the connection string asks for TLS too.
     let own = start(&[
         "--in-memory",
-        "--no-http",
+        "--http",
+        "127.0.0.1:0",
         "--sas-key",
         "mine=b3duLWtleQ==",
         "--tls-cert",
@@ -253,6 +254,10 @@ fn serve_speaks_amqps_with_a_certificate() {
     let cs = own.connection_string().expect("connection string");
     assert!(cs.contains("SharedAccessKeyName=mine"), "{cs}");
     assert!(!cs.contains("UseDevelopmentEmulator"), "{cs}");
+    // The HTTP port speaks https with the same certificate, and the banner says so.
+    let console = own.banner().iter().find(|l| l.starts_with("web console: ")).cloned();
+    let console = console.unwrap_or_else(|| panic!("{:?}", own.banner()));
+    assert!(console.starts_with("web console: https://127.0.0.1:"), "{console}");
 }
 
 #[test]

@@ -2,7 +2,8 @@
 // from the emulator connection string pointed at the HTTP port. The SDK's administration client
 // always speaks https (it ignores UseDevelopmentEmulator), so a pipeline policy sends its
 // requests as plain http to the same host and port (the client builds its pipeline itself, so
-// the policy is added to it rather than passed as `additionalPolicies`).
+// the policy is added to it rather than passed as `additionalPolicies`). A server with a
+// certificate speaks https there, and the client needs no policy (tls.test.mjs).
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";

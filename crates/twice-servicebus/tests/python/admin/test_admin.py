@@ -2,7 +2,8 @@
 
 The client is configured from the emulator connection string pointed at the HTTP port. The
 SDK's administration client always speaks https (it ignores `UseDevelopmentEmulator`), so the
-transport below sends its requests as plain http to the same host and port.
+transport below sends its requests as plain http to the same host and port. (A server with a
+certificate speaks https there, and the client needs no transport: `tests/python/tls`.)
 """
 
 import datetime

@@ -1,4 +1,5 @@
-"""The SDK's credential constructors, which always use TLS, against `twice serve --tls-cert`.
+"""The SDK's credential constructors, which always use TLS, against `twice serve --tls-cert`,
+and its administration client, which speaks only https, against the server's HTTP port.
 
 The server's certificate is signed by a CA made by the test; the SDK trusts it through its
 `connection_verify` option, and reaches the server's port through `custom_endpoint_address`
@@ -11,9 +12,11 @@ import hmac
 import os
 import time
 import urllib.parse
+import uuid
 
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, TransportType
+from azure.servicebus.management import ServiceBusAdministrationClient
 
 KEY_NAME = "RootManageSharedAccessKey"
 KEY = "SAS_KEY_VALUE"
@@ -74,3 +77,26 @@ def test_a_wrong_ca_is_refused():
         assert "CERTIFICATE_VERIFY_FAILED" in repr(e) or "certificate" in repr(e).lower(), repr(e)
     finally:
         c.close()
+
+
+def test_administration_client_over_https_unmodified():
+    # No transport of the test's own: the client's https requests reach the HTTP port as they
+    # are, and the certificate is checked against the test CA.
+    http_port = os.environ["SB_HTTP"].rsplit(":", 1)[1]
+    conn_str = (
+        f"Endpoint=sb://localhost:{http_port};SharedAccessKeyName={KEY_NAME};SharedAccessKey={KEY}"
+    )
+    with ServiceBusAdministrationClient.from_connection_string(
+        conn_str,
+        connection_verify=os.environ["SB_TLS_CA"],
+        retry_total=0,
+    ) as admin:
+        name = f"tls-admin-{uuid.uuid4().hex[:8]}"
+        admin.create_queue(name, max_delivery_count=7)
+        assert admin.get_queue(name).max_delivery_count == 7
+        with client(AzureNamedKeyCredential(KEY_NAME, KEY)) as c:
+            with c.get_queue_sender(name) as sender:
+                sender.send_messages(ServiceBusMessage("created over https"))
+        assert admin.get_queue_runtime_properties(name).active_message_count == 1
+        admin.delete_queue(name)
+        assert name not in [q.name for q in admin.list_queues()]
