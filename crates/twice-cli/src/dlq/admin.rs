@@ -4,7 +4,8 @@
 //! the namespace, which needs the `Manage` claim.
 //!
 //! A small HTTP/1.1 client (one `GET` per connection, `Connection: close`) is all it takes;
-//! TLS is rustls with the webpki roots, as the AMQP client uses.
+//! TLS is rustls with the webpki roots, as the AMQP client uses, or with the CA certificates
+//! the user names (`--ca-file`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +33,10 @@ pub(crate) enum AdminError {
     NotFound(String),
     #[error("the administration API answered {status} for {path}: {detail}")]
     Status { status: u16, path: String, detail: String },
+    #[error(
+        "the administration API at {url} has a certificate this machine does not trust: {reason} (a certificate signed by a CA of your own: give --ca-file with that CA)"
+    )]
+    Untrusted { url: String, reason: String },
     #[error("the administration API at {url} did not answer HTTP: {reason}")]
     Protocol { url: String, reason: String },
 }
@@ -117,16 +122,42 @@ pub(crate) struct Dedup {
     pub(crate) window: Option<Duration>,
 }
 
+/// The CA certificates in a PEM text, as trust roots.
+pub(crate) fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        let cert = cert.map_err(|e| format!("a certificate that does not parse: {e}"))?;
+        roots.add(cert).map_err(|e| format!("a certificate that cannot be a root: {e}"))?;
+    }
+    if roots.is_empty() {
+        return Err("no certificate in it".to_owned());
+    }
+    Ok(roots)
+}
+
 /// The administration API of one namespace.
 #[derive(Debug)]
 pub(crate) struct AdminClient {
     url: AdminUrl,
     auth: Auth,
+    /// The roots https trusts: the webpki roots unless the user named others.
+    roots: Arc<rustls::RootCertStore>,
 }
 
 impl AdminClient {
     pub(crate) fn new(url: AdminUrl, auth: Auth) -> Self {
-        Self { url, auth }
+        let roots =
+            Arc::new(rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() });
+        Self { url, auth, roots }
+    }
+
+    /// Trusts these roots for https instead of the webpki ones.
+    #[must_use]
+    pub(crate) fn trust(mut self, roots: Arc<rustls::RootCertStore>) -> Self {
+        self.roots = roots;
+        self
     }
 
     /// The administration API of the namespace a connection string names: at `url`, else
@@ -299,20 +330,24 @@ impl AdminClient {
         if !self.url.https {
             return roundtrip(tcp, request).await.map_err(|e| self.unreachable(e));
         }
-        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
         let config = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
         .map_err(|e| self.unreachable(e))?
-        .with_root_certificates(roots)
+        .with_root_certificates(self.roots.clone())
         .with_no_client_auth();
         let name = rustls_pki_types::ServerName::try_from(self.url.host.clone())
             .map_err(|e| self.unreachable(e))?;
         let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(name, tcp)
             .await
-            .map_err(|e| self.unreachable(format!("tls: {e}")))?;
+            .map_err(|e| match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
+                Some(rustls::Error::InvalidCertificate(reason)) => {
+                    AdminError::Untrusted { url: self.url.base(), reason: format!("{reason:?}") }
+                }
+                _ => self.unreachable(format!("tls: {e}")),
+            })?;
         roundtrip(tls, request).await.map_err(|e| self.unreachable(e))
     }
 }

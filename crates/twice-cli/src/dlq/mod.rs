@@ -16,13 +16,15 @@ use std::collections::BTreeSet;
 use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use twice::{Message, MessageId, ReceivedMessage, SequenceNumber, Timestamp, Value};
 use twice_servicebus_client::{
-    ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
+    ClientOptions, ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
+    TlsOptions,
 };
 
 use admin::{AdminClient, AdminError, AdminUrl};
@@ -49,6 +51,10 @@ pub(crate) struct DlqArgs {
     /// connection string, https://HOST (port 443) otherwise, as Azure serves it.
     #[arg(long, value_name = "URL", global = true, value_parser = AdminUrl::parse)]
     admin_url: Option<AdminUrl>,
+    /// Trust only the CA certificates in this PEM file for TLS (amqps and https) instead of the
+    /// public roots: for a `twice serve --tls-cert` whose certificate a private CA signed.
+    #[arg(long, value_name = "FILE", global = true)]
+    ca_file: Option<PathBuf>,
     #[command(subcommand)]
     command: DlqCommand,
 }
@@ -197,6 +203,8 @@ struct Ctx {
     connection_string: String,
     parsed: ConnectionString,
     admin_url: Option<AdminUrl>,
+    /// The CA certificates of `--ca-file`: for the AMQP client and for the administration API.
+    ca: Option<(TlsOptions, Arc<rustls::RootCertStore>)>,
 }
 
 impl Ctx {
@@ -210,17 +218,41 @@ impl Ctx {
             })?,
         };
         let parsed: ConnectionString = connection_string.parse().map_err(|e| anyhow!("{e}"))?;
-        Ok(Self { connection_string, parsed, admin_url: args.admin_url.clone() })
+        let ca = match &args.ca_file {
+            None => None,
+            Some(path) => {
+                let pem = std::fs::read(path)
+                    .with_context(|| format!("reading the CA file {}", path.display()))?;
+                let roots = admin::ca_roots(&pem)
+                    .map_err(|e| anyhow!("the CA file {}: {e}", path.display()))?;
+                let tls = TlsOptions::with_ca_pem(&pem)
+                    .map_err(|e| anyhow!("the CA file {}: {e}", path.display()))?;
+                Some((tls, Arc::new(roots)))
+            }
+        };
+        Ok(Self { connection_string, parsed, admin_url: args.admin_url.clone(), ca })
     }
 
     fn client(&self) -> anyhow::Result<ServiceBusClient> {
-        ServiceBusClient::from_connection_string(&self.connection_string)
-            .map_err(|e| anyhow!("{e}"))
+        let mut options = ClientOptions::from_connection_string(&self.connection_string)
+            .map_err(|e| anyhow!("{e}"))?;
+        // The CA applies where the connection string asks for TLS; an emulator string asks
+        // for plain AMQP, and keeps it.
+        if let Some((tls, _)) = &self.ca
+            && options.get_tls().is_some()
+        {
+            options = options.tls(Some(tls.clone()));
+        }
+        Ok(ServiceBusClient::new(options))
     }
 
     fn admin(&self) -> anyhow::Result<AdminClient> {
-        AdminClient::for_connection_string(&self.parsed, self.admin_url.clone())
-            .map_err(|e| anyhow!(e))
+        let admin = AdminClient::for_connection_string(&self.parsed, self.admin_url.clone())
+            .map_err(|e| anyhow!(e))?;
+        Ok(match &self.ca {
+            Some((_, roots)) => admin.trust(roots.clone()),
+            None => admin,
+        })
     }
 }
 
@@ -233,6 +265,10 @@ fn explain(e: twice_servicebus_client::Error, entity: &str, ctx: &Ctx) -> anyhow
         anyhow!(
             "unauthorized: {} refused {key} for '{entity}' (a wrong key, or a key without the Listen/Send claim it needs)",
             ctx.parsed.host()
+        )
+    } else if matches!(e, twice_servicebus_client::Error::Tls(_)) && ctx.ca.is_none() {
+        anyhow!(
+            "{entity}: {e} (a certificate signed by a CA of your own: give --ca-file with that CA)"
         )
     } else {
         anyhow!("{entity}: {e}")

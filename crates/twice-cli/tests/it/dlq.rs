@@ -476,3 +476,46 @@ fn watch_stops_at_once_when_it_cannot_read_the_counts() {
     let err = failed(&s.dlq_with(&wrong, &["watch", "--interval", "1s"]));
     assert!(err.contains("unauthorized"), "{err}");
 }
+
+/// `--ca-file`: against `twice serve --tls-cert` with a certificate of a private CA, `list`
+/// (the administration API over https) and `show` (amqps) trust that CA; without it, each is
+/// one line that names the certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_trusts_a_private_ca_given_with_ca_file() {
+    let certs = twice_testkit::tls::TestCertificates::localhost();
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    std::fs::write(path("cert.pem"), &certs.cert_pem).unwrap();
+    std::fs::write(path("key.pem"), &certs.key_pem).unwrap();
+    std::fs::write(path("ca.pem"), &certs.ca_pem).unwrap();
+    let mut s =
+        Serve::start_with(&["--tls-cert", &path("cert.pem"), "--tls-key", &path("key.pem")]);
+    // The certificate names `localhost`.
+    let port = s.admin_url.rsplit(':').next().unwrap().to_owned();
+    assert!(s.admin_url.starts_with("https://"), "{}", s.admin_url);
+    s.admin_url = format!("https://localhost:{port}");
+    let tls = twice_servicebus_client::TlsOptions::with_ca_pem(certs.ca_pem.as_bytes()).unwrap();
+    let options =
+        twice_servicebus_client::ClientOptions::from_connection_string(&s.connection_string)
+            .unwrap()
+            .tls(Some(tls));
+    dead_letter(&ServiceBusClient::new(options), "orders", &[("t", "Poison")]).await;
+
+    let ca = path("ca.pem");
+    let listed = ok(&s.dlq(&["list", "--ca-file", &ca]));
+    let line =
+        listed.lines().find(|l| l.starts_with("orders ")).unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(line.split_whitespace().nth(2), Some("1"), "{line}");
+    let shown = json_lines(&ok(&s.dlq(&["show", "orders", "--json", "--ca-file", &ca])));
+    assert_eq!(shown.len(), 1);
+    assert_eq!(shown[0]["dead_letter_reason"], "Poison");
+
+    for args in [&["list"][..], &["show", "orders"][..]] {
+        let err = failed(&s.dlq(args));
+        assert!(err.contains("certificate") && err.contains("--ca-file"), "{args:?}: {err}");
+    }
+    let err = failed(&s.dlq(&["list", "--ca-file", &path("missing.pem")]));
+    assert!(err.contains("missing.pem"), "{err}");
+    let err = failed(&s.dlq(&["list", "--ca-file", &path("key.pem")]));
+    assert!(err.contains("key.pem") && err.contains("certificate"), "{err}");
+}
