@@ -439,10 +439,10 @@ pub fn from_twice_value(v: &twice::Value) -> Value {
 pub fn properties_of(map: Option<&Value>, except: &[&str]) -> Properties {
     let mut out = Properties::new();
     for (k, v) in map.and_then(Value::as_map).unwrap_or(&[]) {
-        if let (Some(k), Some(v)) = (k.as_str(), to_twice_value(v)) {
-            if !except.contains(&k) {
-                out.insert(k.to_owned(), v);
-            }
+        if let (Some(k), Some(v)) = (k.as_str(), to_twice_value(v))
+            && !except.contains(&k)
+        {
+            out.insert(k.to_owned(), v);
         }
     }
     out
@@ -491,10 +491,10 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
         (Value::symbol("x-opt-sequence-number"), Value::Long(r.sequence_number.get())),
         (Value::symbol("x-opt-enqueued-time"), Value::Timestamp(r.enqueued_time.as_millis())),
     ];
-    if lock.is_some() {
-        if let Some(until) = r.locked_until {
-            ma.push((Value::symbol("x-opt-locked-until"), Value::Timestamp(until.as_millis())));
-        }
+    if lock.is_some()
+        && let Some(until) = r.locked_until
+    {
+        ma.push((Value::symbol("x-opt-locked-until"), Value::Timestamp(until.as_millis())));
     }
     if let Some(at) = m.scheduled_enqueue_time {
         ma.push((Value::symbol("x-opt-scheduled-enqueue-time"), Value::Timestamp(at.as_millis())));
@@ -544,10 +544,10 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
         .collect();
     ap.extend(pass.application_properties);
     let mut add = |key: &str, v: &Option<String>| {
-        if let Some(v) = v {
-            if !m.application_properties.contains_key(key) {
-                ap.push((Value::string(key), Value::String(v.clone())));
-            }
+        if let Some(v) = v
+            && !m.application_properties.contains_key(key)
+        {
+            ap.push((Value::string(key), Value::String(v.clone())));
         }
     };
     add("DeadLetterReason", &r.dead_letter_reason);

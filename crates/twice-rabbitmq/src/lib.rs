@@ -409,10 +409,11 @@ impl RabbitMqTransport {
     /// The current connection, connecting again when it was lost.
     async fn link(&self) -> Result<Arc<Link>, TransportError> {
         let mut guard = self.inner.link.lock().await;
-        if let Some(link) = guard.as_ref() {
-            if link.connection.status().connected() && link.publisher.status().connected() {
-                return Ok(Arc::clone(link));
-            }
+        if let Some(link) = guard.as_ref()
+            && link.connection.status().connected()
+            && link.publisher.status().connected()
+        {
+            return Ok(Arc::clone(link));
         }
         *guard = None;
         let o = &self.inner.options;

@@ -642,15 +642,15 @@ impl Actor {
         let id = l.id;
         let reply = l.attach_reply.take();
         let grant = l.role == ROLE_RECEIVER && l.credit > 0;
-        if let Some(reply) = reply {
-            if reply.send(Ok(Link { handle, id, remote: a, events })).is_err() {
-                // The caller gave up waiting: close the link again.
-                if let Some(l) = self.links.get_mut(&handle) {
-                    l.detach_sent = true;
-                }
-                self.send(0, &Performative::Detach(Detach { handle, closed: true, error: None }));
-                return;
+        if let Some(reply) = reply
+            && reply.send(Ok(Link { handle, id, remote: a, events })).is_err()
+        {
+            // The caller gave up waiting: close the link again.
+            if let Some(l) = self.links.get_mut(&handle) {
+                l.detach_sent = true;
             }
+            self.send(0, &Performative::Detach(Detach { handle, closed: true, error: None }));
+            return;
         }
         if grant {
             self.link_flow(handle);

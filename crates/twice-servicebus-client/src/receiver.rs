@@ -395,10 +395,10 @@ impl Shared {
     async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, Error> {
         let lock =
             d.message.lock_token.ok_or_else(|| Error::Invalid("the message has no lock".into()))?;
-        if let Via::Link { engine, .. } = &d.via {
-            if engine.is_closed() {
-                return Err(lost(false));
-            }
+        if let Via::Link { engine, .. } = &d.via
+            && engine.is_closed()
+        {
+            return Err(lost(false));
         }
         let body = vec![("lock-tokens", uuid_array(&[lock]))];
         let reply = self.management(None, "com.microsoft:renew-lock", body).await?;

@@ -414,10 +414,10 @@ async fn rabbitmq_run(uri: &str, n: usize, run: usize) -> anyhow::Result<(Phase,
     let mut latencies = Vec::with_capacity(n);
     let (server0, client0, t0) = (cpu.read(), own_cpu(), Instant::now());
     for _ in 0..n {
-        if in_flight.len() >= IN_FLIGHT {
-            if let Some(r) = in_flight.next().await {
-                latencies.push(r?);
-            }
+        if in_flight.len() >= IN_FLIGHT
+            && let Some(r) = in_flight.next().await
+        {
+            latencies.push(r?);
         }
         let at = Instant::now();
         let confirm = ch

@@ -36,10 +36,10 @@ pub fn example_bin(manifest_dir: &str, package: &str, name: &str, features: &[&s
         .filter_map(|e| modified(&e.path()))
         .max();
     let inputs = [modified(&source), newest_lib].into_iter().flatten().max();
-    if let Some(built) = modified(&path) {
-        if inputs.is_none_or(|newest| built >= newest) {
-            return path;
-        }
+    if let Some(built) = modified(&path)
+        && inputs.is_none_or(|newest| built >= newest)
+    {
+        return path;
     }
     let release = profile_dir.file_name().is_some_and(|p| p == "release");
     let target = profile_dir.parent().expect("target directory").join("example-children");

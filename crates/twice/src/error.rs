@@ -249,11 +249,11 @@ pub(crate) fn format_duration(d: Duration) -> String {
     let secs = d.as_secs();
     if d.subsec_millis() != 0 || secs == 0 {
         format!("{} ms", d.as_millis())
-    } else if secs % 86_400 == 0 {
+    } else if secs.is_multiple_of(86_400) {
         format!("{} d", secs / 86_400)
-    } else if secs % 3600 == 0 {
+    } else if secs.is_multiple_of(3600) {
         format!("{} h", secs / 3600)
-    } else if secs % 60 == 0 {
+    } else if secs.is_multiple_of(60) {
         format!("{} min", secs / 60)
     } else {
         format!("{secs} s")

@@ -358,10 +358,10 @@ impl Engine {
                 )
             }
         };
-        if let Kind::Subscription { topic, .. } = &kind {
-            if let Some(Kind::Topic { subs, .. }) = self.ent_mut(*topic).map(|t| &mut t.kind) {
-                subs.push(slot);
-            }
+        if let Kind::Subscription { topic, .. } = &kind
+            && let Some(Kind::Topic { subs, .. }) = self.ent_mut(*topic).map(|t| &mut t.kind)
+        {
+            subs.push(slot);
         }
         self.entities.push(Some(Entity {
             id,
@@ -436,10 +436,10 @@ impl Engine {
         }
         self.by_path.remove(&e.path.to_ascii_lowercase());
         self.by_id.remove(&e.id);
-        if let Kind::Subscription { topic, .. } = e.kind {
-            if let Some(Kind::Topic { subs, .. }) = self.ent_mut(topic).map(|t| &mut t.kind) {
-                subs.retain(|&s| s != slot);
-            }
+        if let Kind::Subscription { topic, .. } = e.kind
+            && let Some(Kind::Topic { subs, .. }) = self.ent_mut(topic).map(|t| &mut t.kind)
+        {
+            subs.retain(|&s| s != slot);
         }
     }
 }

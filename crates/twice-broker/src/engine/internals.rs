@@ -206,12 +206,12 @@ impl Engine {
             if let Some(id) = &m.session_id {
                 check_id("session id", id.as_str())?;
             }
-            if let Some(key) = &m.partition_key {
-                if key.len() > MAX_ID_LEN {
-                    return Err(Error::InvalidArgument(format!(
-                        "a partition key has at most {MAX_ID_LEN} characters"
-                    )));
-                }
+            if let Some(key) = &m.partition_key
+                && key.len() > MAX_ID_LEN
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "a partition key has at most {MAX_ID_LEN} characters"
+                )));
             }
             if m.time_to_live.is_some_and(|t| t.is_zero()) {
                 return Err(Error::InvalidArgument("a time to live must be positive".to_owned()));
@@ -326,10 +326,10 @@ impl Engine {
                 }
             }
             WaitKind::Session(lock) => {
-                if let Some(&(six, sid)) = self.session_locks.get(&lock) {
-                    if let Some(s) = self.session_mut(six, sid) {
-                        s.waiters.push_back(w);
-                    }
+                if let Some(&(six, sid)) = self.session_locks.get(&lock)
+                    && let Some(s) = self.session_mut(six, sid)
+                {
+                    s.waiters.push_back(w);
                 }
             }
         }
@@ -356,10 +356,10 @@ impl Engine {
                 }
             }
             Some(sl) => {
-                if let Some(&(six, sid)) = self.session_locks.get(&sl) {
-                    if let Some(s) = self.session_mut(six, sid) {
-                        s.locks.retain(|t| t != token);
-                    }
+                if let Some(&(six, sid)) = self.session_locks.get(&sl)
+                    && let Some(s) = self.session_mut(six, sid)
+                {
+                    s.locks.retain(|t| t != token);
                 }
             }
         }
@@ -447,10 +447,10 @@ impl Engine {
                     let timer = match session {
                         None => Some(self.lock_timers.insert(until, token, duration)),
                         Some(sl) => {
-                            if let Some(&(s6, sid)) = self.session_locks.get(&sl) {
-                                if let Some(s) = self.session_mut(s6, sid) {
-                                    s.locks.push(token);
-                                }
+                            if let Some(&(s6, sid)) = self.session_locks.get(&sl)
+                                && let Some(s) = self.session_mut(s6, sid)
+                            {
+                                s.locks.push(token);
                             }
                             None
                         }
@@ -682,11 +682,11 @@ impl Engine {
             let Engine { entities, aux, .. } = self;
             if let Some(store) = entities.get_mut(six.slot() as usize).and_then(Option::as_mut) {
                 let store = store.store_mut(six.is_dlq());
-                if let Some(ss) = store.sessions.as_mut() {
-                    if let Some(first) = ss.table.get(&sid).and_then(|s| s.avail.first()) {
-                        ss.ready.insert((first, sid));
-                        aux.dirty.push((six, sid));
-                    }
+                if let Some(ss) = store.sessions.as_mut()
+                    && let Some(first) = ss.table.get(&sid).and_then(|s| s.avail.first())
+                {
+                    ss.ready.insert((first, sid));
+                    aux.dirty.push((six, sid));
                 }
             }
         }
@@ -750,10 +750,10 @@ impl Engine {
                 if *end > now {
                     break;
                 }
-                if let Some((end, id)) = e.dedup.order.pop_front() {
-                    if e.dedup.ids.get(&id) == Some(&end) {
-                        e.dedup.ids.remove(&id);
-                    }
+                if let Some((end, id)) = e.dedup.order.pop_front()
+                    && e.dedup.ids.get(&id) == Some(&end)
+                {
+                    e.dedup.ids.remove(&id);
                 }
             }
             if let Some(&(end, _)) = e.dedup.order.front() {

@@ -694,10 +694,10 @@ impl Engine {
             return Err(Error::SessionRequired(e.path.clone()));
         }
         let out = self.take_from(now, six, NO_SESSION, mode, max, None)?;
-        if out.is_empty() {
-            if let Some(w) = waiter {
-                self.park(w, Waiter { kind: WaitKind::Receive, six, mode, max });
-            }
+        if out.is_empty()
+            && let Some(w) = waiter
+        {
+            self.park(w, Waiter { kind: WaitKind::Receive, six, mode, max });
         }
         self.pump(now);
         Ok(out)
@@ -851,14 +851,13 @@ impl Engine {
             WaitKind::Receive => store.waiters.retain(|&x| x != waiter),
             WaitKind::Accept => store.accept_waiters.retain(|&x| x != waiter),
             WaitKind::Session(lock) => {
-                if let Some(&(_, sid)) = self.session_locks.get(&lock) {
-                    if let Some(s) = self
+                if let Some(&(_, sid)) = self.session_locks.get(&lock)
+                    && let Some(s) = self
                         .store_mut(w.six)
                         .and_then(|s| s.sessions.as_mut())
                         .and_then(|ss| ss.table.get_mut(&sid))
-                    {
-                        s.waiters.retain(|&x| x != waiter);
-                    }
+                {
+                    s.waiters.retain(|&x| x != waiter);
                 }
             }
         }

@@ -272,17 +272,16 @@ impl Engine {
         out: &mut Vec<Placement>,
     ) {
         let Some(e) = self.ent(slot) else { return };
-        if let Some(target) = self.forward_target(e.forward_dead_lettered_to()) {
-            if hops < MAX_TRANSFER_HOPS {
-                let mut item = item.clone();
-                item.extra.get_or_insert_with(Extra::default).dead_letter_source =
-                    Some(e.path.clone());
-                item.delivery_count = 1;
-                item.enqueued = None;
-                let tseq = r.alloc(self, self.owner(target));
-                self.land(r, target, tseq, hops + 1, &item, out);
-                return;
-            }
+        if let Some(target) = self.forward_target(e.forward_dead_lettered_to())
+            && hops < MAX_TRANSFER_HOPS
+        {
+            let mut item = item.clone();
+            item.extra.get_or_insert_with(Extra::default).dead_letter_source = Some(e.path.clone());
+            item.delivery_count = 1;
+            item.enqueued = None;
+            let tseq = r.alloc(self, self.owner(target));
+            self.land(r, target, tseq, hops + 1, &item, out);
+            return;
         }
         self.place_dead_letter(r, e, seq, item, out);
     }

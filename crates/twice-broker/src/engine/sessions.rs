@@ -94,10 +94,10 @@ impl Engine {
         check_max(max)?;
         self.check_waiter(waiter)?;
         let out = self.take_from(now, six, sid, mode, max, Some(lock))?;
-        if out.is_empty() {
-            if let Some(w) = waiter {
-                self.park(w, Waiter { kind: WaitKind::Session(lock), six, mode, max });
-            }
+        if out.is_empty()
+            && let Some(w) = waiter
+        {
+            self.park(w, Waiter { kind: WaitKind::Session(lock), six, mode, max });
         }
         self.pump(now);
         Ok(out)
@@ -164,11 +164,12 @@ impl Engine {
             if seen.len() == with_messages {
                 break;
             }
-            if m.expires > now && seen.insert(m.session, ()).is_none() {
-                if let Some(id) = self.aux.names.name(m.session) {
-                    let state = ss.table.get(&m.session).and_then(|s| s.state.clone());
-                    out.push(SessionSummary { session_id: id.clone(), has_messages: true, state });
-                }
+            if m.expires > now
+                && seen.insert(m.session, ()).is_none()
+                && let Some(id) = self.aux.names.name(m.session)
+            {
+                let state = ss.table.get(&m.session).and_then(|s| s.state.clone());
+                out.push(SessionSummary { session_id: id.clone(), has_messages: true, state });
             }
         }
         let mut state_only: Vec<SessionSummary> = ss
@@ -207,13 +208,13 @@ impl Engine {
     ) -> Result<(), Error> {
         self.tick(now);
         let &(six, sid) = self.session_locks.get(&lock).ok_or(Error::SessionLockLost)?;
-        if let Some(s) = &state {
-            if s.len() > self.opts.max_message_size {
-                return Err(Error::MessageSizeExceeded {
-                    size: s.len(),
-                    limit: self.opts.max_message_size,
-                });
-            }
+        if let Some(s) = &state
+            && s.len() > self.opts.max_message_size
+        {
+            return Err(Error::MessageSizeExceeded {
+                size: s.len(),
+                limit: self.opts.max_message_size,
+            });
         }
         let session = self.aux.names.name(sid).cloned().ok_or(Error::SessionLockLost)?;
         let entity = self.key(six)?.entity;

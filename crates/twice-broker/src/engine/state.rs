@@ -538,20 +538,21 @@ impl Bodies {
     pub(super) fn unpin(&mut self, i: u32) {
         if let Some(s) = self.slots.get_mut(i as usize) {
             s.pins = s.pins.saturating_sub(1);
-            if s.pins == 0 {
-                if let Some(m) = self.pinned.remove(&i) {
-                    self.free_message(m);
-                }
+            if s.pins == 0
+                && let Some(m) = self.pinned.remove(&i)
+            {
+                self.free_message(m);
             }
         }
     }
 
     /// Keeps `message` in memory for a pinned, stored body (replay and relocation know it).
     pub(super) fn keep_if_pinned(&mut self, i: u32, message: &Arc<Message>) {
-        if let Some(s) = self.slots.get(i as usize) {
-            if s.pins > 0 && matches!(s.data, BodyData::Stored(_)) {
-                self.pinned.insert(i, Arc::clone(message));
-            }
+        if let Some(s) = self.slots.get(i as usize)
+            && s.pins > 0
+            && matches!(s.data, BodyData::Stored(_))
+        {
+            self.pinned.insert(i, Arc::clone(message));
         }
     }
 

@@ -210,10 +210,10 @@ impl Runtime {
         let clock = self.clock.clone();
         let mut timer: Option<Timer<'_>> = None;
         while open || !self.inflight.is_empty() {
-            if let Some(deadline) = self.next_deadline() {
-                if timer.as_ref().is_none_or(|(armed, _)| deadline < *armed) {
-                    timer = Some((deadline, Box::pin(clock.sleep_until(deadline))));
-                }
+            if let Some(deadline) = self.next_deadline()
+                && timer.as_ref().is_none_or(|(armed, _)| deadline < *armed)
+            {
+                timer = Some((deadline, Box::pin(clock.sleep_until(deadline))));
             }
             let durable_target = self.inflight.front().map(|(seq, _)| *seq);
             let event = tokio::select! {

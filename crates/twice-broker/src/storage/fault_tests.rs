@@ -148,10 +148,10 @@ fn log_case(seed: u64) -> Result<(), String> {
     // A log that failed acknowledges nothing more, however long one waits.
     if log.failure().is_some() {
         let more = log.append(Bytes::from_static(b"more")).and_then(|_| log.commit());
-        if let Ok(seq) = more {
-            if log.durable().wait_blocking(seq).is_ok() {
-                return Err("a failed log acknowledged a commit".into());
-            }
+        if let Ok(seq) = more
+            && log.durable().wait_blocking(seq).is_ok()
+        {
+            return Err("a failed log acknowledged a commit".into());
         }
     }
     // The process ends: killed, or (after a failure) stopped and restarted.
@@ -189,10 +189,10 @@ fn log_case(seed: u64) -> Result<(), String> {
     let end = start + got.len();
     if let (Some(last), Some(next)) =
         (end.checked_sub(1).and_then(|i| written.get(i)), written.get(end))
+        && last.commit == next.commit
+        && last.location.segment == next.location.segment
     {
-        if last.commit == next.commit && last.location.segment == next.location.segment {
-            return Err(ctx(&"a commit was replayed in part"));
-        }
+        return Err(ctx(&"a commit was replayed in part"));
     }
     // Every acknowledged record is there (unless its segment was removed on purpose).
     if let Some(missing) = written

@@ -32,10 +32,10 @@ async fn survives_sigkill(relaxed: bool) {
             completed.insert(id.to_owned());
         } else if let Some(id) = line.strip_prefix("completing ") {
             completing.insert(id.to_owned());
-        } else if let Some((id, seq)) = line.split_once(' ') {
-            if let Ok(seq) = seq.parse() {
-                acked.insert(id.to_owned(), seq);
-            }
+        } else if let Some((id, seq)) = line.split_once(' ')
+            && let Ok(seq) = seq.parse()
+        {
+            acked.insert(id.to_owned(), seq);
         }
     };
     // Two kills in a row: the second run starts from the log the first one left.

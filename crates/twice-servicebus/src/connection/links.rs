@@ -109,11 +109,10 @@ pub(super) async fn pump<B: Backend>(
                         // The link is gone. A session's receive is dropped: releasing the
                         // session, which follows at once, unlocks anything it held. An entity's
                         // runs to its end and what it took goes back.
-                        if let Source::Entity(_) = source {
-                            if let Ok(messages) = receive.await {
+                        if let Source::Entity(_) = source
+                            && let Ok(messages) = receive.await {
                                 release_all(&backend, &source, messages);
                             }
-                        }
                         return;
                     }
                     let d = ctl.borrow().drain;

@@ -472,10 +472,10 @@ fn release_link<S: BackendSession>(mut l: Link<S>) {
     l.pump.take();
     l.lock_watch.take();
     let session = l.session.take();
-    if l.settle.take().is_none() {
-        if let Some(s) = session {
-            tokio::spawn(async move { s.close().await });
-        }
+    if l.settle.take().is_none()
+        && let Some(s) = session
+    {
+        tokio::spawn(async move { s.close().await });
     }
 }
 

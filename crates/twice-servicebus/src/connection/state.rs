@@ -147,10 +147,10 @@ impl<S> Session<S> {
             }
             let Queued::Delivery(o) = q else { continue };
             self.unsettled.remove(&o.delivery_id);
-            if let Some(lock) = o.lock {
-                if let Some(l) = self.links.get(&o.remote_handle).filter(|l| l.id == o.link) {
-                    l.job(Job::Release(lock));
-                }
+            if let Some(lock) = o.lock
+                && let Some(l) = self.links.get(&o.remote_handle).filter(|l| l.id == o.link)
+            {
+                l.job(Job::Release(lock));
             }
         }
     }

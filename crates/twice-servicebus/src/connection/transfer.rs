@@ -329,10 +329,10 @@ impl<B: Backend> Conn<B> {
             let Some(u) = s.unsettled.remove(&id) else { continue };
             let (how, echo) = settlement_of(&outcome);
             let job = Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
-            if let Some(&(_, handle)) = self.links.get(&u.link) {
-                if let Some(l) = s.links.get(&handle) {
-                    l.job(job);
-                }
+            if let Some(&(_, handle)) = self.links.get(&u.link)
+                && let Some(l) = s.links.get(&handle)
+            {
+                l.job(job);
             }
         }
     }

@@ -57,10 +57,10 @@ where
             }
         }
         let attempt = self.dedup_work(msg, lock, lock_lost, owner).await;
-        if let Some(keep) = attempt.1 {
-            if !keep {
-                self.forget(id, owner).await;
-            }
+        if let Some(keep) = attempt.1
+            && !keep
+        {
+            self.forget(id, owner).await;
         }
         attempt.0
     }

@@ -364,17 +364,16 @@ where
         msg: &ReceivedMessage,
         result: Result<Outcome, HandlerError>,
     ) -> Attempt {
-        if let Err(error) = &result {
-            if *error.kind() == HandlerErrorKind::Unclassified
-                && self.inbox.classify(error.error()) == ErrorClass::Transient
-            {
-                self.report(ProcessError::new(
-                    ErrorSource::Handler,
-                    Some(msg.message_id()),
-                    error.chain(),
-                ));
-                return Attempt::InfrastructureFailed;
-            }
+        if let Err(error) = &result
+            && *error.kind() == HandlerErrorKind::Unclassified
+            && self.inbox.classify(error.error()) == ErrorClass::Transient
+        {
+            self.report(ProcessError::new(
+                ErrorSource::Handler,
+                Some(msg.message_id()),
+                error.chain(),
+            ));
+            return Attempt::InfrastructureFailed;
         }
         let retryable = result.is_err();
         match self.verdict_of(msg, result) {

@@ -175,12 +175,11 @@ impl Inbox for MemoryInbox {
                 state.committed.insert(key, tx.claimed_at);
             }
             state.work.append(&mut tx.work);
-            if let Some((key, owner)) = tx.finish.take() {
-                if state.recorded.get(&key).is_some_and(|(_, o)| *o == owner) {
-                    if let Some((at, _)) = state.recorded.remove(&key) {
-                        state.committed.insert(key, at);
-                    }
-                }
+            if let Some((key, owner)) = tx.finish.take()
+                && state.recorded.get(&key).is_some_and(|(_, o)| *o == owner)
+                && let Some((at, _)) = state.recorded.remove(&key)
+            {
+                state.committed.insert(key, at);
             }
         }
         self.shared.ended.notify_waiters();

@@ -53,7 +53,7 @@ const STEPS: usize = 1000;
 /// bodies (so that bodies are often evicted), deferred serving of waiters, and freed messages
 /// collected.
 fn engine_options(seed: u64, engine_seed: u64) -> EngineOptions {
-    let runtime = seed % 2 == 0;
+    let runtime = seed.is_multiple_of(2);
     EngineOptions {
         seed: engine_seed,
         body_cache_bytes: if runtime { 2048 } else { 0 },

@@ -405,12 +405,13 @@ impl Sim {
             h.until = until;
         }
         for m in &mut self.model.msgs {
-            if m.ent == Ent::S && !m.dlq && m.session.as_deref() == Some(session) {
-                if let MState::Locked { until: u, .. } | MState::DeferredLocked { until: u, .. } =
+            if m.ent == Ent::S
+                && !m.dlq
+                && m.session.as_deref() == Some(session)
+                && let MState::Locked { until: u, .. } | MState::DeferredLocked { until: u, .. } =
                     &mut m.state
-                {
-                    *u = until;
-                }
+            {
+                *u = until;
             }
         }
     }
@@ -567,13 +568,13 @@ impl Sim {
             }
             _ => {
                 let got = self.engine.session_state(lock);
-                if let Ok(got) = &got {
-                    if got.as_ref() != self.model.states.get(&s) {
-                        self.fail(&format!(
-                            "session state {got:?}, model {:?}",
-                            self.model.states.get(&s)
-                        ));
-                    }
+                if let Ok(got) = &got
+                    && got.as_ref() != self.model.states.get(&s)
+                {
+                    self.fail(&format!(
+                        "session state {got:?}, model {:?}",
+                        self.model.states.get(&s)
+                    ));
                 }
                 got.map(|_| None)
             }
