@@ -25,6 +25,7 @@ pub mod data;
 #[cfg(test)]
 pub(crate) mod fault;
 mod format;
+mod replay;
 mod scan;
 mod vfs;
 mod writer;
@@ -41,6 +42,7 @@ use tokio::sync::watch;
 
 use format::{BLOCK_LEN, Block, SegmentHeader, frame_crc, frame_header};
 pub(crate) use format::{FRAME_LEN, HEADER_LEN, MAX_RECORD_LEN};
+pub(crate) use replay::Replay;
 use scan::{ScanError, Scanned, SegmentScan, durable_block_after};
 pub(crate) use vfs::{OpenMode, RealFs, VFile, Vfs};
 use writer::{Chunk, DurableState, Job, Shared, Writer};
@@ -372,14 +374,11 @@ impl Log {
             .name("twice-log-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(io_err(dir))?;
-        let replay = Replay {
-            dir: dir.to_owned(),
-            segments: segments.iter().map(|(&id, s)| (id, s.file.clone())).collect(),
-            last_end: active_len,
-            current: None,
-            previous: None,
-            gap: None,
-        };
+        let replay = Replay::new(
+            dir.to_owned(),
+            segments.iter().map(|(&id, s)| (id, s.file.clone())).collect(),
+            active_len,
+        );
         let durable = DurableWatch { rx: shared.durable.subscribe(), shared: shared.clone() };
         let mut log = Log {
             dir: dir.to_owned(),
@@ -857,144 +856,6 @@ fn recover_last(
     let floor = scan.header.first_seq.saturating_sub(1);
     let last_seq = scan.last_seq().unwrap_or(floor).max(floor);
     Ok(Recovered { file, salt: scan.header.salt, len: valid_end, last_seq })
-}
-
-/// Streams every record of the log, oldest first, one block at a time.
-#[derive(Debug)]
-pub(crate) struct Replay {
-    dir: PathBuf,
-    segments: VecDeque<(u64, Arc<dyn VFile>)>,
-    /// The valid length of the newest segment, as found by [`Log::open`].
-    last_end: u64,
-    current: Option<ReplaySegment>,
-    /// The segment replayed before the current one: its id, its end, and the number of its
-    /// last commit (or the one before its first, when it holds none).
-    previous: Option<(u64, u64, u64)>,
-    /// Commits missing between two segments: the segment they should have ended, its end, and
-    /// the first missing commit number. They are refused once a later block proves one of them
-    /// was durable.
-    gap: Option<(u64, u64, u64)>,
-}
-
-#[derive(Debug)]
-struct ReplaySegment {
-    scan: SegmentScan,
-    /// The records of the current block not yet returned.
-    records: VecDeque<ReplayRecord>,
-}
-
-impl Replay {
-    fn next_record(&mut self) -> Result<Option<ReplayRecord>, StorageError> {
-        loop {
-            if let Some(r) = self.current.as_mut().and_then(|c| c.records.pop_front()) {
-                return Ok(Some(r));
-            }
-            let Some(cur) = self.current.as_mut() else {
-                let Some((id, file)) = self.segments.pop_front() else { return Ok(None) };
-                let path = self.dir.join(format::segment_file_name(id));
-                let end = if self.segments.is_empty() {
-                    self.last_end
-                } else {
-                    file.len().map_err(io_err(&path))?
-                };
-                let scan = SegmentScan::open(file, id, end).map_err(|e| match e {
-                    ScanError::Storage(e) => e,
-                    ScanError::Io(e) => StorageError::Io { path: path.clone(), source: e },
-                })?;
-                self.check_predecessor(&scan.header)?;
-                self.note_gap(scan.header.first_seq);
-                self.current = Some(ReplaySegment { scan, records: VecDeque::new() });
-                continue;
-            };
-            let id = cur.scan.id;
-            let first_of_segment = cur.scan.last_seq().is_none();
-            let next = cur.scan.next_block().map_err(|e| StorageError::Io {
-                path: self.dir.join(format::segment_file_name(id)),
-                source: e,
-            })?;
-            let seq = cur.scan.last_seq().unwrap_or(0);
-            match next {
-                Scanned::Block { offset, body, records, watermark } => {
-                    if first_of_segment {
-                        self.note_gap(seq);
-                    }
-                    self.check_gap(watermark)?;
-                    let Some(cur) = self.current.as_mut() else { return Ok(None) };
-                    let body_at = offset + BLOCK_LEN;
-                    cur.records.extend(records.into_iter().map(|(at, len)| {
-                        let start = at + usize::try_from(FRAME_LEN).unwrap_or(8);
-                        let end = start + usize::try_from(len).unwrap_or(0);
-                        ReplayRecord {
-                            location: Location { segment: id, offset: body_at + at as u64, len },
-                            payload: body.slice(start..end),
-                        }
-                    }));
-                }
-                Scanned::End => {
-                    let last = cur.scan.last_seq();
-                    let floor = cur.scan.header.first_seq.saturating_sub(1);
-                    self.previous = Some((id, cur.scan.end(), last.unwrap_or(floor)));
-                    self.current = None;
-                }
-                Scanned::Damaged { at, .. } => {
-                    // Stop here for good: a replay that went on would skip acknowledged data.
-                    self.segments.clear();
-                    self.current = None;
-                    return Err(StorageError::Corrupt { segment: id, offset: at });
-                }
-            }
-        }
-    }
-}
-
-impl Replay {
-    /// Notes the commits missing before a segment whose first commit is `seq` (or can be no
-    /// lower than `seq`): commits are numbered across the whole log and each one writes to the
-    /// active segment, so a gap means the segment before lost its last blocks. That is either
-    /// a cut at a block boundary (damage, which its own scan cannot see) or commits that never
-    /// became durable before a power loss (a torn tail, harmless): [`Replay::check_gap`] tells
-    /// them apart.
-    fn note_gap(&mut self, seq: u64) {
-        let Some((before, end, last)) = self.previous else { return };
-        if self.gap.is_none() && seq > last.saturating_add(1) {
-            self.gap = Some((before, end, last.saturating_add(1)));
-        }
-    }
-
-    /// Refuses the log when the segment before one with `header` ends before the commit that
-    /// started it: that segment was complete on disk before its successor took its name, so
-    /// its end was cut (at a block boundary, which its own scan cannot see).
-    fn check_predecessor(&mut self, header: &SegmentHeader) -> Result<(), StorageError> {
-        let Some((segment, offset, last)) = self.previous else { return Ok(()) };
-        if last >= header.predecessor_ends_at() {
-            return Ok(());
-        }
-        tracing::error!(segment, offset, "log segment lost its last commits");
-        self.segments.clear();
-        self.current = None;
-        Err(StorageError::Corrupt { segment, offset })
-    }
-
-    /// Refuses the log once a block written after a gap says a missing commit was durable
-    /// (its watermark covers it): acknowledged data is gone, and replay must not skip it.
-    fn check_gap(&mut self, watermark: u64) -> Result<(), StorageError> {
-        let Some((segment, offset, missing)) = self.gap else { return Ok(()) };
-        if watermark < missing {
-            return Ok(());
-        }
-        tracing::error!(segment, offset, "log segment lost commits that were durable");
-        self.segments.clear();
-        self.current = None;
-        Err(StorageError::Corrupt { segment, offset })
-    }
-}
-
-impl Iterator for Replay {
-    type Item = Result<ReplayRecord, StorageError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        self.next_record().transpose()
-    }
 }
 
 #[cfg(test)]
