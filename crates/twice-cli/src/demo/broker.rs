@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::dlq::admin::{AdminClient, AdminUrl};
+use crate::dlq::admin::{AdminClient, AdminUrl, Ca};
 use anyhow::Context as _;
 use twice::{
     DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, Receive,
@@ -108,6 +108,8 @@ pub(crate) enum DemoBroker {
         connection_string: String,
         /// Where its administration API is, when not where the connection string says.
         admin_url: Option<AdminUrl>,
+        /// The CA of `--ca-file`, trusted instead of the public roots.
+        ca: Option<Ca>,
     },
 }
 
@@ -119,6 +121,7 @@ impl DemoBroker {
         clock: SharedClock,
         run_id: &str,
         admin_url: Option<AdminUrl>,
+        ca: Option<Ca>,
     ) -> anyhow::Result<Self> {
         Ok(match kind {
             BrokerKind::Embedded => Self::Embedded(
@@ -158,7 +161,7 @@ impl DemoBroker {
                 Self::Serve { broker, connection_string, stop: std::sync::Mutex::new(Some(stop)) }
             }
             BrokerKind::ServiceBus(s) => {
-                Self::ServiceBus { connection_string: s.clone(), admin_url }
+                Self::ServiceBus { connection_string: s.clone(), admin_url, ca }
             }
         })
     }
@@ -212,10 +215,12 @@ impl DemoBroker {
                     .with_lock_duration(lock)
                     .with_duplicate_detection(DUPLICATE_WINDOW);
                 broker.create_queue(name, properties).await?;
-                ServiceBusQueue::connect(connection_string, name, Some(broker.clone()))?.into()
+                ServiceBusQueue::connect(connection_string, name, Some(broker.clone()), None)?
+                    .into()
             }
-            Self::ServiceBus { connection_string, admin_url } => {
-                let mut queue = ServiceBusQueue::connect(connection_string, name, None)?;
+            Self::ServiceBus { connection_string, admin_url, ca } => {
+                let mut queue =
+                    ServiceBusQueue::connect(connection_string, name, None, ca.clone())?;
                 queue.check_and_empty(lock, admin_url.clone()).await?;
                 queue.admin = queue.counting_admin(admin_url.clone()).await;
                 queue.into()
@@ -267,6 +272,8 @@ pub(crate) struct ServiceBusQueue {
     /// The namespace's administration API, for the counts, when the demo does not run the
     /// broker itself and the API answers.
     admin: Option<AdminClient>,
+    /// The CA of `--ca-file`, trusted instead of the public roots.
+    ca: Option<Ca>,
 }
 
 impl ServiceBusQueue {
@@ -274,11 +281,9 @@ impl ServiceBusQueue {
         connection_string: &str,
         name: &str,
         broker: Option<Broker>,
+        ca: Option<Ca>,
     ) -> anyhow::Result<Self> {
-        // Credit for many concurrent calls: the processor and the naive consumer receive in
-        // batches.
-        let (receiver, sender) = twice_servicebus_client::connect(connection_string, name, 64)
-            .context("reading the Service Bus connection string")?;
+        let (receiver, sender) = Self::link(connection_string, name, ca.as_ref())?;
         Ok(Self {
             connection_string: connection_string.to_owned(),
             name: name.to_owned(),
@@ -286,7 +291,25 @@ impl ServiceBusQueue {
             sender,
             broker,
             admin: None,
+            ca,
         })
+    }
+
+    /// A receiver and a sender on `entity`, with credit for many concurrent calls (the
+    /// processor and the naive consumer receive in batches).
+    fn link(
+        connection_string: &str,
+        entity: &str,
+        ca: Option<&Ca>,
+    ) -> anyhow::Result<(twice_servicebus_client::Receiver, twice_servicebus_client::Sender)> {
+        let options = Ca::client_options(ca, connection_string)
+            .context("reading the Service Bus connection string")?;
+        let client = twice_servicebus_client::ServiceBusClient::new(options);
+        let receiver = client.receiver(
+            entity,
+            twice_servicebus_client::ReceiverOptions::new().max_concurrent_calls(64),
+        );
+        Ok((receiver, client.sender(entity)))
     }
 
     /// The administration API, when it answers with this queue's counts: the run then ends
@@ -294,6 +317,7 @@ impl ServiceBusQueue {
     async fn counting_admin(&self, admin_url: Option<AdminUrl>) -> Option<AdminClient> {
         let cs: twice_servicebus_client::ConnectionString = self.connection_string.parse().ok()?;
         let admin = AdminClient::for_connection_string(&cs, admin_url).ok()?;
+        let admin = Ca::admin(self.ca.as_ref(), admin);
         match admin.counts(&self.name).await {
             Ok(_) => Some(admin),
             Err(e) => {
@@ -334,8 +358,15 @@ impl ServiceBusQueue {
                         unreachable!()
                     }
                     Err(e) => {
+                        let hint = if matches!(e, twice_servicebus_client::Error::Tls(_))
+                            && self.ca.is_none()
+                        {
+                            format!(" ({})", crate::dlq::admin::UNTRUSTED_HINT)
+                        } else {
+                            String::new()
+                        };
                         return Err(e).with_context(|| {
-                            format!("receiving from {} to check it", receiver.entity_path())
+                            format!("receiving from {} to check it{hint}", receiver.entity_path())
                         });
                     }
                 };
@@ -365,6 +396,7 @@ impl ServiceBusQueue {
             self.connection_string.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
         let admin = crate::dlq::admin::AdminClient::for_connection_string(&cs, admin_url)
             .map_err(|e| anyhow::anyhow!(e))?;
+        let admin = Ca::admin(self.ca.as_ref(), admin);
         match admin.create_queue(&self.name, lock, 10, DUPLICATE_WINDOW).await {
             Ok(()) => {
                 eprintln!("note: created the queue {} in the namespace {}", self.name, cs.host());
@@ -375,11 +407,8 @@ impl ServiceBusQueue {
     }
 
     fn dead_letter_receiver(&self) -> anyhow::Result<twice_servicebus_client::Receiver> {
-        let (receiver, _) = twice_servicebus_client::connect(
-            &self.connection_string,
-            &format!("{}/$DeadLetterQueue", self.name),
-            64,
-        )?;
+        let entity = format!("{}/$DeadLetterQueue", self.name);
+        let (receiver, _) = Self::link(&self.connection_string, &entity, self.ca.as_ref())?;
         Ok(receiver)
     }
 }

@@ -40,6 +40,7 @@ use self::handlers::{Naive, NaiveCounters, OrderPlaced, Shop};
 use self::plan::{FaultRates, OrderKind, Plan};
 use self::report::{Column, Duplicates, Injected, Report};
 use self::services::{Client, Service};
+use crate::dlq::admin::Ca;
 
 const NAIVE_QUEUE: &str = "orders-naive";
 const TWICE_QUEUE: &str = "orders-twice";
@@ -72,6 +73,11 @@ pub(crate) struct DemoArgs {
     /// `https://HOST` for Azure).
     #[arg(long, value_name = "URL", value_parser = crate::dlq::admin::AdminUrl::parse)]
     admin_url: Option<crate::dlq::admin::AdminUrl>,
+    /// With a connection string: trust only the CA certificates in this PEM file for TLS
+    /// (amqps and the administration API over https) instead of the public roots, for a
+    /// `twice serve --tls-cert` whose certificate a CA of your own signed.
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<std::path::PathBuf>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -118,6 +124,9 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 
 /// Runs the demo; the exit code is success iff the invariants hold for twice.
 pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    if args.ca_file.is_some() && !matches!(args.broker, BrokerKind::ServiceBus(_)) {
+        bail!("--ca-file applies to a Service Bus connection string given with --broker");
+    }
     let rates = FaultRates {
         sender_retry: args.retry_rate,
         republish: args.republish_rate,
@@ -232,12 +241,14 @@ where
     let clock = SharedClock::system();
     let lock = Duration::from_secs(args.lock_seconds);
     let broker_run = format!("{:08x}", rand::random::<u32>());
+    let ca = args.ca_file.as_deref().map(Ca::load).transpose().map_err(|e| anyhow::anyhow!(e))?;
     let broker = DemoBroker::open(
         &args.broker,
         &workdir.path().join("broker"),
         clock.clone(),
         &broker_run,
         args.admin_url.clone(),
+        ca,
     )
     .await?;
     let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);

@@ -34,7 +34,7 @@ pub(crate) enum AdminError {
     #[error("the administration API answered {status} for {path}: {detail}")]
     Status { status: u16, path: String, detail: String },
     #[error(
-        "the administration API at {url} has a certificate this machine does not trust: {reason} (a certificate signed by a CA of your own: give --ca-file with that CA)"
+        "the administration API at {url} has a certificate this machine does not trust: {reason} ({UNTRUSTED_HINT})"
     )]
     Untrusted { url: String, reason: String },
     #[error("the administration API at {url} did not answer HTTP: {reason}")]
@@ -123,7 +123,7 @@ pub(crate) struct Dedup {
 }
 
 /// The CA certificates in a PEM text, as trust roots.
-pub(crate) fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
+fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
     use rustls_pki_types::CertificateDer;
     use rustls_pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
@@ -135,6 +135,52 @@ pub(crate) fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
         return Err("no certificate in it".to_owned());
     }
     Ok(roots)
+}
+
+/// What to do about a server certificate this machine does not trust.
+pub(crate) const UNTRUSTED_HINT: &str =
+    "a certificate signed by a CA of your own: give --ca-file with that CA";
+
+/// The CA certificates of `--ca-file`, trusted for amqps and for the administration API over
+/// https instead of the public roots.
+#[derive(Clone, Debug)]
+pub(crate) struct Ca {
+    tls: twice_servicebus_client::TlsOptions,
+    roots: Arc<rustls::RootCertStore>,
+}
+
+impl Ca {
+    /// Reads the PEM file at `path`; an error names the file.
+    pub(crate) fn load(path: &std::path::Path) -> Result<Self, String> {
+        let pem = std::fs::read(path)
+            .map_err(|e| format!("reading the CA file {}: {e}", path.display()))?;
+        let roots = ca_roots(&pem).map_err(|e| format!("the CA file {}: {e}", path.display()))?;
+        let tls = twice_servicebus_client::TlsOptions::with_ca_pem(&pem)
+            .map_err(|e| format!("the CA file {}: {e}", path.display()))?;
+        Ok(Self { tls, roots: Arc::new(roots) })
+    }
+
+    /// The client options of `connection_string`, trusting this CA where they use TLS (an
+    /// emulator connection string asks for plain AMQP, and keeps it).
+    pub(crate) fn client_options(
+        ca: Option<&Self>,
+        connection_string: &str,
+    ) -> Result<twice_servicebus_client::ClientOptions, twice_servicebus_client::Error> {
+        let options =
+            twice_servicebus_client::ClientOptions::from_connection_string(connection_string)?;
+        Ok(match ca {
+            Some(ca) if options.get_tls().is_some() => options.tls(Some(ca.tls.clone())),
+            _ => options,
+        })
+    }
+
+    /// `admin`, trusting this CA for https.
+    pub(crate) fn admin(ca: Option<&Self>, admin: AdminClient) -> AdminClient {
+        match ca {
+            Some(ca) => admin.trust(ca.roots.clone()),
+            None => admin,
+        }
+    }
 }
 
 /// The administration API of one namespace.

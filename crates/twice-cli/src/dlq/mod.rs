@@ -16,18 +16,16 @@ use std::collections::BTreeSet;
 use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use twice::{Message, MessageId, ReceivedMessage, SequenceNumber, Timestamp, Value};
 use twice_servicebus_client::{
-    ClientOptions, ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
-    TlsOptions,
+    ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
 };
 
-use admin::{AdminClient, AdminError, AdminUrl};
+use admin::{AdminClient, AdminError, AdminUrl, Ca};
 
 /// The variable a connection string is read from when `--connection-string` is not given.
 const CONNECTION_STRING_VAR: &str = "TWICE_CONNECTION_STRING";
@@ -204,7 +202,7 @@ struct Ctx {
     parsed: ConnectionString,
     admin_url: Option<AdminUrl>,
     /// The CA certificates of `--ca-file`: for the AMQP client and for the administration API.
-    ca: Option<(TlsOptions, Arc<rustls::RootCertStore>)>,
+    ca: Option<Ca>,
 }
 
 impl Ctx {
@@ -218,41 +216,20 @@ impl Ctx {
             })?,
         };
         let parsed: ConnectionString = connection_string.parse().map_err(|e| anyhow!("{e}"))?;
-        let ca = match &args.ca_file {
-            None => None,
-            Some(path) => {
-                let pem = std::fs::read(path)
-                    .with_context(|| format!("reading the CA file {}", path.display()))?;
-                let roots = admin::ca_roots(&pem)
-                    .map_err(|e| anyhow!("the CA file {}: {e}", path.display()))?;
-                let tls = TlsOptions::with_ca_pem(&pem)
-                    .map_err(|e| anyhow!("the CA file {}: {e}", path.display()))?;
-                Some((tls, Arc::new(roots)))
-            }
-        };
+        let ca = args.ca_file.as_deref().map(Ca::load).transpose().map_err(|e| anyhow!(e))?;
         Ok(Self { connection_string, parsed, admin_url: args.admin_url.clone(), ca })
     }
 
     fn client(&self) -> anyhow::Result<ServiceBusClient> {
-        let mut options = ClientOptions::from_connection_string(&self.connection_string)
+        let options = Ca::client_options(self.ca.as_ref(), &self.connection_string)
             .map_err(|e| anyhow!("{e}"))?;
-        // The CA applies where the connection string asks for TLS; an emulator string asks
-        // for plain AMQP, and keeps it.
-        if let Some((tls, _)) = &self.ca
-            && options.get_tls().is_some()
-        {
-            options = options.tls(Some(tls.clone()));
-        }
         Ok(ServiceBusClient::new(options))
     }
 
     fn admin(&self) -> anyhow::Result<AdminClient> {
         let admin = AdminClient::for_connection_string(&self.parsed, self.admin_url.clone())
             .map_err(|e| anyhow!(e))?;
-        Ok(match &self.ca {
-            Some((_, roots)) => admin.trust(roots.clone()),
-            None => admin,
-        })
+        Ok(Ca::admin(self.ca.as_ref(), admin))
     }
 }
 
@@ -267,9 +244,7 @@ fn explain(e: twice_servicebus_client::Error, entity: &str, ctx: &Ctx) -> anyhow
             ctx.parsed.host()
         )
     } else if matches!(e, twice_servicebus_client::Error::Tls(_)) && ctx.ca.is_none() {
-        anyhow!(
-            "{entity}: {e} (a certificate signed by a CA of your own: give --ca-file with that CA)"
-        )
+        anyhow!("{entity}: {e} ({})", admin::UNTRUSTED_HINT)
     } else {
         anyhow!("{entity}: {e}")
     }

@@ -256,3 +256,58 @@ fn demo_creates_its_queues_through_the_administration_api() {
     let counts: Vec<u64> = line.split_whitespace().skip(1).filter_map(|w| w.parse().ok()).collect();
     assert_eq!(counts.get(1), Some(&poison), "{listed}");
 }
+
+/// `--ca-file`: the demo over amqps against `twice serve --tls-cert` with a certificate of a
+/// CA made here, creating its queues through the administration API over https; without the
+/// CA it stops at once with a line that names the certificate and the option.
+#[test]
+fn demo_over_tls_trusts_the_ca_given_with_ca_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = twice_testkit::tls::TestCertificates::localhost();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    std::fs::write(path("cert.pem"), &certs.cert_pem).unwrap();
+    std::fs::write(path("key.pem"), &certs.key_pem).unwrap();
+    std::fs::write(path("ca.pem"), &certs.ca_pem).unwrap();
+    let data = path("data");
+    let serve = ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &[
+            "--sas-key",
+            "demo=c2VjcmV0LWRlbW8ta2V5",
+            "--data-dir",
+            &data,
+            "--tls-cert",
+            &path("cert.pem"),
+            "--tls-key",
+            &path("key.pem"),
+        ],
+    );
+    let port = serve.amqp_addr().port();
+    let cs = format!(
+        "Endpoint=sb://localhost:{port};SharedAccessKeyName=demo;SharedAccessKey=c2VjcmV0LWRlbW8ta2V5"
+    );
+    let http_port = serve.http_addr().rsplit(':').next().unwrap().to_owned();
+    let admin = format!("https://localhost:{http_port}");
+    let (success, json) = run_demo_orders(
+        100,
+        &["--broker", &cs, "--admin-url", &admin, "--ca-file", &path("ca.pem")],
+    );
+    assert_eq!(json["broker"], "servicebus");
+    check_orders(100, success, &json);
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--broker", &cs, "--admin-url", &admin])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("certificate") && stderr.contains("--ca-file"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--ca-file", &path("ca.pem")])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--ca-file applies to a Service Bus connection string"), "{stderr}");
+}
