@@ -49,6 +49,12 @@ impl TlsOptions {
         Ok(Self { roots: Arc::new(roots), server_name: None })
     }
 
+    /// The root certificates trusted, for another TLS client of the same servers (such as an
+    /// https client of the namespace's administration API).
+    pub fn root_store(&self) -> Arc<RootCertStore> {
+        self.roots.clone()
+    }
+
     /// The name to check the server's certificate against, when it differs from the host
     /// connected to (default: the host).
     #[must_use]

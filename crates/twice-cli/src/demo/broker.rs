@@ -358,13 +358,7 @@ impl ServiceBusQueue {
                         unreachable!()
                     }
                     Err(e) => {
-                        let hint = if matches!(e, twice_servicebus_client::Error::Tls(_))
-                            && self.ca.is_none()
-                        {
-                            format!(" ({})", crate::dlq::admin::UNTRUSTED_HINT)
-                        } else {
-                            String::new()
-                        };
+                        let hint = Ca::hint(self.ca.as_ref(), &e);
                         return Err(e).with_context(|| {
                             format!("receiving from {} to check it{hint}", receiver.entity_path())
                         });

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpStream;
+use twice_servicebus_client::TlsOptions;
 
 /// How long one request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -122,42 +123,23 @@ pub(crate) struct Dedup {
     pub(crate) window: Option<Duration>,
 }
 
-/// The CA certificates in a PEM text, as trust roots.
-fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(pem) {
-        let cert = cert.map_err(|e| format!("a certificate that does not parse: {e}"))?;
-        roots.add(cert).map_err(|e| format!("a certificate that cannot be a root: {e}"))?;
-    }
-    if roots.is_empty() {
-        return Err("no certificate in it".to_owned());
-    }
-    Ok(roots)
-}
-
 /// What to do about a server certificate this machine does not trust.
-pub(crate) const UNTRUSTED_HINT: &str =
+const UNTRUSTED_HINT: &str =
     "a certificate signed by a CA of your own: give --ca-file with that CA";
 
 /// The CA certificates of `--ca-file`, trusted for amqps and for the administration API over
 /// https instead of the public roots.
 #[derive(Clone, Debug)]
-pub(crate) struct Ca {
-    tls: twice_servicebus_client::TlsOptions,
-    roots: Arc<rustls::RootCertStore>,
-}
+pub(crate) struct Ca(TlsOptions);
 
 impl Ca {
     /// Reads the PEM file at `path`; an error names the file.
     pub(crate) fn load(path: &std::path::Path) -> Result<Self, String> {
         let pem = std::fs::read(path)
             .map_err(|e| format!("reading the CA file {}: {e}", path.display()))?;
-        let roots = ca_roots(&pem).map_err(|e| format!("the CA file {}: {e}", path.display()))?;
-        let tls = twice_servicebus_client::TlsOptions::with_ca_pem(&pem)
+        let tls = TlsOptions::with_ca_pem(&pem)
             .map_err(|e| format!("the CA file {}: {e}", path.display()))?;
-        Ok(Self { tls, roots: Arc::new(roots) })
+        Ok(Self(tls))
     }
 
     /// The client options of `connection_string`, trusting this CA where they use TLS (an
@@ -169,7 +151,7 @@ impl Ca {
         let options =
             twice_servicebus_client::ClientOptions::from_connection_string(connection_string)?;
         Ok(match ca {
-            Some(ca) if options.get_tls().is_some() => options.tls(Some(ca.tls.clone())),
+            Some(ca) if options.get_tls().is_some() => options.tls(Some(ca.0.clone())),
             _ => options,
         })
     }
@@ -177,8 +159,18 @@ impl Ca {
     /// `admin`, trusting this CA for https.
     pub(crate) fn admin(ca: Option<&Self>, admin: AdminClient) -> AdminClient {
         match ca {
-            Some(ca) => admin.trust(ca.roots.clone()),
+            Some(ca) => admin.trust(ca.0.root_store()),
             None => admin,
+        }
+    }
+
+    /// What to add to the message of client error `e`: how to trust the server, when `e` is a
+    /// TLS failure and no CA was given.
+    pub(crate) fn hint(ca: Option<&Self>, e: &twice_servicebus_client::Error) -> String {
+        if ca.is_none() && matches!(e, twice_servicebus_client::Error::Tls(_)) {
+            format!(" ({UNTRUSTED_HINT})")
+        } else {
+            String::new()
         }
     }
 }
@@ -194,9 +186,7 @@ pub(crate) struct AdminClient {
 
 impl AdminClient {
     pub(crate) fn new(url: AdminUrl, auth: Auth) -> Self {
-        let roots =
-            Arc::new(rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() });
-        Self { url, auth, roots }
+        Self { url, auth, roots: TlsOptions::webpki_roots().root_store() }
     }
 
     /// Trusts these roots for https instead of the webpki ones.

@@ -243,10 +243,8 @@ fn explain(e: twice_servicebus_client::Error, entity: &str, ctx: &Ctx) -> anyhow
             "unauthorized: {} refused {key} for '{entity}' (a wrong key, or a key without the Listen/Send claim it needs)",
             ctx.parsed.host()
         )
-    } else if matches!(e, twice_servicebus_client::Error::Tls(_)) && ctx.ca.is_none() {
-        anyhow!("{entity}: {e} ({})", admin::UNTRUSTED_HINT)
     } else {
-        anyhow!("{entity}: {e}")
+        anyhow!("{entity}: {e}{}", Ca::hint(ctx.ca.as_ref(), &e))
     }
 }
 

@@ -34,6 +34,21 @@ async fn fill(dir: &Path) {
     broker.shutdown().await;
 }
 
+/// Opens the broker on `dir` once no other process holds its lock. Other tests of this binary
+/// start processes: one forked while a broker of this process held the lock holds it too until
+/// it execs. Waits for that, a bounded number of times.
+async fn open_when_free(dir: &Path) -> Result<Broker, Error> {
+    let mut opened = Broker::open(options(dir)).await;
+    for _ in 0..50 {
+        if !matches!(opened, Err(Error::DirectoryInUse(_))) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        opened = Broker::open(options(dir)).await;
+    }
+    opened
+}
+
 fn segment_path(dir: &Path, id: u64) -> std::path::PathBuf {
     dir.join(format!("{id:020}.seg"))
 }
@@ -69,16 +84,7 @@ async fn a_damaged_closed_segment_is_reported_exported_from_and_cut_where_the_op
     let at = data.len() / 2;
     data[at] ^= 0x40;
     std::fs::write(&path, &data).unwrap();
-    let mut opened = Broker::open(options(dir.path())).await;
-    // Other tests of this binary start processes: one forked while the broker above held its
-    // lock holds the lock too until it execs. Wait for that, a bounded number of times.
-    for _ in 0..50 {
-        if !matches!(opened, Err(Error::DirectoryInUse(_))) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        opened = Broker::open(options(dir.path())).await;
-    }
+    let opened = open_when_free(dir.path()).await;
     let Err(Error::CorruptLog { segment, offset }) = opened else {
         let files: Vec<_> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
@@ -131,14 +137,7 @@ async fn a_closed_segment_cut_at_a_block_boundary_is_refused_by_the_broker_and_b
     let path = segment_path(dir.path(), 2);
     let data = std::fs::read(&path).unwrap();
     std::fs::write(&path, &data[..40]).unwrap();
-    let mut opened = Broker::open(options(dir.path())).await;
-    for _ in 0..50 {
-        if !matches!(opened, Err(Error::DirectoryInUse(_))) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        opened = Broker::open(options(dir.path())).await;
-    }
+    let opened = open_when_free(dir.path()).await;
     assert!(
         matches!(opened, Err(Error::CorruptLog { segment: 2, offset: 40 })),
         "the broker did not refuse a cut segment: {opened:?}"
