@@ -44,6 +44,7 @@ pub mod config;
 mod engine;
 mod error;
 mod options;
+mod publish;
 mod runtime;
 mod session;
 pub mod sql;

@@ -286,11 +286,14 @@ use twice::{MessageId, SharedClock, Timestamp};
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
+pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 mod store;
+
+pub use outbox::{OutboxOptions, OutboxRow, RowState, SqlxOutbox};
 
 /// The longest consumer name or message id the MariaDB/MySQL store accepts (its column length);
 /// the other stores accept the same, so a consumer can move between stores.
@@ -343,6 +346,22 @@ pub enum StoreError {
          it was a deadlock victim); none of the handler's work would be kept"
     )]
     TransactionAborted,
+    /// The outbox table is not there, and migrations were off.
+    #[error(
+        "the outbox table {table:?} does not exist: run the outbox's migration 1 \
+         (SqlxOutbox::new with OutboxOptions::migrate(true), the default, or SqlxOutbox::migrate), \
+         which creates it and records version 1 in {table}_migrations"
+    )]
+    OutboxTableMissing {
+        /// The table name.
+        table: String,
+    },
+    /// An outbox row cannot be read or written as a message.
+    #[error("an outbox row is not a valid message: {0}")]
+    BadOutboxRow(String),
+    /// An outgoing message was refused before it reached the table.
+    #[error(transparent)]
+    Outgoing(#[from] twice::OutboxError),
     /// The database failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
@@ -472,6 +491,8 @@ pub struct SqlxInbox<DB: Database> {
     business_keys: Vec<(BusinessKey, String)>,
     /// MySQL only: the server is MariaDB, which has `@@in_transaction`.
     mariadb: bool,
+    /// Where a handler's `ctx.send` writes, if anywhere.
+    outbox: Option<SqlxOutbox<DB>>,
 }
 
 impl<DB: Database> std::fmt::Debug for SqlxInbox<DB> {
@@ -501,7 +522,8 @@ impl<DB: Backend> SqlxInbox<DB> {
     /// its table, or (MariaDB/MySQL) a business key whose name other tables' unique keys share.
     pub async fn new(pool: Pool<DB>, options: InboxOptions) -> Result<Self, StoreError> {
         validate_table(&options.table)?;
-        let mut inbox = Self { pool, options, business_keys: Vec::new(), mariadb: false };
+        let mut inbox =
+            Self { pool, options, business_keys: Vec::new(), mariadb: false, outbox: None };
         DB::prepare(&mut inbox).await?;
         Ok(inbox)
     }
@@ -516,6 +538,22 @@ impl<DB: Database> SqlxInbox<DB> {
     /// The options.
     pub fn options(&self) -> &InboxOptions {
         &self.options
+    }
+
+    /// This inbox with `outbox`: a handler's [`twice::Context::send`] (and `publish`,
+    /// `schedule`) writes rows into it, in the transaction that claimed the message, and a
+    /// relay of `outbox` in this process is woken when that transaction commits. The outbox
+    /// should be on the same database as the inbox (its rows are written in the inbox's
+    /// transactions): its pool is not used for them.
+    #[must_use]
+    pub fn with_outbox(mut self, outbox: SqlxOutbox<DB>) -> Self {
+        self.outbox = Some(outbox);
+        self
+    }
+
+    /// The outbox a handler's sends go to, if any.
+    pub fn outbox(&self) -> Option<&SqlxOutbox<DB>> {
+        self.outbox.as_ref()
     }
 
     fn table(&self) -> &str {

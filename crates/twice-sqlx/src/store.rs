@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Connection as _, Database, Decode, Encode, Executor, IntoArguments, Type};
-use twice::{Claim, ErrorClass, Inbox, MessageId, Timestamp};
+use twice::{Claim, ErrorClass, Inbox, MessageId, OutgoingMessage, Timestamp};
 
+use crate::outbox::OutboxDialect;
 use crate::{
     SqlxInbox, StoreError, begin_detached, claim_of_record, find_sqlx_error, is_transient_sqlx,
     millis, validate_key,
@@ -86,6 +87,64 @@ fn migration_sql(statement: &str, table: &str, retention_ms: Option<i64>) -> Str
     statement.replace("{t}", table).replace("{r}", &retention)
 }
 
+/// Runs the `migrations` of `table` not yet applied, one instance at a time; the applied
+/// versions are recorded in `<table>_migrations`.
+pub(crate) async fn migrate_table<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+    t: &str,
+    migrations: &[(i64, &[&str])],
+    retention_ms: Option<i64>,
+) -> Result<(), StoreError>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let mut conn = pool.acquire().await?;
+    let result = async {
+        let mut tx = match DB::begin_statement(None) {
+            Some(statement) => conn.begin_with(statement).await?,
+            None => conn.begin().await?,
+        };
+        if let Some(lock) = DB::MIGRATION_LOCK {
+            sqlx::query(&lock.replace("{t}", t)).execute(&mut *tx).await?;
+        }
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {t}_migrations \
+             (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)"
+        ))
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<i64> = sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
+            .fetch_all(&mut *tx)
+            .await?;
+        for (version, statements) in migrations {
+            if applied.contains(version) {
+                continue;
+            }
+            for statement in *statements {
+                let sql = migration_sql(statement, t, retention_ms);
+                sqlx::query(&sql).execute(&mut *tx).await?;
+            }
+            sqlx::query(&format!(
+                "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ({}, {})",
+                DB::param(1),
+                DB::DB_NOW_MS
+            ))
+            .bind(version)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+    .await;
+    if let Some(unlock) = DB::MIGRATION_UNLOCK {
+        sqlx::query(&unlock.replace("{t}", t)).execute(&mut *conn).await?;
+    }
+    Ok(result?)
+}
+
 impl<DB: Dialect> SqlxInbox<DB>
 where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
@@ -101,50 +160,7 @@ where
     ///
     /// A database error.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let t = self.table();
-        let mut conn = self.pool.acquire().await?;
-        let result = async {
-            let mut tx = match DB::begin_statement(None) {
-                Some(statement) => conn.begin_with(statement).await?,
-                None => conn.begin().await?,
-            };
-            if let Some(lock) = DB::MIGRATION_LOCK {
-                sqlx::query(&lock.replace("{t}", t)).execute(&mut *tx).await?;
-            }
-            sqlx::query(&format!(
-                "CREATE TABLE IF NOT EXISTS {t}_migrations \
-                 (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)"
-            ))
-            .execute(&mut *tx)
-            .await?;
-            let applied: Vec<i64> =
-                sqlx::query_scalar(&format!("SELECT version FROM {t}_migrations"))
-                    .fetch_all(&mut *tx)
-                    .await?;
-            for (version, statements) in DB::MIGRATIONS {
-                if applied.contains(version) {
-                    continue;
-                }
-                for statement in *statements {
-                    let sql = migration_sql(statement, t, self.retention_ms());
-                    sqlx::query(&sql).execute(&mut *tx).await?;
-                }
-                sqlx::query(&format!(
-                    "INSERT INTO {t}_migrations (version, applied_at_ms) VALUES ({}, {})",
-                    DB::param(1),
-                    DB::DB_NOW_MS
-                ))
-                .bind(version)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await
-        }
-        .await;
-        if let Some(unlock) = DB::MIGRATION_UNLOCK {
-            sqlx::query(&unlock.replace("{t}", t)).execute(&mut *conn).await?;
-        }
-        Ok(result?)
+        migrate_table(&self.pool, self.table(), DB::MIGRATIONS, self.retention_ms()).await
     }
 
     /// Inserts the claim in `conn`'s transaction; on a duplicate, reads the winner's time.
@@ -187,13 +203,14 @@ where
     }
 }
 
-impl<DB: Dialect> Inbox for SqlxInbox<DB>
+impl<DB: OutboxDialect> Inbox for SqlxInbox<DB>
 where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
     i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
     Option<i64>: for<'q> Encode<'q, DB>,
     String: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
+    Vec<u8>: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
     usize: ColumnIndex<DB::Row>,
 {
     type Tx = sqlx::Transaction<'static, DB>;
@@ -233,6 +250,29 @@ where
 
     async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
         DB::check_committable(self, tx).await
+    }
+
+    fn has_outbox(&self) -> bool {
+        self.outbox.is_some()
+    }
+
+    /// One multi-row `INSERT` into the outbox table (per 100 messages), in the handler's
+    /// transaction.
+    async fn stage<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        messages: &'a [OutgoingMessage],
+    ) -> Result<(), StoreError> {
+        let Some(outbox) = &self.outbox else {
+            return Err(StoreError::Outgoing(twice::OutboxError::NotConfigured));
+        };
+        crate::outbox::write_rows::<DB>(tx, outbox.options().get_table(), messages).await
+    }
+
+    fn outbox_committed(&self) {
+        if let Some(outbox) = &self.outbox {
+            outbox.wake();
+        }
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

@@ -19,6 +19,8 @@
 //! | [`HANDLER_FAILED`] | a permanent handler error that names no reason of its own |
 //! | [`MISSING_MESSAGE_ID`] | the message has no message id (or an empty one) |
 //! | [`DESERIALIZATION_FAILED`] | a JSON handler's body does not parse |
+//! | [`OUTBOX_NOT_CONFIGURED`] | the handler sent through `ctx.send`, and the inbox store has no outbox |
+//! | [`INVALID_OUTGOING_MESSAGE`] | the handler sent a message with a destination or field out of range |
 
 /// The next delivery would exceed the entity's `MaxDeliveryCount`.
 pub const MAX_DELIVERY_COUNT_EXCEEDED: &str = "MaxDeliveryCountExceeded";
@@ -42,6 +44,13 @@ pub const MISSING_MESSAGE_ID: &str = "MissingMessageId";
 /// A message whose body does not deserialize.
 pub const DESERIALIZATION_FAILED: &str = "DeserializationFailed";
 
+/// The handler sent a message through its context's outbox, and the inbox store has none: no
+/// retry can help until the store is given one.
+pub const OUTBOX_NOT_CONFIGURED: &str = "OutboxNotConfigured";
+
+/// The handler sent a message whose destination, id or session id is out of range.
+pub const INVALID_OUTGOING_MESSAGE: &str = "InvalidOutgoingMessage";
+
 /// The reasons a broker gives.
 pub const BROKER: [&str; 4] = [
     MAX_DELIVERY_COUNT_EXCEEDED,
@@ -51,7 +60,13 @@ pub const BROKER: [&str; 4] = [
 ];
 
 /// The reasons the processor gives.
-pub const PROCESSOR: [&str; 3] = [HANDLER_FAILED, MISSING_MESSAGE_ID, DESERIALIZATION_FAILED];
+pub const PROCESSOR: [&str; 5] = [
+    HANDLER_FAILED,
+    MISSING_MESSAGE_ID,
+    DESERIALIZATION_FAILED,
+    OUTBOX_NOT_CONFIGURED,
+    INVALID_OUTGOING_MESSAGE,
+];
 
 #[cfg(test)]
 mod tests {

@@ -7,10 +7,12 @@ use std::pin::Pin;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 
+use crate::clock::Timestamp;
 use crate::error::HandlerError;
 use crate::idempotency::IdempotencyKey;
 use crate::ids::MessageId;
-use crate::message::ReceivedMessage;
+use crate::message::{Message, ReceivedMessage};
+use crate::outbox::{OutboxError, Outgoing};
 use crate::outcome::Outcome;
 
 /// A boxed future, as returned by closures given to [`handler_fn`] and [`json_fn`].
@@ -21,12 +23,67 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub struct Context<'a> {
     message: &'a ReceivedMessage,
     consumer: &'a str,
+    outgoing: Option<&'a Outgoing>,
 }
 
 impl<'a> Context<'a> {
-    /// A context for `message` handled by `consumer`.
+    /// A context for `message` handled by `consumer`, without an outbox: its
+    /// [`send`](Context::send) fails with [`OutboxError::NotConfigured`].
     pub fn new(message: &'a ReceivedMessage, consumer: &'a str) -> Self {
-        Self { message, consumer }
+        Self { message, consumer, outgoing: None }
+    }
+
+    /// A context whose sends go to `outgoing`, which the processor writes into the outbox in
+    /// the handler's transaction before its commit.
+    pub fn with_outgoing(
+        message: &'a ReceivedMessage,
+        consumer: &'a str,
+        outgoing: &'a Outgoing,
+    ) -> Self {
+        Self { message, consumer, outgoing: Some(outgoing) }
+    }
+
+    /// Sends `message` to `destination` (a queue, or a topic; on RabbitMQ a queue, on NATS a
+    /// subject) through the outbox: it becomes a row in the handler's own transaction, so it
+    /// is sent if and only if the handler's work commits. Returns its message id: the one it
+    /// carries, or one derived from this consumer, the incoming message id and the message's
+    /// index among this run's sends, the same on every run for this message (see
+    /// [`outbox`](crate::outbox)). The session id, properties, body and scheduled enqueue time
+    /// are the message's own.
+    ///
+    /// # Errors
+    ///
+    /// [`OutboxError::NotConfigured`] when the inbox store has no outbox (the processor then
+    /// dead-letters the message with reason `OutboxNotConfigured`: no retry would help), or a
+    /// destination or field out of range.
+    pub fn send(&self, destination: &str, message: Message) -> Result<MessageId, OutboxError> {
+        self.outgoing.ok_or(OutboxError::NotConfigured)?.push(destination, message)
+    }
+
+    /// Publishes `message` to the topic `topic` through the outbox; the same as
+    /// [`send`](Context::send), named for events.
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Context::send).
+    pub fn publish(&self, topic: &str, message: Message) -> Result<MessageId, OutboxError> {
+        self.send(topic, message)
+    }
+
+    /// Sends `message` to `destination` through the outbox to become visible at `at` (its
+    /// scheduled enqueue time). Where the broker cannot hold a message until then (RabbitMQ,
+    /// NATS), the relay keeps its row until it is due.
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Context::send).
+    pub fn schedule(
+        &self,
+        destination: &str,
+        message: Message,
+        at: Timestamp,
+    ) -> Result<MessageId, OutboxError> {
+        self.send(destination, message.with_scheduled_enqueue_time(at))
     }
 
     /// The received message.

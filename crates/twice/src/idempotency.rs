@@ -61,19 +61,26 @@ impl IdempotencyKey {
     }
 
     fn from_parts(parts: &[&str]) -> Self {
-        // Each part is prefixed with its length so that ("ab", "c") and ("a", "bc") differ.
-        let mut name = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
-        for part in parts {
-            name.extend_from_slice(&u64::try_from(part.len()).unwrap_or(u64::MAX).to_be_bytes());
-            name.extend_from_slice(part.as_bytes());
-        }
-        Self(Uuid::new_v5(&NAMESPACE, &name).hyphenated().to_string())
+        Self(name_uuid(parts))
     }
 
     /// The key as a string.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// A name-based (version 5) UUID of `parts`, in twice's namespace: each part is prefixed with
+/// its length, so that `("ab", "c")` and `("a", "bc")` differ. Idempotency keys and the
+/// outbox's derived message ids are made with it; families of names are kept apart by a marker
+/// part of their own.
+pub(crate) fn name_uuid(parts: &[&str]) -> String {
+    let mut name = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
+    for part in parts {
+        name.extend_from_slice(&u64::try_from(part.len()).unwrap_or(u64::MAX).to_be_bytes());
+        name.extend_from_slice(part.as_bytes());
+    }
+    Uuid::new_v5(&NAMESPACE, &name).hyphenated().to_string()
 }
 
 impl fmt::Debug for IdempotencyKey {

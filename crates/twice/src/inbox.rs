@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::clock::Timestamp;
 use crate::error::ErrorClass;
 use crate::ids::MessageId;
+use crate::outbox::OutgoingMessage;
 
 /// The result of claiming a message id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,6 +118,34 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
         let _ = tx;
         async { Ok(()) }
     }
+
+    /// Whether the store has an outbox (see [`outbox`](crate::outbox)): only then does a
+    /// handler's [`Context::send`](crate::Context::send) work. The default is no.
+    fn has_outbox(&self) -> bool {
+        false
+    }
+
+    /// Writes `messages`, which the handler sent, as outbox rows inside `tx`, after the
+    /// handler returned [`Outcome::Complete`](crate::Outcome::Complete) and before the commit,
+    /// so that they commit with its work or not at all. Called only with messages, and only
+    /// when [`Inbox::has_outbox`] says yes: a store that says yes must implement it (the
+    /// default writes nothing).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn stage<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        messages: &'a [OutgoingMessage],
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = (tx, messages);
+        async { Ok(()) }
+    }
+
+    /// Told after a transaction that [staged](Inbox::stage) messages has committed, so that
+    /// the store can wake a relay in this process at once. The default does nothing.
+    fn outbox_committed(&self) {}
 
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;

@@ -140,6 +140,7 @@ pub mod idempotency;
 pub mod ids;
 pub mod inbox;
 pub mod message;
+pub mod outbox;
 pub mod outcome;
 pub mod processor;
 pub mod retry;
@@ -162,6 +163,7 @@ pub use idempotency::IdempotencyKey;
 pub use ids::{LockToken, MessageId, SequenceNumber, SessionId};
 pub use inbox::{Claim, Inbox};
 pub use message::{Message, MessageState, Properties, ReceivedMessage, Value};
+pub use outbox::{OutboxError, OutboxStore, OutgoingMessage, Publish, Relay, RelayOptions};
 pub use outcome::Outcome;
 pub use processor::{
     BusinessKeyDuplicate, HANDLER_FAILED, MISSING_MESSAGE_ID, Mode, Processor, ProcessorOptions,

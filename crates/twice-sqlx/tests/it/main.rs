@@ -11,5 +11,6 @@ mod crash;
 mod dedup;
 mod edges;
 mod isolation;
+mod outbox;
 mod processor;
 mod store;

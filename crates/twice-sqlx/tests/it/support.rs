@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::{Database, MySql, Pool, Postgres, Sqlite, Transaction};
+use twice::MessageId;
 use twice::{ManualClock, Message, ReceivedMessage, SequenceNumber};
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions, Receiver};
-use twice_sqlx::{InboxOptions, SqlxInbox};
+use twice_sqlx::{InboxOptions, OutboxOptions, OutboxRow, RowState, SqlxInbox, SqlxOutbox};
 use twice_testkit::db::{MariaDatabase, PgDatabase, SqliteDatabase};
 use twice_testkit::require_service;
 
@@ -69,6 +70,92 @@ pub trait Fixture: Send + Sync + Sized + 'static {
     fn shipments_ddl() -> &'static str;
     /// How another process connects: a URL, or the SQLite file's path.
     fn url(&self) -> String;
+    /// An outbox table on the store's pool.
+    fn outbox(
+        &self,
+        options: OutboxOptions,
+    ) -> impl Future<Output = Result<SqlxOutbox<Self::DB>, twice_sqlx::StoreError>> + Send;
+    /// What an HTTP handler does outside any message handler: in a transaction of its own,
+    /// ships `order_id` and sends `announce` to `destination` through `outbox`; commits (and
+    /// wakes the relay) or rolls back. Returns the message id.
+    fn ship_and_announce(
+        &self,
+        outbox: &SqlxOutbox<Self::DB>,
+        order_id: i64,
+        destination: &str,
+        announce: Message,
+        commit: bool,
+    ) -> impl Future<Output = MessageId> + Send;
+    /// Writes `messages` through `outbox` in order, in one transaction of its own, and commits.
+    fn write_all(
+        &self,
+        outbox: &SqlxOutbox<Self::DB>,
+        messages: Vec<(&'static str, Message)>,
+    ) -> impl Future<Output = ()> + Send;
+    /// The outbox's rows in `state`.
+    fn rows(
+        outbox: &SqlxOutbox<Self::DB>,
+        state: RowState,
+    ) -> impl Future<Output = Vec<OutboxRow>> + Send;
+    /// Retries the parked rows `seqs`; returns how many.
+    fn retry_parked(
+        outbox: &SqlxOutbox<Self::DB>,
+        seqs: Vec<i64>,
+    ) -> impl Future<Output = u64> + Send;
+    /// Discards every parked row; returns how many.
+    fn discard_parked(outbox: &SqlxOutbox<Self::DB>) -> impl Future<Output = u64> + Send;
+}
+
+/// The body of the shipments a scenario writes.
+macro_rules! ship_and_announce {
+    () => {
+        async fn ship_and_announce(
+            &self,
+            outbox: &SqlxOutbox<Self::DB>,
+            order_id: i64,
+            destination: &str,
+            announce: Message,
+            commit: bool,
+        ) -> MessageId {
+            let mut tx = self.pool().begin().await.expect("begin");
+            Self::insert_shipment(&mut tx, order_id, "http").await.expect("insert");
+            let id = outbox.send(&mut tx, destination, announce).await.expect("outbox send");
+            if commit {
+                outbox.commit(tx).await.expect("commit");
+            } else {
+                tx.rollback().await.expect("rollback");
+            }
+            id
+        }
+        async fn outbox(
+            &self,
+            options: OutboxOptions,
+        ) -> Result<SqlxOutbox<Self::DB>, twice_sqlx::StoreError> {
+            SqlxOutbox::new(self.pool().clone(), options).await
+        }
+        async fn write_all(
+            &self,
+            outbox: &SqlxOutbox<Self::DB>,
+            messages: Vec<(&'static str, Message)>,
+        ) {
+            let mut tx = self.pool().begin().await.expect("begin");
+            let writer = outbox.writer();
+            for (destination, message) in messages {
+                writer.push(destination, message).expect("valid");
+            }
+            outbox.write(&mut tx, &writer).await.expect("write");
+            outbox.commit(tx).await.expect("commit");
+        }
+        async fn rows(outbox: &SqlxOutbox<Self::DB>, state: RowState) -> Vec<OutboxRow> {
+            outbox.list(Some(state), 1000).await.expect("list")
+        }
+        async fn retry_parked(outbox: &SqlxOutbox<Self::DB>, seqs: Vec<i64>) -> u64 {
+            outbox.retry_parked(Some(&seqs)).await.expect("retry")
+        }
+        async fn discard_parked(outbox: &SqlxOutbox<Self::DB>) -> u64 {
+            outbox.discard_parked(None).await.expect("discard")
+        }
+    };
 }
 
 pub async fn create_shipments<F: Fixture>(f: &F, unique_order: bool) {
@@ -197,6 +284,7 @@ impl Fixture for Pg {
     fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:5432/{}", self.db_.name())
     }
+    ship_and_announce!();
 }
 
 pub struct Maria {
@@ -303,6 +391,7 @@ impl Fixture for Maria {
     fn url(&self) -> String {
         format!("mysql://root@127.0.0.1:3306/{}", self.db_.name())
     }
+    ship_and_announce!();
 }
 
 pub struct Lite {
@@ -410,6 +499,7 @@ impl Fixture for Lite {
     fn url(&self) -> String {
         self.db.path().display().to_string()
     }
+    ship_and_announce!();
 }
 
 /// Runs `scenario` on every store: `on_all_stores!(name)` makes a module `name` with one test per

@@ -92,10 +92,11 @@ where
                 return (Attempt::InfrastructureFailed, FORGET);
             }
         };
+        let outgoing = self.outgoing(msg);
         let raced = tokio::select! {
             biased;
             () = &mut lock_lost => None,
-            r = self.run_handler(msg, &mut tx) => Some(r),
+            r = self.run_handler(msg, &mut tx, outgoing.as_ref()) => Some(r),
         };
         let Some(step) = raced else {
             // The handler was stopped; its work in the transaction is rolled back.
@@ -127,12 +128,22 @@ where
                         return (attempt, FORGET);
                     }
                 }
+                let staged = match self.stage(&mut tx, outgoing.as_ref(), id).await {
+                    Ok(staged) => staged,
+                    Err(failed) => {
+                        self.rollback(tx, id).await;
+                        return (failed, FORGET);
+                    }
+                };
                 if let Err(failed) = self.check_committable(&mut tx, id).await {
                     self.rollback(tx, id).await;
                     return (failed, FORGET);
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
+                        if staged {
+                            self.inbox.outbox_committed();
+                        }
                         self.counters.inc(Counter::Committed);
                         if let Some(hook) = &self.hooks.on_committed {
                             hook(msg);

@@ -17,6 +17,7 @@ use crate::error::{ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, Proc
 use crate::handler::{Context, Handler};
 use crate::inbox::{Claim, Inbox};
 use crate::message::ReceivedMessage;
+use crate::outbox::{OutboxError, Outgoing};
 use crate::outcome::Outcome;
 use crate::retry::random_u64;
 use crate::transport::{DeadLetterReason, Delivery};
@@ -154,10 +155,11 @@ where
             }
         };
         let claim = self.mode == Mode::Claim;
+        let outgoing = self.outgoing(msg);
         let raced = tokio::select! {
             biased;
             () = &mut lock_lost => None,
-            r = self.claim_and_handle(msg, &mut tx, claim) => Some(r),
+            r = self.claim_and_handle(msg, &mut tx, claim, outgoing.as_ref()) => Some(r),
         };
         let step = match raced {
             Some(step) => step,
@@ -192,12 +194,22 @@ where
                     self.rollback(tx, id).await;
                     return Attempt::Done(Verdict::LockLost);
                 }
+                let staged = match self.stage(&mut tx, outgoing.as_ref(), id).await {
+                    Ok(staged) => staged,
+                    Err(failed) => {
+                        self.rollback(tx, id).await;
+                        return failed;
+                    }
+                };
                 if let Err(failed) = self.check_committable(&mut tx, id).await {
                     self.rollback(tx, id).await;
                     return failed;
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
+                        if staged {
+                            self.inbox.outbox_committed();
+                        }
                         self.counters.inc(Counter::Committed);
                         if let Some(hook) = &self.hooks.on_committed {
                             hook(msg);
@@ -235,6 +247,7 @@ where
         msg: &ReceivedMessage,
         tx: &mut I::Tx,
         claim: bool,
+        outgoing: Option<&Outgoing>,
     ) -> Step<I::Error> {
         if claim {
             let watch = Stopwatch::start();
@@ -248,15 +261,19 @@ where
                 Err(e) => return Step::ClaimFailed(e),
             }
         }
-        self.run_handler(msg, tx).await
+        self.run_handler(msg, tx, outgoing).await
     }
 
     pub(super) async fn run_handler(
         &self,
         msg: &ReceivedMessage,
         tx: &mut I::Tx,
+        outgoing: Option<&Outgoing>,
     ) -> Step<I::Error> {
-        let ctx = Context::new(msg, &self.consumer);
+        let ctx = match outgoing {
+            Some(outgoing) => Context::with_outgoing(msg, &self.consumer, outgoing),
+            None => Context::new(msg, &self.consumer),
+        };
         // A panic must not take the task (and the permit, and the transaction) down with it.
         let watch = Stopwatch::start();
         let caught = AssertUnwindSafe(self.handler.handle(ctx, tx)).catch_unwind().await;
@@ -309,6 +326,18 @@ where
                 None => Verdict::Abandon,
             },
             Err(error) => {
+                if let Some(outbox) = outbox_error(&error) {
+                    // A handler that sends what the outbox cannot take fails the same way on
+                    // every delivery.
+                    self.counters.inc(Counter::HandlerErrors);
+                    let reason = DeadLetterReason::new(outbox.dead_letter_reason(), error.chain());
+                    self.report(ProcessError::new(
+                        ErrorSource::Handler,
+                        Some(id),
+                        error.into_error(),
+                    ));
+                    return Verdict::DeadLetter(reason);
+                }
                 let class = match error.kind() {
                     HandlerErrorKind::Transient => ErrorClass::Transient,
                     HandlerErrorKind::Permanent { .. } => ErrorClass::Permanent,
@@ -331,6 +360,47 @@ where
                 };
                 self.report(ProcessError::new(ErrorSource::Handler, Some(id), error.into_error()));
                 verdict
+            }
+        }
+    }
+
+    /// What this attempt's handler sends goes here, when the inbox has an outbox. Each
+    /// message carries the trace of the message's processing (with OpenTelemetry), else the
+    /// incoming message's own.
+    pub(super) fn outgoing(&self, msg: &ReceivedMessage) -> Option<Outgoing> {
+        if !self.inbox.has_outbox() {
+            return None;
+        }
+        #[cfg(feature = "opentelemetry")]
+        let parent = crate::trace_context::of_span(&tracing::Span::current())
+            .or_else(|| crate::trace_context::extract(&msg.message));
+        #[cfg(not(feature = "opentelemetry"))]
+        let parent = crate::trace_context::extract(&msg.message);
+        Some(Outgoing::for_message(&self.consumer, msg.message_id(), parent, self.clock.now()))
+    }
+
+    /// Writes what the handler sent into the outbox, in its transaction; returns whether
+    /// anything was written. A failure is the infrastructure's when the store calls it
+    /// transient, else the handler's (its retries, then the broker's MaxDeliveryCount).
+    pub(super) async fn stage(
+        &self,
+        tx: &mut I::Tx,
+        outgoing: Option<&Outgoing>,
+        id: &crate::ids::MessageId,
+    ) -> Result<bool, Attempt> {
+        let messages = match outgoing {
+            Some(outgoing) if !outgoing.is_empty() => outgoing.take(),
+            _ => return Ok(false),
+        };
+        match self.inbox.stage(tx, &messages).await {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
+                if !transient {
+                    self.counters.inc(Counter::HandlerErrors);
+                }
+                self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
+                Err(if transient { Attempt::InfrastructureFailed } else { Attempt::HandlerFailed })
             }
         }
     }
@@ -407,6 +477,18 @@ pub(super) fn duplicate_counter(claimed_at: Option<Timestamp>, received_at: Time
     } else {
         Counter::DuplicateAlreadyProcessed
     }
+}
+
+/// The outbox error a handler's error is, or is caused by, if any.
+fn outbox_error(error: &HandlerError) -> Option<&OutboxError> {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error.error());
+    while let Some(e) = next {
+        if let Some(outbox) = e.downcast_ref::<OutboxError>() {
+            return Some(outbox);
+        }
+        next = e.source();
+    }
+    None
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -1,0 +1,360 @@
+//! The transactional outbox on sqlx: outgoing messages as rows of a table, written in the
+//! transaction of the work they announce, and relayed to the broker after it commits.
+//!
+//! ```text
+//! handler ── ctx.send ──▶ rows in the claim's transaction ── commit ──▶ Relay ──▶ broker
+//! HTTP handler ── SqlxOutbox::send(&mut tx) ──▶ rows in the caller's transaction ──┘
+//! ```
+//!
+//! - [`SqlxOutbox`] is the table. Give it to the inbox ([`SqlxInbox::with_outbox`]) so that a
+//!   handler's [`twice::Context::send`] writes rows in the transaction that claimed the
+//!   message; use [`SqlxOutbox::send`] or [`SqlxOutbox::write`] on your own transaction
+//!   elsewhere.
+//! - [`twice::Relay`] sends the rows: `Relay::new(outbox, publisher, RelayOptions::new())
+//!   .run(shutdown)`, with any [`twice::Publish`] (the embedded broker, the Service Bus client,
+//!   RabbitMQ, NATS). A commit in this process wakes it at once; it polls for rows written
+//!   elsewhere.
+//!
+//! # The table
+//!
+//! One table per outbox (name set with [`OutboxOptions::table`], default `twice_outbox`),
+//! created by migration 1 of `<table>_migrations` (run by [`SqlxOutbox::new`] unless
+//! [`OutboxOptions::migrate`] is off):
+//!
+//! | column | meaning |
+//! |---|---|
+//! | `seq` | the row's number (auto-increment): the order within an ordering key |
+//! | `ordering_key` | rows of one key are sent in order (a handler run, a writer, a session) |
+//! | `destination` | the entity, queue or subject |
+//! | `message_id` | the message id, fixed when the row is written |
+//! | `headers`, `body` | the message: its fields as JSON, its body as bytes |
+//! | `created_at_ms` | when the row was written (the writer's clock) |
+//! | `state` | 0 pending, 1 sent (kept for the retention), 2 parked |
+//! | `not_before_ms` | not sent before this time (the database's clock): backoff, schedules |
+//! | `lease_owner`, `lease_until_ms` | the relay sending it, and until when (the database's clock) |
+//! | `attempts`, `last_error` | failed sends so far, and the last failure or the reason it was parked |
+//! | `done_at_ms` | when it was sent or parked (the database's clock) |
+//!
+//! # Leases, per store
+//!
+//! A relay leases a batch in one short transaction: it reads the first due, unleased rows by
+//! `seq` (PostgreSQL and MariaDB: `FOR UPDATE SKIP LOCKED`, so a second relay leasing at the
+//! same time skips them; SQLite: `BEGIN IMMEDIATE`, one lease at a time), keeps only the rows
+//! that no earlier pending row of their ordering key precedes outside the batch (that row is
+//! leased by another relay, or waiting out a backoff), and stamps them with its name and the
+//! lease's end. Sending happens after that transaction, so no database lock is held while the
+//! broker is called. Acknowledged rows are deleted in one statement per batch (or marked sent
+//! and purged later in bounded batches when [`OutboxOptions::sent_retention`] is set).
+//!
+//! # Parked rows
+//!
+//! A row the broker refuses for good (the entity does not exist, the message is over its
+//! size) is parked: kept with its reason in `last_error`, never sent again, and the rows
+//! after it in its ordering key go on. [`SqlxOutbox::list`] shows them, and
+//! [`SqlxOutbox::retry_parked`] and [`SqlxOutbox::discard_parked`] act on them (`twice outbox`
+//! does the same from the command line).
+
+mod dialect;
+mod store;
+
+pub(crate) use store::write_rows;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{Database, Pool};
+use twice::outbox::{Outgoing, Wake};
+use twice::{Message, MessageId, SharedClock, Timestamp};
+
+pub use dialect::OutboxDialect;
+
+use crate::{StoreError, validate_table};
+
+/// Options of an outbox table.
+#[derive(Clone, Debug)]
+pub struct OutboxOptions {
+    table: String,
+    migrate: bool,
+    sent_retention: Option<Duration>,
+    purge_batch_size: u32,
+    clock: SharedClock,
+}
+
+impl Default for OutboxOptions {
+    fn default() -> Self {
+        Self {
+            table: "twice_outbox".to_owned(),
+            migrate: true,
+            sent_retention: None,
+            purge_batch_size: 1000,
+            clock: SharedClock::system(),
+        }
+    }
+}
+
+impl OutboxOptions {
+    /// The defaults: table `twice_outbox`, migrations on, sent rows deleted at once, purge
+    /// batches of 1000, the system clock.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The table name (a plain identifier).
+    #[must_use]
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The table name.
+    pub fn get_table(&self) -> &str {
+        &self.table
+    }
+
+    /// Whether [`SqlxOutbox::new`] runs the embedded migration (default on). Off, it checks
+    /// that the table exists.
+    #[must_use]
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// Whether migrations run on start.
+    pub fn get_migrate(&self) -> bool {
+        self.migrate
+    }
+
+    /// How long sent rows are kept (marked sent) before they are purged; `None` (the default)
+    /// deletes a row as soon as the broker has acknowledged it.
+    #[must_use]
+    pub fn sent_retention(mut self, retention: Option<Duration>) -> Self {
+        self.sent_retention = retention.filter(|r| !r.is_zero());
+        self
+    }
+
+    /// How long sent rows are kept.
+    pub fn get_sent_retention(&self) -> Option<Duration> {
+        self.sent_retention
+    }
+
+    /// How many sent rows one purge statement deletes at most (default 1000; at least 1).
+    #[must_use]
+    pub fn purge_batch_size(mut self, n: u32) -> Self {
+        self.purge_batch_size = n.max(1);
+        self
+    }
+
+    /// How many sent rows one purge statement deletes at most.
+    pub fn get_purge_batch_size(&self) -> u32 {
+        self.purge_batch_size
+    }
+
+    /// The clock that stamps `created_at_ms` on rows written outside a handler (a handler's
+    /// rows take the processor's clock).
+    #[must_use]
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
+    }
+}
+
+/// Where a row stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RowState {
+    /// Waiting to be sent (or being sent).
+    Pending,
+    /// Sent, kept for the retention.
+    Sent,
+    /// Refused by the broker for good; kept with its reason.
+    Parked,
+}
+
+impl RowState {
+    fn code(self) -> i64 {
+        match self {
+            Self::Pending => 0,
+            Self::Sent => 1,
+            Self::Parked => 2,
+        }
+    }
+
+    fn from_code(code: i64) -> Self {
+        match code {
+            0 => Self::Pending,
+            1 => Self::Sent,
+            _ => Self::Parked,
+        }
+    }
+}
+
+/// A row of the outbox, as [`SqlxOutbox::list`] shows it.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxRow {
+    /// The row's number.
+    pub seq: i64,
+    /// Where it stands.
+    pub state: RowState,
+    /// Where it goes.
+    pub destination: String,
+    /// The message id it is sent with.
+    pub message_id: MessageId,
+    /// Its ordering key.
+    pub ordering_key: String,
+    /// When it was written.
+    pub created_at: Timestamp,
+    /// Failed sends so far.
+    pub attempts: u32,
+    /// The last failure, or why it was parked.
+    pub last_error: Option<String>,
+    /// The message, body included.
+    pub message: Message,
+}
+
+/// An outbox table on a sqlx pool; a cheap clone. See the [module docs](self).
+pub struct SqlxOutbox<DB: Database> {
+    inner: Arc<Inner<DB>>,
+}
+
+struct Inner<DB: Database> {
+    pool: Pool<DB>,
+    options: OutboxOptions,
+    wake: Wake,
+}
+
+impl<DB: Database> Clone for SqlxOutbox<DB> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone() }
+    }
+}
+
+impl<DB: Database> std::fmt::Debug for SqlxOutbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlxOutbox")
+            .field("database", &DB::NAME)
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Database> SqlxOutbox<DB> {
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// The options.
+    pub fn options(&self) -> &OutboxOptions {
+        &self.inner.options
+    }
+
+    fn table(&self) -> &str {
+        &self.inner.options.table
+    }
+
+    /// Wakes a relay of this outbox in this process, as a commit of rows should: call it after
+    /// committing a transaction you wrote rows in ([`SqlxOutbox::commit`] does). Without it the
+    /// relay finds the rows at its next poll.
+    pub fn wake(&self) {
+        self.inner.wake.wake();
+    }
+
+    /// A writer of messages with random ids, for [`SqlxOutbox::write`]; its messages share an
+    /// ordering key, so they are sent in the order they were added.
+    pub fn writer(&self) -> Outgoing {
+        Outgoing::random(self.inner.options.clock.now())
+    }
+
+    /// A writer whose message ids derive from `producer`, the business key `key` (say
+    /// `order-42`) and each message's index: writing the same messages again for the same key
+    /// (a retried HTTP request) gives the same ids, which the broker's duplicate detection or
+    /// the receiver's inbox drops.
+    pub fn writer_for(&self, producer: &str, key: &str) -> Outgoing {
+        Outgoing::for_key(producer, key, self.inner.options.clock.now())
+    }
+}
+
+/// The rows a handler's or a writer's messages become, and the statement that writes them.
+pub(crate) fn insert_sql<DB: OutboxDialect>(table: &str, rows: usize) -> String {
+    let mut sql = format!(
+        "INSERT INTO {table} (ordering_key, destination, message_id, headers, body, \
+         created_at_ms) VALUES "
+    );
+    for row in 0..rows {
+        if row > 0 {
+            sql.push_str(", ");
+        }
+        let p: Vec<String> = (1..=6).map(|i| DB::param(row * 6 + i)).collect();
+        sql.push('(');
+        sql.push_str(&p.join(", "));
+        sql.push(')');
+    }
+    sql
+}
+
+/// The rows one INSERT writes at most (six parameters each, well under every driver's limit).
+pub(crate) const INSERT_CHUNK: usize = 100;
+
+/// A message's fields other than its body, as the `headers` column holds them.
+pub(crate) fn headers_of(message: &Message) -> Result<String, StoreError> {
+    let mut fields = message.clone();
+    fields.body = Vec::<u8>::new().into();
+    serde_json::to_string(&fields).map_err(|e| StoreError::BadOutboxRow(e.to_string()))
+}
+
+/// The message of a row, from its `headers` and `body`.
+pub(crate) fn message_of(headers: &str, body: Vec<u8>) -> Result<Message, StoreError> {
+    let mut message: Message =
+        serde_json::from_str(headers).map_err(|e| StoreError::BadOutboxRow(e.to_string()))?;
+    message.body = body.into();
+    Ok(message)
+}
+
+/// `p(from), p(from + 1), ...`, `n` parameters.
+pub(crate) fn params<DB: OutboxDialect>(from: usize, n: usize) -> String {
+    (from..from + n).map(DB::param).collect::<Vec<_>>().join(", ")
+}
+
+impl<DB: Database> SqlxOutbox<DB> {
+    fn from_parts(pool: Pool<DB>, options: OutboxOptions) -> Result<Self, StoreError> {
+        validate_table(&options.table)?;
+        Ok(Self { inner: Arc::new(Inner { pool, options, wake: Wake::new() }) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_round_trips_through_its_row() {
+        let m = Message::new(vec![0_u8, 159, 146, 150])
+            .with_message_id("m-1")
+            .with_session_id("s")
+            .with_property("n", 42_i64)
+            .with_scheduled_enqueue_time(Timestamp::from_millis(7));
+        let headers = headers_of(&m).expect("serialises");
+        assert!(!headers.contains("159"), "the body is not in the headers: {headers}");
+        assert_eq!(message_of(&headers, m.body.to_vec()).expect("parses"), m);
+        assert!(matches!(message_of("{", vec![]), Err(StoreError::BadOutboxRow(_))));
+    }
+
+    #[cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    #[test]
+    fn inserts_are_written_in_each_dialect() {
+        assert_eq!(
+            insert_sql::<sqlx::Postgres>("o", 2),
+            "INSERT INTO o (ordering_key, destination, message_id, headers, body, created_at_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6), ($7, $8, $9, $10, $11, $12)"
+        );
+        assert!(insert_sql::<sqlx::MySql>("o", 1).ends_with("VALUES (?, ?, ?, ?, ?, ?)"));
+        assert!(insert_sql::<sqlx::Sqlite>("o", 1).ends_with("(?1, ?2, ?3, ?4, ?5, ?6)"));
+        assert_eq!(params::<sqlx::Postgres>(3, 2), "$3, $4");
+    }
+}

@@ -1,0 +1,613 @@
+//! The relay: sends an outbox's committed rows on a broker, in order per ordering key.
+//!
+//! One turn: lease a batch of due rows, send each ordering key's rows in order (different keys
+//! concurrently), then delete the rows the broker acknowledged in one statement. A transient
+//! failure holds the rest of its key back and retries the row after a backoff; a permanent one
+//! parks the row. Between turns the relay sleeps until a local commit wakes it
+//! ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
+//! processes and by relays that died.
+//!
+//! With the `metrics` cargo feature the relay records, labelled by `destination` where it says
+//! so:
+//!
+//! | metric | kind | what |
+//! |---|---|---|
+//! | `twice_outbox_sent_total` | counter | messages the broker acknowledged, label `destination` |
+//! | `twice_outbox_send_failures_total` | counter | sends that failed and will be retried |
+//! | `twice_outbox_parked_total` | counter | rows parked by this relay |
+//! | `twice_outbox_relay_lag_seconds` | histogram | from the row's write to the broker's acknowledgement |
+//! | `twice_outbox_pending` | gauge | rows not yet sent (from the store, every stats interval) |
+//! | `twice_outbox_oldest_pending_seconds` | gauge | age of the oldest of them |
+//! | `twice_outbox_parked` | gauge | rows parked in the table |
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use tracing::Instrument as _;
+
+use super::store::{LeasedMessage, OutboxStats, OutboxStore};
+use super::{Publish, is_permanent};
+use crate::clock::{SharedClock, Timestamp};
+use crate::ids::MessageId;
+use crate::retry::random_u64;
+use crate::trace_context;
+
+/// Options of a [`Relay`].
+#[derive(Clone, Debug)]
+pub struct RelayOptions {
+    batch_size: usize,
+    lease_duration: Duration,
+    poll_interval: Duration,
+    max_concurrent_sends: usize,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    stats_interval: Duration,
+    owner: Option<String>,
+    clock: SharedClock,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        Self {
+            batch_size: 100,
+            lease_duration: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            max_concurrent_sends: 16,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(60),
+            stats_interval: Duration::from_secs(10),
+            owner: None,
+            clock: SharedClock::system(),
+        }
+    }
+}
+
+impl RelayOptions {
+    /// The defaults: batches of 100 rows, leases of 30 s, a poll every second, 16 sends at
+    /// once, backoff from 100 ms to 60 s, stats every 10 s, a random owner name, the system
+    /// clock.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many rows one lease takes at most (at least 1).
+    #[must_use]
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// How many rows one lease takes at most.
+    pub fn get_batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// How long a lease holds: longer than a batch's sends take, or another relay sends the
+    /// same rows again (harmless, the ids are the same, but out of order).
+    #[must_use]
+    pub fn lease_duration(mut self, d: Duration) -> Self {
+        self.lease_duration = d.max(Duration::from_millis(100));
+        self
+    }
+
+    /// How long a lease holds.
+    pub fn get_lease_duration(&self) -> Duration {
+        self.lease_duration
+    }
+
+    /// How often an idle relay looks for rows it was not woken for: written by other
+    /// processes, or left by a relay that died.
+    #[must_use]
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How often an idle relay looks for rows.
+    pub fn get_poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// How many ordering keys are sent at once (at least 1).
+    #[must_use]
+    pub fn max_concurrent_sends(mut self, n: usize) -> Self {
+        self.max_concurrent_sends = n.max(1);
+        self
+    }
+
+    /// How many ordering keys are sent at once.
+    pub fn get_max_concurrent_sends(&self) -> usize {
+        self.max_concurrent_sends
+    }
+
+    /// The wait after a row's first failed send, doubling per failure up to `max`.
+    #[must_use]
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max.max(initial);
+        self
+    }
+
+    /// The backoff's first and longest wait.
+    pub fn get_backoff(&self) -> (Duration, Duration) {
+        (self.initial_backoff, self.max_backoff)
+    }
+
+    /// How often the relay reads the table's stats (for the gauges) and purges sent rows kept
+    /// past their retention.
+    #[must_use]
+    pub fn stats_interval(mut self, d: Duration) -> Self {
+        self.stats_interval = d.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How often the relay reads the table's stats.
+    pub fn get_stats_interval(&self) -> Duration {
+        self.stats_interval
+    }
+
+    /// The name the relay's leases carry (default: random, per relay).
+    #[must_use]
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// The name the relay's leases carry, if one was set.
+    pub fn get_owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
+    /// The clock of the lag and the waits.
+    #[must_use]
+    pub fn clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock.
+    pub fn get_clock(&self) -> &SharedClock {
+        &self.clock
+    }
+}
+
+/// A message the broker acknowledged, as the relay's `on_sent` hook sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sent {
+    /// The row's number.
+    pub seq: i64,
+    /// The message id it was sent with.
+    pub message_id: MessageId,
+    /// Where it went.
+    pub destination: String,
+    /// From the row's write to the broker's acknowledgement.
+    pub lag: Duration,
+}
+
+/// What a relay did; read with [`RelayCounters::snapshot`].
+#[derive(Debug, Default)]
+pub struct RelayCounters {
+    sent: AtomicU64,
+    send_failures: AtomicU64,
+    parked: AtomicU64,
+    leases: AtomicU64,
+    store_errors: AtomicU64,
+    lag_total_us: AtomicU64,
+    lag_max_us: AtomicU64,
+    pending: AtomicU64,
+    parked_in_table: AtomicU64,
+    oldest_pending_ms: AtomicU64,
+}
+
+/// A copy of a relay's counters at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelaySnapshot {
+    /// Messages the broker acknowledged.
+    pub sent: u64,
+    /// Sends that failed and will be retried.
+    pub send_failures: u64,
+    /// Rows this relay parked.
+    pub parked: u64,
+    /// Leases that brought rows.
+    pub leases: u64,
+    /// Store calls that failed.
+    pub store_errors: u64,
+    /// The mean lag from write to acknowledgement.
+    pub mean_lag: Duration,
+    /// The longest lag.
+    pub max_lag: Duration,
+    /// Rows not yet sent, at the last stats reading.
+    pub pending: u64,
+    /// Parked rows in the table, at the last stats reading.
+    pub parked_in_table: u64,
+    /// The age of the oldest unsent row at the last stats reading.
+    pub oldest_pending_age: Duration,
+}
+
+impl RelayCounters {
+    /// The counters now.
+    pub fn snapshot(&self) -> RelaySnapshot {
+        let sent = self.sent.load(Ordering::Relaxed);
+        let total = self.lag_total_us.load(Ordering::Relaxed);
+        RelaySnapshot {
+            sent,
+            send_failures: self.send_failures.load(Ordering::Relaxed),
+            parked: self.parked.load(Ordering::Relaxed),
+            leases: self.leases.load(Ordering::Relaxed),
+            store_errors: self.store_errors.load(Ordering::Relaxed),
+            mean_lag: Duration::from_micros(total.checked_div(sent).unwrap_or(0)),
+            max_lag: Duration::from_micros(self.lag_max_us.load(Ordering::Relaxed)),
+            pending: self.pending.load(Ordering::Relaxed),
+            parked_in_table: self.parked_in_table.load(Ordering::Relaxed),
+            oldest_pending_age: Duration::from_millis(
+                self.oldest_pending_ms.load(Ordering::Relaxed),
+            ),
+        }
+    }
+
+    fn record_sent(&self, sent: &Sent) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        let us = u64::try_from(sent.lag.as_micros()).unwrap_or(u64::MAX);
+        self.lag_total_us.fetch_add(us, Ordering::Relaxed);
+        self.lag_max_us.fetch_max(us, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        {
+            metrics::counter!("twice_outbox_sent_total", "destination" => sent.destination.clone())
+                .increment(1);
+            metrics::histogram!("twice_outbox_relay_lag_seconds").record(sent.lag.as_secs_f64());
+        }
+    }
+
+    fn record_failure(&self) {
+        self.send_failures.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::counter!("twice_outbox_send_failures_total").increment(1);
+    }
+
+    fn record_parked(&self) {
+        self.parked.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics::counter!("twice_outbox_parked_total").increment(1);
+    }
+
+    fn record_stats(&self, stats: &OutboxStats, now: Timestamp) {
+        let age = stats.oldest_pending.map_or(Duration::ZERO, |t| now.duration_since(t));
+        self.pending.store(stats.pending, Ordering::Relaxed);
+        self.parked_in_table.store(stats.parked, Ordering::Relaxed);
+        self.oldest_pending_ms
+            .store(u64::try_from(age.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        {
+            #[allow(clippy::cast_precision_loss)] // reason: a gauge; counts far below 2^53
+            let (pending, parked) = (stats.pending as f64, stats.parked as f64);
+            metrics::gauge!("twice_outbox_pending").set(pending);
+            metrics::gauge!("twice_outbox_parked").set(parked);
+            metrics::gauge!("twice_outbox_oldest_pending_seconds").set(age.as_secs_f64());
+        }
+    }
+}
+
+type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
+type AckHook = Arc<dyn Fn(&[i64]) + Send + Sync>;
+
+/// Sends an outbox's rows on a broker; see the [module docs](self).
+pub struct Relay<S, P> {
+    store: Arc<S>,
+    publisher: Arc<P>,
+    options: RelayOptions,
+    owner: String,
+    counters: Arc<RelayCounters>,
+    on_sent: Option<SentHook>,
+    on_acknowledged: Option<AckHook>,
+}
+
+impl<S, P> std::fmt::Debug for Relay<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("owner", &self.owner)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore, P: Publish> Relay<S, P> {
+    /// A relay of `store`'s rows to `publisher`.
+    pub fn new(store: S, publisher: P, options: RelayOptions) -> Self {
+        Self::from_arcs(Arc::new(store), Arc::new(publisher), options)
+    }
+
+    /// As [`Relay::new`], sharing the store and the publisher.
+    pub fn from_arcs(store: Arc<S>, publisher: Arc<P>, options: RelayOptions) -> Self {
+        let owner = options.owner.clone().unwrap_or_else(|| format!("relay-{:016x}", random_u64()));
+        Self {
+            store,
+            publisher,
+            options,
+            owner,
+            counters: Arc::default(),
+            on_sent: None,
+            on_acknowledged: None,
+        }
+    }
+
+    /// The relay's counters, live.
+    pub fn counters(&self) -> Arc<RelayCounters> {
+        self.counters.clone()
+    }
+
+    /// The name its leases carry.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// Calls `f` for every message the broker acknowledged, after its row was deleted (or
+    /// when deleting it failed, since the broker has it either way).
+    #[must_use]
+    pub fn on_sent(mut self, f: impl Fn(&Sent) + Send + Sync + 'static) -> Self {
+        self.on_sent = Some(Arc::new(f));
+        self
+    }
+
+    /// Calls `f` with a turn's acknowledged rows between the broker's acknowledgement and
+    /// their deletion: the window in which a relay that dies sends them again. Fault
+    /// injection (`twice chaos`) uses it.
+    #[must_use]
+    pub fn on_acknowledged(mut self, f: impl Fn(&[i64]) + Send + Sync + 'static) -> Self {
+        self.on_acknowledged = Some(Arc::new(f));
+        self
+    }
+
+    /// Relays until `shutdown` resolves. A turn under way when it does is cut off: its sends
+    /// may have reached the broker, and its rows, still leased, are sent again (with the same
+    /// ids) once their leases end.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in the same sense: dropped, it leaves leases to expire.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let clock = self.options.clock.clone();
+        let mut store_failures: u32 = 0;
+        let mut next_stats = clock.now();
+        loop {
+            if clock.now() >= next_stats {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return,
+                    () = self.housekeeping() => {}
+                }
+                next_stats = clock.now().saturating_add(self.options.stats_interval);
+            }
+            let leased = tokio::select! {
+                biased;
+                () = &mut shutdown => return,
+                r = self.store.lease(&self.owner, self.options.batch_size, self.options.lease_duration) => r,
+            };
+            match leased {
+                Err(e) => {
+                    store_failures = store_failures.saturating_add(1);
+                    self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(owner = %self.owner, "leasing outbox rows failed: {e}");
+                    let wait = self.backoff(store_failures);
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = clock.sleep(wait) => {}
+                    }
+                }
+                Ok(batch) if batch.is_empty() => {
+                    store_failures = 0;
+                    let wait = self.options.poll_interval.min(self.until(next_stats));
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = self.store.waker().woken() => {}
+                        () = clock.sleep(wait) => {}
+                    }
+                }
+                Ok(batch) => {
+                    store_failures = 0;
+                    self.counters.leases.fetch_add(1, Ordering::Relaxed);
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = self.turn(batch) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends the rows of one lease and deletes the acknowledged ones.
+    async fn turn(&self, batch: Vec<LeasedMessage>) {
+        // Ordering keys in the order of their first row; each key's rows in `seq` order.
+        let mut groups: Vec<Vec<LeasedMessage>> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        for row in batch {
+            let i = *index.entry(row.ordering_key.clone()).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[i].push(row);
+        }
+        let sent = Mutex::new(Vec::new());
+        futures::stream::iter(groups)
+            .for_each_concurrent(self.options.max_concurrent_sends, |group| {
+                self.send_group(group, &sent)
+            })
+            .await;
+        let sent = sent.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if sent.is_empty() {
+            return;
+        }
+        let seqs: Vec<i64> = sent.iter().map(|s: &Sent| s.seq).collect();
+        if let Some(hook) = &self.on_acknowledged {
+            hook(&seqs);
+        }
+        match self.store.sent(&self.owner, &seqs).await {
+            Ok(n) if n < seqs.len() as u64 => tracing::debug!(
+                owner = %self.owner,
+                acknowledged = seqs.len(),
+                deleted = n,
+                "some acknowledged rows were no longer leased by this relay (their lease ended)"
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    owner = %self.owner,
+                    "deleting {} sent outbox rows failed; they will be sent again with the same ids: {e}",
+                    seqs.len()
+                );
+            }
+        }
+        for s in &sent {
+            self.counters.record_sent(s);
+            if let Some(hook) = &self.on_sent {
+                hook(s);
+            }
+        }
+    }
+
+    /// Sends one ordering key's rows in order; stops at the first transient failure.
+    async fn send_group(&self, group: Vec<LeasedMessage>, sent: &Mutex<Vec<Sent>>) {
+        let mut rows = group.into_iter();
+        while let Some(row) = rows.next() {
+            let now = self.options.clock.now();
+            let mut message = row.message;
+            if let Some(at) = message.scheduled_enqueue_time
+                && !self.publisher.schedules()
+            {
+                if at > now {
+                    // Held here until due, since this broker cannot hold it.
+                    let delay = at.duration_since(now);
+                    self.store_call(self.store.retry_later(
+                        &self.owner,
+                        row.seq,
+                        delay,
+                        "scheduled",
+                        false,
+                    ))
+                    .await;
+                    continue;
+                }
+                message.scheduled_enqueue_time = None;
+            }
+            let id = message.message_id.clone().unwrap_or_else(|| MessageId::new(""));
+            let span = self.span(&row.destination, &id, &message);
+            match self.publisher.publish(&row.destination, message).instrument(span).await {
+                Ok(()) => {
+                    let lag = self.options.clock.now().duration_since(row.created_at);
+                    let s =
+                        Sent { seq: row.seq, message_id: id, destination: row.destination, lag };
+                    sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s);
+                }
+                Err(e) if is_permanent(&e) => {
+                    self.counters.record_parked();
+                    tracing::warn!(
+                        seq = row.seq,
+                        message_id = %id,
+                        destination = %row.destination,
+                        "the broker refused an outbox message for good; it is parked: {e}"
+                    );
+                    self.store_call(self.store.park(&self.owner, row.seq, &e.to_string())).await;
+                }
+                Err(e) => {
+                    self.counters.record_failure();
+                    let delay = self.backoff(row.attempts.saturating_add(1));
+                    tracing::info!(
+                        seq = row.seq,
+                        message_id = %id,
+                        destination = %row.destination,
+                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        "sending an outbox message failed; it and the rest of its ordering key wait: {e}"
+                    );
+                    let error = e.to_string();
+                    self.store_call(self.store.retry_later(
+                        &self.owner,
+                        row.seq,
+                        delay,
+                        &error,
+                        true,
+                    ))
+                    .await;
+                    let rest: Vec<i64> = rows.map(|r| r.seq).collect();
+                    if !rest.is_empty() {
+                        self.store_call(self.store.release(&self.owner, &rest)).await;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A store call whose failure only delays its rows (their leases expire instead).
+    async fn store_call<T>(&self, call: impl Future<Output = Result<T, S::Error>>) {
+        if let Err(e) = call.await {
+            self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(owner = %self.owner, "an outbox store call failed; the rows' leases will expire instead: {e}");
+        }
+    }
+
+    /// Reads the stats for the gauges and purges sent rows past their retention.
+    async fn housekeeping(&self) {
+        match self.store.stats().await {
+            Ok(stats) => self.counters.record_stats(&stats, self.options.clock.now()),
+            Err(e) => {
+                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(owner = %self.owner, "reading the outbox's stats failed: {e}");
+            }
+        }
+        match self.store.purge_sent().await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(rows = n, "purged sent outbox rows past their retention"),
+            Err(e) => tracing::warn!(owner = %self.owner, "purging sent outbox rows failed: {e}"),
+        }
+    }
+
+    /// The wait before retry number `n` (from 1), with jitter in its upper half.
+    fn backoff(&self, n: u32) -> Duration {
+        let doublings = n.saturating_sub(1).min(30);
+        let full = self
+            .options
+            .initial_backoff
+            .saturating_mul(1 << doublings)
+            .min(self.options.max_backoff);
+        #[allow(clippy::cast_precision_loss)] // reason: 53-bit value, exact in an f64
+        let fraction = (random_u64() >> 11) as f64 / (1_u64 << 53) as f64;
+        full / 2 + full.mul_f64(fraction / 2.0)
+    }
+
+    fn until(&self, at: Timestamp) -> Duration {
+        let now = self.options.clock.now();
+        if at > now { at.duration_since(now) } else { Duration::ZERO }
+    }
+
+    /// The span of one send, linked to the trace the message carries (the incoming
+    /// message's, for a handler's send).
+    fn span(&self, destination: &str, id: &MessageId, message: &crate::Message) -> tracing::Span {
+        let span = tracing::info_span!(
+            "twice.publish",
+            "otel.name" = %format_args!("send {destination}"),
+            "otel.kind" = "producer",
+            "messaging.system" = self.publisher.system(),
+            "messaging.operation.type" = "send",
+            "messaging.operation.name" = "send",
+            "messaging.destination.name" = %destination,
+            "messaging.message.id" = %id,
+            "trace_parent" = tracing::field::Empty,
+        );
+        if let Some(parent) = trace_context::extract(message) {
+            span.record("trace_parent", tracing::field::display(parent));
+            #[cfg(feature = "opentelemetry")]
+            trace_context::set_otel_parent(&span, &parent);
+        }
+        span
+    }
+}
