@@ -410,18 +410,25 @@ impl ServiceBusQueue {
 /// The queues a namespace must have for the demo, and how to make them.
 fn bail_missing_queue(name: &str, lock: Duration, why: &str) -> anyhow::Result<()> {
     let secs = lock.as_secs();
+    let queue = |name: &str| {
+        format!(
+            "{{\"Name\":\"{name}\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}}"
+        )
+    };
+    let queues: Vec<String> =
+        ["orders-naive", "orders-twice", "shipped-naive", "shipped-twice"].map(queue).to_vec();
     anyhow::bail!(
         "the queue {name:?} does not exist in the Service Bus namespace, and the demo could not \
-         create it through the administration API ({why}). The demo needs two queues, \
-         \"orders-naive\" and \"orders-twice\", with LockDuration PT{secs}S (--lock-seconds), \
-         MaxDeliveryCount 10 and duplicate detection. Create them with a key that has the Manage \
-         claim (twice serve serves the administration API on --http, 127.0.0.1:5300 by default), \
-         or start twice serve with --config FILE holding:\n\
-         {{\"UserConfig\":{{\"Namespaces\":[{{\"Name\":\"sbemulatorns\",\"Queues\":[\n  \
-         {{\"Name\":\"orders-naive\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}},\n  \
-         {{\"Name\":\"orders-twice\",\"Properties\":{{\"LockDuration\":\"PT{secs}S\",\"MaxDeliveryCount\":10,\"RequiresDuplicateDetection\":true,\"DuplicateDetectionHistoryTimeWindow\":\"PT10M\"}}}}]}}]}}}}\n\
+         create it through the administration API ({why}). The demo needs four queues, \
+         \"orders-naive\", \"orders-twice\", \"shipped-naive\" and \"shipped-twice\", with \
+         LockDuration PT{secs}S (--lock-seconds), MaxDeliveryCount 10 and duplicate detection. \
+         Create them with a key that has the Manage claim (twice serve serves the administration \
+         API on --http, 127.0.0.1:5300 by default), or start twice serve with --config FILE \
+         holding:\n\
+         {{\"UserConfig\":{{\"Namespaces\":[{{\"Name\":\"sbemulatorns\",\"Queues\":[\n  {}]}}]}}}}\n\
          (the emulator takes the same Config.json; on Azure create them in the portal or with \
-         `az servicebus queue create --lock-duration PT{secs}S --max-delivery-count 10 --enable-duplicate-detection true`)"
+         `az servicebus queue create --lock-duration PT{secs}S --max-delivery-count 10 --enable-duplicate-detection true`)",
+        queues.join(",\n  ")
     )
 }
 

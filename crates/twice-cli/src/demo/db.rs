@@ -9,6 +9,7 @@ use std::future::Future;
 use anyhow::Context as _;
 use sqlx::{MySql, Pool, Postgres, Sqlite, Transaction};
 use twice::BoxFuture;
+use twice_sqlx::{OutboxOptions, SqlxOutbox};
 
 /// The table names of one run.
 #[derive(Clone, Debug)]
@@ -21,6 +22,15 @@ pub(crate) struct Tables {
     pub(crate) naive_shipments: String,
     /// The inbox table.
     pub(crate) inbox: String,
+    /// The twice handler's outbox.
+    pub(crate) outbox: String,
+    /// Loyalty points awarded per `OrderShipped` event of the twice column, and of the naive
+    /// one.
+    pub(crate) points: String,
+    pub(crate) naive_points: String,
+    /// The inboxes of the two loyalty processors.
+    pub(crate) loyalty_inbox: String,
+    pub(crate) naive_loyalty_inbox: String,
 }
 
 impl Tables {
@@ -31,6 +41,11 @@ impl Tables {
             shipments_key: format!("demo_{run_id}_shipments_order_id"),
             naive_shipments: format!("demo_{run_id}_naive_shipments"),
             inbox: format!("demo_{run_id}_inbox"),
+            outbox: format!("demo_{run_id}_outbox"),
+            points: format!("demo_{run_id}_points"),
+            naive_points: format!("demo_{run_id}_naive_points"),
+            loyalty_inbox: format!("demo_{run_id}_loyalty_inbox"),
+            naive_loyalty_inbox: format!("demo_{run_id}_naive_loyalty_inbox"),
         }
     }
 }
@@ -54,13 +69,27 @@ pub(crate) trait DemoDb: twice_sqlx::Backend {
         order_id: i64,
         amount_cents: i64,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
-    /// Inserts a shipment on its own (autocommit), as the naive handler does.
-    fn insert_shipment_naive<'a>(
-        pool: &'a Pool<Self>,
+    /// Awards loyalty points for the `OrderShipped` event `event_id`, inside the loyalty
+    /// handler's transaction.
+    fn insert_points<'a>(
+        tx: &'a mut Transaction<'static, Self>,
         table: &'a str,
         order_id: i64,
-        amount_cents: i64,
+        event_id: &'a str,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    /// The outbox of the run.
+    fn outbox(
+        pool: &Pool<Self>,
+        table: &str,
+    ) -> impl Future<Output = anyhow::Result<SqlxOutbox<Self>>> + Send;
+    /// The text values of `column` in `table` where `filter` holds (an inbox's message ids,
+    /// the events a points table counted).
+    fn texts(
+        pool: &Pool<Self>,
+        table: &str,
+        column: &str,
+        filter: &str,
+    ) -> impl Future<Output = anyhow::Result<Vec<String>>> + Send;
     /// Shipments by order id.
     fn count_by_order(
         pool: &Pool<Self>,
@@ -69,7 +98,8 @@ pub(crate) trait DemoDb: twice_sqlx::Backend {
 }
 
 macro_rules! demo_db {
-    ($db:ty, $p1:literal, $p2:literal, $create:literal, $create_naive:literal, $index:literal) => {
+    ($db:ty, $p1:literal, $p2:literal, $create:literal, $create_naive:literal, $index:literal,
+     $create_points:literal, $text:literal) => {
         impl DemoDb for $db {
             async fn create_tables(pool: &Pool<Self>, t: &Tables) -> anyhow::Result<()> {
                 let create = format!($create, table = t.shipments);
@@ -78,15 +108,24 @@ macro_rules! demo_db {
                 sqlx::query(&index).execute(pool).await.context("creating the business key")?;
                 let naive = format!($create_naive, table = t.naive_shipments);
                 sqlx::query(&naive).execute(pool).await.context("creating the naive table")?;
+                for table in [&t.points, &t.naive_points] {
+                    let points = format!($create_points, table = table);
+                    sqlx::query(&points).execute(pool).await.context("creating a points table")?;
+                }
                 Ok(())
             }
 
             async fn drop_tables(pool: &Pool<Self>, t: &Tables) -> anyhow::Result<()> {
-                for table in [&t.shipments, &t.naive_shipments, &t.inbox] {
+                for table in [&t.shipments, &t.naive_shipments, &t.points, &t.naive_points] {
                     sqlx::query(&format!("DROP TABLE IF EXISTS {table}")).execute(pool).await?;
                 }
-                let migrations = format!("{}_migrations", t.inbox);
-                sqlx::query(&format!("DROP TABLE IF EXISTS {migrations}")).execute(pool).await?;
+                for table in [&t.inbox, &t.outbox, &t.loyalty_inbox, &t.naive_loyalty_inbox] {
+                    sqlx::query(&format!("DROP TABLE IF EXISTS {table}")).execute(pool).await?;
+                    let migrations = format!("{table}_migrations");
+                    sqlx::query(&format!("DROP TABLE IF EXISTS {migrations}"))
+                        .execute(pool)
+                        .await?;
+                }
                 Ok(())
             }
 
@@ -106,20 +145,37 @@ macro_rules! demo_db {
                 })
             }
 
-            fn insert_shipment_naive<'a>(
-                pool: &'a Pool<Self>,
+            fn insert_points<'a>(
+                tx: &'a mut Transaction<'static, Self>,
                 table: &'a str,
                 order_id: i64,
-                amount_cents: i64,
+                event_id: &'a str,
             ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
                 Box::pin(async move {
                     let sql = format!(
-                        "INSERT INTO {table} (order_id, amount_cents) VALUES ({}, {})",
+                        "INSERT INTO {table} (order_id, event_id) VALUES ({}, {})",
                         $p1, $p2
                     );
-                    sqlx::query(&sql).bind(order_id).bind(amount_cents).execute(pool).await?;
+                    sqlx::query(&sql).bind(order_id).bind(event_id).execute(&mut **tx).await?;
                     Ok(())
                 })
+            }
+
+            async fn outbox(pool: &Pool<Self>, table: &str) -> anyhow::Result<SqlxOutbox<Self>> {
+                SqlxOutbox::new(pool.clone(), OutboxOptions::new().table(table))
+                    .await
+                    .context("creating the outbox")
+            }
+
+            async fn texts(
+                pool: &Pool<Self>,
+                table: &str,
+                column: &str,
+                filter: &str,
+            ) -> anyhow::Result<Vec<String>> {
+                let column = format!($text, c = column);
+                let sql = format!("SELECT {column} FROM {table} WHERE {filter}");
+                Ok(sqlx::query_scalar(&sql).fetch_all(pool).await?)
             }
 
             async fn count_by_order(
@@ -148,7 +204,9 @@ demo_db!(
     "?",
     "CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL, amount_cents INTEGER NOT NULL)",
     "CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL, amount_cents INTEGER NOT NULL)",
-    "CREATE UNIQUE INDEX {index} ON {table} (order_id)"
+    "CREATE UNIQUE INDEX {index} ON {table} (order_id)",
+    "CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL, event_id TEXT NOT NULL)",
+    "{c}"
 );
 demo_db!(
     Postgres,
@@ -156,7 +214,9 @@ demo_db!(
     "$2",
     "CREATE TABLE {table} (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount_cents BIGINT NOT NULL)",
     "CREATE TABLE {table} (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, amount_cents BIGINT NOT NULL)",
-    "CREATE UNIQUE INDEX {index} ON {table} (order_id)"
+    "CREATE UNIQUE INDEX {index} ON {table} (order_id)",
+    "CREATE TABLE {table} (id BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL, event_id TEXT NOT NULL)",
+    "{c}"
 );
 demo_db!(
     MySql,
@@ -164,5 +224,7 @@ demo_db!(
     "?",
     "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL, amount_cents BIGINT NOT NULL) ENGINE=InnoDB",
     "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL, amount_cents BIGINT NOT NULL) ENGINE=InnoDB",
-    "CREATE UNIQUE INDEX {index} ON {table} (order_id)"
+    "CREATE UNIQUE INDEX {index} ON {table} (order_id)",
+    "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL, event_id VARCHAR(255) NOT NULL) ENGINE=InnoDB",
+    "CAST({c} AS CHAR)"
 );

@@ -11,14 +11,18 @@ use sqlx::{Pool, Transaction};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use twice::{
-    Context, Delivery as _, HandlerError, Outcome, Properties, Receive, ReceivedMessage, ResultExt,
-    SharedClock,
+    Context, Delivery as _, HandlerError, Message, MessageId, Outcome, Properties, Receive,
+    ReceivedMessage, ResultExt, SharedClock,
 };
 
-use super::broker::DemoDelivery;
+use super::broker::{DemoDelivery, DemoTransport};
 use super::db::DemoDb;
 use super::faults::{FaultTable, FaultyReceiver};
 use super::services::Client;
+
+/// The destination name the twice handler sends `OrderShipped` to; the relay's publisher maps
+/// it to the run's queue.
+pub(crate) const SHIPPED: &str = "shipped";
 
 /// The message body.
 #[derive(Debug, Deserialize)]
@@ -77,10 +81,33 @@ pub(crate) struct MailTimeout;
 pub(crate) struct NaiveCounters {
     pub(crate) deliveries: AtomicU64,
     pub(crate) abandoned: AtomicU64,
+    /// `OrderShipped` events it sent.
+    pub(crate) published: AtomicU64,
+    /// Of those, the ones sent by an attempt whose transaction then rolled back.
+    pub(crate) ghosts: AtomicU64,
+}
+
+/// The `OrderShipped` event both handlers send, and the loyalty service consumes.
+#[derive(Debug, serde::Serialize, Deserialize)]
+pub(crate) struct OrderShipped {
+    pub(crate) order_id: u64,
+    pub(crate) points: i64,
+}
+
+impl OrderShipped {
+    fn of(order: &OrderPlaced) -> Self {
+        Self { order_id: order.order_id, points: order.amount_cents / 100 }
+    }
+
+    fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
 }
 
 /// The naive consumer: receive, do the work, complete; an error abandons. No claim, no keys,
-/// no lock renewal: what a handler written from the SDK's quick start does.
+/// no lock renewal: what a handler written from the SDK's quick start does. Its shipment is
+/// written in a transaction, and it sends `OrderShipped` straight to the broker in the middle
+/// of it, as code that publishes "where the work happens" does.
 #[derive(Debug)]
 pub(crate) struct Naive<DB: DemoDb> {
     pub(crate) receiver: Arc<FaultyReceiver>,
@@ -89,6 +116,8 @@ pub(crate) struct Naive<DB: DemoDb> {
     pub(crate) shop: Arc<Shop>,
     pub(crate) counters: Arc<NaiveCounters>,
     pub(crate) concurrency: usize,
+    /// The queue its `OrderShipped` events go to.
+    pub(crate) events: Arc<DemoTransport>,
 }
 
 impl<DB: DemoDb> Naive<DB> {
@@ -139,14 +168,33 @@ impl<DB: DemoDb> Naive<DB> {
             return Err(Rejected(order.order_id).into());
         }
         let order_id = i64::try_from(order.order_id)?;
-        DB::insert_shipment_naive(&self.pool, &self.table, order_id, order.amount_cents).await?;
-        self.shop.payments.post("/charges", None, &Shop::charge_body(&order)).await?;
-        self.shop.maybe_stall(message).await;
-        if self.shop.transient_failure(message) {
-            return Err(MailTimeout.into());
+        let mut tx = self.pool.begin().await?;
+        DB::insert_shipment(&mut tx, &self.table, order_id, order.amount_cents).await?;
+        // Sent to the broker at once, with a new id each time, whatever becomes of the
+        // transaction.
+        let event = Message::new(OrderShipped::of(&order).body())
+            .with_message_id(MessageId::random())
+            .with_content_type("application/json");
+        self.events.send(event).await?;
+        self.counters.published.fetch_add(1, Ordering::Relaxed);
+        let rest = async {
+            self.shop.payments.post("/charges", None, &Shop::charge_body(&order)).await?;
+            self.shop.maybe_stall(message).await;
+            if self.shop.transient_failure(message) {
+                return Err(MailTimeout.into());
+            }
+            self.shop.mail.post("/emails", None, &Shop::email_body(&order)).await?;
+            anyhow::Ok(())
+        };
+        let done = match rest.await {
+            Ok(()) => tx.commit().await.map_err(anyhow::Error::from),
+            Err(e) => Err(e),
+        };
+        if done.is_err() {
+            // The shipment rolled back; the event is out.
+            self.counters.ghosts.fetch_add(1, Ordering::Relaxed);
         }
-        self.shop.mail.post("/emails", None, &Shop::email_body(&order)).await?;
-        Ok(())
+        done
     }
 }
 
@@ -166,6 +214,10 @@ pub(crate) async fn handle_twice<DB: DemoDb>(
     // A second order with the same id violates the unique business key: the processor rolls
     // back and completes the message.
     DB::insert_shipment(tx, table, order_id, order.amount_cents).await?;
+    // Through the outbox: a row in this transaction, sent by the relay only if it commits,
+    // with an id derived from this message's, so a re-send is a duplicate downstream.
+    let event = Message::new(OrderShipped::of(&order).body()).with_content_type("application/json");
+    ctx.send(SHIPPED, event)?;
     // The keys come from the order, not from the message id: the same order published under
     // two message ids passes the business key only once, but a first copy that charged and
     // then rolled back (a transient error, a lost lock, a crash) leaves the charge made, and

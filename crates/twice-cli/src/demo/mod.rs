@@ -9,6 +9,7 @@
 
 mod broker;
 pub(crate) mod db;
+mod downstream;
 mod faults;
 mod handlers;
 mod plan;
@@ -28,10 +29,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use sqlx::{MySql, Pool, Postgres, Sqlite};
 use tokio::sync::watch;
 use twice::{
-    CounterSnapshot, Inbox, Message, MessageId, Processor, ProcessorOptions, SharedClock,
-    Stopwatch, Transport as _, json_fn,
+    CounterSnapshot, Inbox, Message, MessageId, OutboxStore, Processor, ProcessorOptions, Relay,
+    RelayOptions, SharedClock, Stopwatch, Transport as _, json_fn,
 };
-use twice_sqlx::{InboxOptions, SqlxInbox};
+use twice_sqlx::{InboxOptions, SqlxInbox, SqlxOutbox};
 
 use self::broker::{BrokerKind, DemoBroker, DemoTransport};
 use self::db::{DemoDb, Tables};
@@ -44,6 +45,8 @@ use crate::dlq::admin::Ca;
 
 const NAIVE_QUEUE: &str = "orders-naive";
 const TWICE_QUEUE: &str = "orders-twice";
+const NAIVE_SHIPPED: &str = "shipped-naive";
+const TWICE_SHIPPED: &str = "shipped-twice";
 /// How long a run may make no progress before the demo says so.
 const STALL_REPORT: Duration = Duration::from_secs(60);
 
@@ -208,6 +211,7 @@ async fn run_on<DB>(
 where
     DB: DemoDb,
     SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+    SqlxOutbox<DB>: OutboxStore,
 {
     let stopwatch = Stopwatch::start();
     DB::create_tables(&pool, &tables).await?;
@@ -237,6 +241,7 @@ async fn run_tables<DB>(
 where
     DB: DemoDb,
     SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+    SqlxOutbox<DB>: OutboxStore,
 {
     let clock = SharedClock::system();
     let lock = Duration::from_secs(args.lock_seconds);
@@ -253,19 +258,16 @@ where
     .await?;
     let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
     let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
-    let result = run_queues::<DB>(
-        args,
-        plan,
-        pools,
-        tables,
-        store_name,
-        stopwatch,
-        (&naive_queue, &twice_queue),
-    )
-    .await;
+    let queues = Queues {
+        naive: naive_queue,
+        twice: twice_queue,
+        naive_shipped: Arc::new(broker.queue(NAIVE_SHIPPED, lock, &clock).await?),
+        twice_shipped: Arc::new(broker.queue(TWICE_SHIPPED, lock, &clock).await?),
+    };
+    let result = run_queues::<DB>(args, plan, pools, tables, store_name, stopwatch, &queues).await;
     if !args.keep {
         // Leave nothing behind on a shared server, even when the run failed.
-        for q in [&naive_queue, &twice_queue] {
+        for q in queues.all() {
             let _ = q.delete().await;
         }
     }
@@ -281,14 +283,16 @@ async fn run_queues<DB>(
     tables: &Tables,
     store_name: &str,
     stopwatch: Stopwatch,
-    (naive_queue, twice_queue): (&Arc<DemoTransport>, &Arc<DemoTransport>),
+    queues: &Queues,
 ) -> anyhow::Result<Report>
 where
     DB: DemoDb,
     SqlxInbox<DB>: Inbox<Tx = sqlx::Transaction<'static, DB>>,
+    SqlxOutbox<DB>: OutboxStore,
 {
     let clock = SharedClock::system();
     let lock = Duration::from_secs(args.lock_seconds);
+    let (naive_queue, twice_queue) = (&queues.naive, &queues.twice);
 
     let faults = Arc::new(FaultTable::new(plan));
     let services = [
@@ -328,12 +332,14 @@ where
         shop: shop(naive_payments, naive_mail),
         counters: Arc::clone(&naive_counters),
         concurrency,
+        events: Arc::clone(&queues.naive_shipped),
     });
 
     // The twice processor, rebuilt after the restart.
     let twice_shop = shop(twice_payments, twice_mail);
     let twice_receiver =
         Arc::new(FaultyReceiver::new(Arc::clone(twice_queue), Arc::clone(&faults)));
+    let outbox = DB::outbox(&pools.twice, &tables.outbox).await?;
     let inbox = Arc::new(
         SqlxInbox::<DB>::new(
             pools.twice.clone(),
@@ -342,8 +348,66 @@ where
                 .business_key(tables.shipments.clone(), tables.shipments_key.clone()),
         )
         .await
-        .context("creating the inbox")?,
+        .context("creating the inbox")?
+        .with_outbox(outbox.clone()),
     );
+    // The relay of the twice column's outbox, made again after the restart; its leases last
+    // a lock, so the rows a killed relay held go out again soon after.
+    let relay_counters: Arc<std::sync::Mutex<Vec<Arc<twice::outbox::RelayCounters>>>> =
+        Arc::default();
+    let publisher = Arc::new(downstream::DemoPublisher {
+        shipped: Arc::clone(&queues.twice_shipped),
+        duplicates: std::sync::atomic::AtomicU64::new(0),
+    });
+    // Once the broker has acknowledged half the valid orders' events, the relay stops right
+    // after an acknowledgement, before deleting its rows, as a crash there would; the demo
+    // then starts another.
+    let acknowledged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let relay_deaths = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let die_after = (plan.valid_orders() / 2).max(1);
+    let new_relay = || {
+        let (acknowledged, deaths) = (Arc::clone(&acknowledged), Arc::clone(&relay_deaths));
+        let relay = Relay::from_arcs(
+            Arc::new(outbox.clone()),
+            Arc::clone(&publisher),
+            RelayOptions::new().lease_duration(lock).clock(clock.clone()),
+        )
+        .on_acknowledged(move |seqs| {
+            let before = acknowledged.fetch_add(seqs.len() as u64, Ordering::SeqCst);
+            let crossed = before < die_after && before + seqs.len() as u64 >= die_after;
+            if crossed && deaths.fetch_add(1, Ordering::SeqCst) == 0 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        });
+        relay_counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(relay.counters());
+        relay
+    };
+    // The loyalty services of both columns.
+    let loyalty = [
+        downstream::loyalty::<DB>(
+            Arc::clone(&queues.naive_shipped),
+            pools.naive.clone(),
+            &tables.naive_loyalty_inbox,
+            &tables.naive_points,
+            concurrency,
+            clock.clone(),
+        )
+        .await?,
+        downstream::loyalty::<DB>(
+            Arc::clone(&queues.twice_shipped),
+            pools.twice.clone(),
+            &tables.loyalty_inbox,
+            &tables.points,
+            concurrency,
+            clock.clone(),
+        )
+        .await?,
+    ];
     let handler = {
         let shop = Arc::clone(&twice_shop);
         let table: Arc<str> = tables.shipments.clone().into();
@@ -391,6 +455,10 @@ where
     let first = new_processor();
     let first_counters = first.counters();
     let mut twice_task = tokio::spawn(first.run(stopped(stop_rx.clone())));
+    let mut relay_task = tokio::spawn(new_relay().run(stopped(stop_rx.clone())));
+    let loyalty_counters: Vec<_> = loyalty.iter().map(Processor::counters).collect();
+    let loyalty_tasks: Vec<_> =
+        loyalty.into_iter().map(|p| tokio::spawn(p.run(stopped(stop_rx.clone())))).collect();
     let mut naive_task = tokio::spawn(Arc::clone(&naive).run(stopped(stop_rx.clone())));
     let mut restarted = false;
     let mut last_progress = ((0, 0), clock.now());
@@ -428,9 +496,12 @@ where
         }
         let handled = first_counters.snapshot().received
             + second_counters.as_ref().map_or(0, |c| c.snapshot().received)
-            + naive_counters.deliveries.load(Ordering::Relaxed);
+            + naive_counters.deliveries.load(Ordering::Relaxed)
+            + loyalty_counters.iter().map(|c| c.snapshot().received).sum::<u64>();
         let (naive_left, twice_left) =
             (naive_queue.unsettled().await?, twice_queue.unsettled().await?);
+        // The events too: the outbox's rows not yet sent, and both event queues.
+        let events = events_left(queues, &outbox).await?;
         // Read after the counts: a sender that finished meanwhile has said so.
         let sent = *sent_rx.borrow();
         let position = match (naive_left, twice_left) {
@@ -457,12 +528,12 @@ where
         }
         let settled = restarted || plan.restart_after == 0;
         match (naive_left, twice_left) {
-            (Some(n), Some(t)) if sent && settled && n + t == 0 => {
+            (Some(n), Some(t)) if sent && settled && n + t == 0 && events == Some(0) => {
                 // Read again after a pause: a message on its way from a server to a receiver
                 // is in neither count for a moment.
                 clock.sleep(Duration::from_millis(300)).await;
                 let again = (naive_queue.unsettled().await?, twice_queue.unsettled().await?);
-                if again == (Some(0), Some(0)) {
+                if again == (Some(0), Some(0)) && events_left(queues, &outbox).await? == Some(0) {
                     break;
                 }
             }
@@ -479,6 +550,11 @@ where
         }
         if handled != last_delivery.0 {
             last_delivery = (handled, clock.now());
+        }
+        if relay_task.is_finished() {
+            // Stopped after an acknowledgement: another relay takes over, and sends what the
+            // first one left leased once those leases end.
+            relay_task = tokio::spawn(new_relay().run(stopped(stop_rx.clone())));
         }
         if twice_task.is_finished() {
             // The processor runs until the stop signal: ended before it, it failed (for
@@ -497,6 +573,10 @@ where
     }
     let _ = stop_tx.send(true);
     let _ = naive_task.await;
+    let _ = relay_task.await;
+    for t in loyalty_tasks {
+        let _ = t.await;
+    }
     let twice_result = twice_task.await;
     progress.finish_and_clear();
     match twice_result {
@@ -537,6 +617,30 @@ where
         idempotency_key: twice_payments.replays() + twice_mail.replays(),
     };
     twice_col.errors = errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+
+    // The events, as the loyalty services saw them.
+    let naive_points = DB::count_by_order(&pools.naive, &tables.naive_points).await?;
+    let twice_points = DB::count_by_order(&pools.twice, &tables.points).await?;
+    let naive_events = DB::texts(&pools.naive, &tables.naive_points, "event_id", "1 = 1").await?;
+    let twice_events = DB::texts(&pools.twice, &tables.points, "event_id", "1 = 1").await?;
+    let committed =
+        DB::texts(&pools.twice, &tables.inbox, "message_id", "consumer = 'shipping'").await?;
+    naive_col.events = downstream::events(plan, &naive_points, &naive_events, None);
+    naive_col.events.published = naive_counters.published.load(Ordering::Relaxed);
+    naive_col.events.for_rolled_back_work = naive_counters.ghosts.load(Ordering::Relaxed);
+    twice_col.events = downstream::events(plan, &twice_points, &twice_events, Some(&committed));
+    twice_col.events.published = relay_counters
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .map(|c| c.snapshot().sent)
+        .sum();
+    for (column, c) in [&mut naive_col, &mut twice_col].into_iter().zip(&loyalty_counters) {
+        let c = c.snapshot();
+        column.events.duplicates_downstream =
+            c.duplicates_already_processed + c.duplicates_concurrent_copy;
+    }
+    twice_col.events.duplicates_downstream += publisher.duplicates.load(Ordering::Relaxed);
     let valid = plan.valid_orders();
     let poison = plan.poison();
     let invariants_hold = Report::twice_holds(&twice_col, valid, poison);
@@ -549,11 +653,38 @@ where
         broker: args.broker.name().to_owned(),
         broker_reports_duplicates: args.broker.reports_duplicates(),
         elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
-        faults: Injected { completions_lost: twice_receiver.lost_completions(), ..injected(plan) },
+        faults: Injected {
+            completions_lost: twice_receiver.lost_completions(),
+            relay_stopped_after_ack: relay_deaths.load(Ordering::SeqCst),
+            ..injected(plan)
+        },
         naive: naive_col,
         twice: twice_col,
         invariants_hold,
     })
+}
+
+/// The run's four queues: the orders of each column and the events each column sends.
+struct Queues {
+    naive: Arc<DemoTransport>,
+    twice: Arc<DemoTransport>,
+    naive_shipped: Arc<DemoTransport>,
+    twice_shipped: Arc<DemoTransport>,
+}
+
+impl Queues {
+    fn all(&self) -> [&Arc<DemoTransport>; 4] {
+        [&self.naive, &self.twice, &self.naive_shipped, &self.twice_shipped]
+    }
+}
+
+/// Events not yet handled by the loyalty services: the outbox's pending rows and what both
+/// event queues hold; `None` where a broker gives no counts.
+async fn events_left<S: OutboxStore>(queues: &Queues, outbox: &S) -> anyhow::Result<Option<u64>> {
+    let pending = outbox.stats().await.map_err(|e| anyhow::anyhow!("reading the outbox: {e}"))?;
+    let naive = queues.naive_shipped.unsettled().await?;
+    let twice = queues.twice_shipped.unsettled().await?;
+    Ok(naive.zip(twice).map(|(n, t)| n + t + pending.pending))
 }
 
 /// How long a run without message counts waits with no delivery before it ends: past a lock
@@ -687,6 +818,7 @@ fn injected(plan: &Plan) -> Injected {
         rejected_orders: count(|o| o.kind == OrderKind::Rejected),
         restart_after_deliveries: plan.restart_after,
         completions_lost: 0,
+        relay_stopped_after_ack: 0,
     }
 }
 

@@ -31,6 +31,8 @@ pub(crate) struct Column {
     pub(crate) poison_missing_from_dlq: u64,
     /// Duplicates suppressed, by layer.
     pub(crate) duplicates: Duplicates,
+    /// The `OrderShipped` events and what the loyalty service made of them.
+    pub(crate) events: Events,
     /// Errors the processor met and handled, by where they happened (twice column only).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub(crate) errors: BTreeMap<String, u64>,
@@ -50,6 +52,28 @@ pub(crate) struct Duplicates {
     pub(crate) idempotency_key: u64,
 }
 
+/// The `OrderShipped` events of a column, and the loyalty points they gave.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Events {
+    /// Events sent to the broker (by the naive handler; by the twice column's relay, re-sends
+    /// after a relay's restart included).
+    pub(crate) published: u64,
+    /// Events sent for work that then rolled back: counted by the naive handler itself; for
+    /// twice, events whose id no committed handler run derived.
+    pub(crate) for_rolled_back_work: u64,
+    /// Points rows the loyalty service wrote (one per event it handled).
+    pub(crate) points: u64,
+    /// Valid orders that got no points: a lost event.
+    pub(crate) lost: u64,
+    /// Valid orders that got points more than once.
+    pub(crate) repeated: u64,
+    /// Points given for orders that were never shipped (poison orders).
+    pub(crate) for_unshipped_orders: u64,
+    /// Copies of an event dropped: by the broker's duplicate detection (where it says so)
+    /// and by the loyalty service's inbox.
+    pub(crate) duplicates_downstream: u64,
+}
+
 /// Counts of the injected faults.
 #[derive(Clone, Debug, Default, Serialize)]
 pub(crate) struct Injected {
@@ -63,6 +87,9 @@ pub(crate) struct Injected {
     pub(crate) restart_after_deliveries: u64,
     /// Completions the twice column lost to a crash after commit (first deliveries only).
     pub(crate) completions_lost: u64,
+    /// Times the twice column's relay stopped after the broker acknowledged its sends and
+    /// before it deleted their rows.
+    pub(crate) relay_stopped_after_ack: u64,
 }
 
 /// The whole report.
@@ -95,6 +122,11 @@ impl Report {
             && twice.repeated == 0
             && twice.poison_missing_from_dlq == 0
             && twice.dead_lettered == poison
+            && twice.events.points == valid_orders
+            && twice.events.lost == 0
+            && twice.events.repeated == 0
+            && twice.events.for_unshipped_orders == 0
+            && twice.events.for_rolled_back_work == 0
     }
 
     /// A count of duplicates the broker dropped, or why there is none.
@@ -125,7 +157,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "faults: {} sender retries, {} orders published twice, {} crashes after commit, {} handlers slower than their lock,\n        {} transient errors, {} bodies not JSON, {} rejected orders, a processor restart after {} deliveries\n",
+            "faults: {} sender retries, {} orders published twice, {} crashes after commit, {} handlers slower than their lock,\n        {} transient errors, {} bodies not JSON, {} rejected orders, a processor restart after {} deliveries,\n        {} outbox relay stopped between the broker's acknowledgement and the deletion of its rows\n",
             f.sender_retries,
             f.republished,
             f.crashes_after_commit,
@@ -133,10 +165,12 @@ impl Report {
             f.transient_errors,
             f.bad_json,
             f.rejected_orders,
-            f.restart_after_deliveries
+            f.restart_after_deliveries,
+            f.relay_stopped_after_ack
         );
         let (n, t) = (&self.naive, &self.twice);
-        let rows: [(&str, String, String); 14] = [
+        let (ne, te) = (&n.events, &t.events);
+        let rows: [(&str, String, String); 21] = [
             ("deliveries", n.deliveries.to_string(), t.deliveries.to_string()),
             ("shipments", n.shipments.to_string(), t.shipments.to_string()),
             ("charges", n.charges.to_string(), t.charges.to_string()),
@@ -163,6 +197,25 @@ impl Report {
                 n.poison_missing_from_dlq.to_string(),
                 t.poison_missing_from_dlq.to_string(),
             ),
+            ("OrderShipped sent", ne.published.to_string(), te.published.to_string()),
+            (
+                "  for rolled-back work",
+                ne.for_rolled_back_work.to_string(),
+                te.for_rolled_back_work.to_string(),
+            ),
+            ("loyalty points given", ne.points.to_string(), te.points.to_string()),
+            (
+                "  re-sent copies dropped",
+                ne.duplicates_downstream.to_string(),
+                te.duplicates_downstream.to_string(),
+            ),
+            ("  valid orders lost", ne.lost.to_string(), te.lost.to_string()),
+            ("  valid orders repeated", ne.repeated.to_string(), te.repeated.to_string()),
+            (
+                "  unshipped orders",
+                ne.for_unshipped_orders.to_string(),
+                te.for_unshipped_orders.to_string(),
+            ),
         ];
         let _ = writeln!(out, "{:<28}{:>10}{:>10}", "", "naive", "twice");
         let _ = writeln!(
@@ -184,29 +237,36 @@ impl Report {
         if self.invariants_hold {
             let _ = writeln!(
                 out,
-                "twice: PASS  exactly one shipment, one charge and one email for each of the {} valid orders;\n             all {} poison messages in the dead-letter queue with a reason; nothing lost.",
+                "twice: PASS  exactly one shipment, one charge, one email and one OrderShipped for each of the {} valid orders;\n             no event for rolled-back work; all {} poison messages in the dead-letter queue with a reason; nothing lost.",
                 self.valid_orders, self.poison
             );
         } else {
             let _ = writeln!(
                 out,
-                "twice: FAIL  shipments {}, charges {}, emails {} for {} valid orders; lost {}; repeats {}; poison not in DLQ {}.",
+                "twice: FAIL  shipments {}, charges {}, emails {}, points {} for {} valid orders; lost {}; repeats {}; poison not in DLQ {};\n             events lost {}, repeated {}, for unshipped orders {}, for rolled-back work {}.",
                 t.shipments,
                 t.charges,
                 t.emails,
+                te.points,
                 self.valid_orders,
                 t.lost,
                 t.repeated,
-                t.poison_missing_from_dlq
+                t.poison_missing_from_dlq,
+                te.lost,
+                te.repeated,
+                te.for_unshipped_orders,
+                te.for_rolled_back_work
             );
         }
         let _ = writeln!(
             out,
-            "naive: {} orders charged more than once, {} extra charges, {} extra emails, {} extra shipments.",
+            "naive: {} orders charged more than once, {} extra charges, {} extra emails, {} extra shipments;\n       {} OrderShipped events for rolled-back work, {} orders given points more than once.",
             n.orders_charged_twice,
             n.charges.saturating_sub(self.valid_orders),
             n.emails.saturating_sub(self.valid_orders),
-            n.shipments.saturating_sub(self.valid_orders)
+            n.shipments.saturating_sub(self.valid_orders),
+            ne.for_rolled_back_work,
+            ne.repeated
         );
         out
     }

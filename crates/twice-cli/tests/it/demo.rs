@@ -70,7 +70,20 @@ fn check_orders(orders: u64, success: bool, json: &Value) {
     assert!(n(json, &["twice", "duplicates", "inbox"]) > 0, "{json:#}");
     assert!(n(json, &["twice", "duplicates", "business_key"]) > 0, "{json:#}");
 
+    // Its OrderShipped events: one per valid order reached the loyalty service, none for
+    // work that rolled back, none for a poison order; the relay that stopped after the
+    // broker's acknowledgement had its rows sent again, and those copies were dropped.
+    assert_eq!(n(json, &["twice", "events", "points"]), valid, "{json:#}");
+    assert_eq!(n(json, &["twice", "events", "lost"]), 0);
+    assert_eq!(n(json, &["twice", "events", "repeated"]), 0);
+    assert_eq!(n(json, &["twice", "events", "for_unshipped_orders"]), 0);
+    assert_eq!(n(json, &["twice", "events", "for_rolled_back_work"]), 0);
+    assert!(n(json, &["twice", "events", "published"]) >= valid, "{json:#}");
+    assert_eq!(n(json, &["faults", "relay_stopped_after_ack"]), 1, "{json:#}");
+
     // The naive handler met the same faults and repeated effects: the demo injected them.
+    assert!(n(json, &["naive", "events", "for_rolled_back_work"]) > 0, "{json:#}");
+    assert!(n(json, &["naive", "events", "repeated"]) > 0, "{json:#}");
     assert!(n(json, &["naive", "charges"]) > valid, "naive did not double-charge: {json:#}");
     assert!(n(json, &["naive", "emails"]) > valid, "naive did not repeat emails: {json:#}");
     assert!(n(json, &["naive", "shipments"]) > valid, "naive did not repeat shipments: {json:#}");
@@ -174,11 +187,15 @@ fn demo_on_twice_serve_in_process_keeps_every_invariant() {
     check_orders(200, success, &json);
 }
 
-/// The demo's two queues, as `twice serve --config` takes them.
+/// The demo's four queues, as `twice serve --config` takes them.
 const DEMO_QUEUES: &str = r#"{"UserConfig":{"Namespaces":[{"Name":"sbemulatorns","Queues":[
   {"Name":"orders-naive","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
     "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}},
   {"Name":"orders-twice","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
+    "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}},
+  {"Name":"shipped-naive","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
+    "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}},
+  {"Name":"shipped-twice","Properties":{"LockDuration":"PT5S","MaxDeliveryCount":10,
     "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT10M"}}]}]}}"#;
 
 /// `twice serve` as a child process on a free port with its own key; returns the process and
@@ -234,6 +251,7 @@ fn demo_on_a_namespace_without_its_queues_says_how_to_make_them() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(r#"the queue "orders-naive" does not exist"#), "{stderr}");
     assert!(stderr.contains(r#""Name":"orders-twice""#), "{stderr}");
+    assert!(stderr.contains(r#""Name":"shipped-twice""#), "{stderr}");
     assert!(stderr.contains("--config"), "{stderr}");
 }
 

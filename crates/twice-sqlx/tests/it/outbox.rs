@@ -284,18 +284,18 @@ where
     }
     let lease = Duration::from_millis(300);
 
-    // The first relay panics right after the acknowledgement of its first batch.
+    // The first relay stops right after the acknowledgement of its first batch, as a crash
+    // would: it runs until then with no shutdown signal at all.
     let died = Arc::new(AtomicBool::new(false));
     let first = Relay::new(outbox.clone(), broker.clone(), relay_options().lease_duration(lease))
         .on_acknowledged({
             let died = died.clone();
             move |_| {
                 died.store(true, Ordering::SeqCst);
-                panic!("the relay dies between the acknowledgement and the deletion");
+                std::ops::ControlFlow::Break(())
             }
         });
-    let crashed = tokio::spawn(first.run(std::future::pending()));
-    assert!(crashed.await.expect_err("the relay task dies").is_panic());
+    first.run(std::future::pending()).await;
     assert!(died.load(Ordering::SeqCst));
     assert_eq!(outbox_rows(&f, "outbox_ack").await, 2 * N, "{}: no row was deleted", F::NAME);
 

@@ -22,6 +22,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -208,7 +209,7 @@ pub struct RelayCounters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RelaySnapshot {
-    /// Messages the broker acknowledged.
+    /// Messages the broker acknowledged (a row sent again after a relay died counts again).
     pub sent: u64,
     /// Sends that failed and will be retried.
     pub send_failures: u64,
@@ -294,7 +295,7 @@ impl RelayCounters {
 }
 
 type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
-type AckHook = Arc<dyn Fn(&[i64]) + Send + Sync>;
+type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
 /// Sends an outbox's rows on a broker; see the [module docs](self).
 pub struct Relay<S, P> {
@@ -355,17 +356,23 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
     }
 
     /// Calls `f` with a turn's acknowledged rows between the broker's acknowledgement and
-    /// their deletion: the window in which a relay that dies sends them again. Fault
-    /// injection (`twice chaos`) uses it.
+    /// their deletion: the window in which a relay that dies sends them again. When `f`
+    /// returns [`ControlFlow::Break`] the relay stops there, its rows not deleted, as a crash
+    /// would leave them (they go out again, with the same ids, once their leases end). For
+    /// fault injection (`twice demo`, `twice chaos`).
     #[must_use]
-    pub fn on_acknowledged(mut self, f: impl Fn(&[i64]) + Send + Sync + 'static) -> Self {
+    pub fn on_acknowledged(
+        mut self,
+        f: impl Fn(&[i64]) -> ControlFlow<()> + Send + Sync + 'static,
+    ) -> Self {
         self.on_acknowledged = Some(Arc::new(f));
         self
     }
 
-    /// Relays until `shutdown` resolves. A turn under way when it does is cut off: its sends
-    /// may have reached the broker, and its rows, still leased, are sent again (with the same
-    /// ids) once their leases end.
+    /// Relays until `shutdown` resolves (or an [`on_acknowledged`](Relay::on_acknowledged)
+    /// hook stops it). A turn under way when it does is cut off: its sends may have reached
+    /// the broker, and its rows, still leased, are sent again (with the same ids) once their
+    /// leases end.
     ///
     /// # Cancel safety
     ///
@@ -414,18 +421,22 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 Ok(batch) => {
                     store_failures = 0;
                     self.counters.leases.fetch_add(1, Ordering::Relaxed);
-                    tokio::select! {
+                    let turned = tokio::select! {
                         biased;
                         () = &mut shutdown => return,
-                        () = self.turn(batch) => {}
+                        turned = self.turn(batch) => turned,
+                    };
+                    if turned.is_break() {
+                        return;
                     }
                 }
             }
         }
     }
 
-    /// Sends the rows of one lease and deletes the acknowledged ones.
-    async fn turn(&self, batch: Vec<LeasedMessage>) {
+    /// Sends the rows of one lease and deletes the acknowledged ones; breaks when the
+    /// acknowledgement hook stops the relay.
+    async fn turn(&self, batch: Vec<LeasedMessage>) -> ControlFlow<()> {
         // Ordering keys in the order of their first row; each key's rows in `seq` order.
         let mut groups: Vec<Vec<LeasedMessage>> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
@@ -444,11 +455,11 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
             .await;
         let sent = sent.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
         if sent.is_empty() {
-            return;
+            return ControlFlow::Continue(());
         }
         let seqs: Vec<i64> = sent.iter().map(|s: &Sent| s.seq).collect();
         if let Some(hook) = &self.on_acknowledged {
-            hook(&seqs);
+            hook(&seqs)?;
         }
         match self.store.sent(&self.owner, &seqs).await {
             Ok(n) if n < seqs.len() as u64 => tracing::debug!(
@@ -467,12 +478,10 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 );
             }
         }
-        for s in &sent {
-            self.counters.record_sent(s);
-            if let Some(hook) = &self.on_sent {
-                hook(s);
-            }
+        if let Some(hook) = &self.on_sent {
+            sent.iter().for_each(|s| hook(s));
         }
+        ControlFlow::Continue(())
     }
 
     /// Sends one ordering key's rows in order; stops at the first transient failure.
@@ -506,6 +515,7 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                     let lag = self.options.clock.now().duration_since(row.created_at);
                     let s =
                         Sent { seq: row.seq, message_id: id, destination: row.destination, lag };
+                    self.counters.record_sent(&s);
                     sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s);
                 }
                 Err(e) if is_permanent(&e) => {
