@@ -38,6 +38,9 @@ pub(crate) enum Event {
     DeadLettered { message_id: String },
     /// The process aborts itself right after a commit, before completing.
     AbortAfterCommit { message_id: String },
+    /// The process aborts itself right after the broker acknowledged its relay's sends,
+    /// before the relay deleted their rows (`message_id` is the first row's number).
+    AbortAfterRelayAck { message_id: String },
 }
 
 /// An event of one processor.
@@ -64,6 +67,17 @@ pub(crate) struct History {
     /// Messages still in the queue (active, scheduled or deferred) at the end; `None` when
     /// the count could not be read.
     pub(crate) left_in_queue: Option<u64>,
+    /// Loyalty points rows, by order: one per `OrderShipped` event the downstream processor
+    /// handled.
+    pub(crate) points: HashMap<u64, u64>,
+    /// The ids of the events the points rows were given for.
+    pub(crate) event_ids: Vec<String>,
+    /// The ids of the events the shipping handler's committed runs sent (derived from the
+    /// incoming ids its inbox holds): any other event came from work that rolled back.
+    pub(crate) committed_event_ids: std::collections::HashSet<String>,
+    /// Outbox rows not sent at the end, and events left in their queue; `None` when the
+    /// count could not be read.
+    pub(crate) events_left: Option<u64>,
 }
 
 /// What the checker found.
@@ -87,6 +101,10 @@ pub(crate) struct Verdict {
     pub(crate) idempotency_key_replays: u64,
     /// Deliveries the inbox turned away (a copy of a message already handled or in hand).
     pub(crate) duplicates_prevented: u64,
+    /// Aborts right after the broker acknowledged a relay's sends, before the rows' deletion.
+    pub(crate) relay_aborts_after_ack: u64,
+    /// Loyalty points rows: `OrderShipped` events handled downstream.
+    pub(crate) points: u64,
     /// Violations by kind.
     pub(crate) violations: BTreeMap<String, u64>,
     /// The first few violations, spelled out.
@@ -118,6 +136,7 @@ pub(crate) fn check(h: &History) -> Verdict {
         charges: h.charges.values().map(|&n| u64::from(n)).sum(),
         emails: h.emails.values().map(|&n| u64::from(n)).sum(),
         dead_lettered: h.dead_letters.len() as u64,
+        points: h.points.values().sum(),
         poison_orders: h.sent.iter().filter(|s| s.acknowledged && s.poison).count() as u64,
         ..Verdict::default()
     };
@@ -135,6 +154,7 @@ pub(crate) fn check(h: &History) -> Verdict {
             Event::CompletionFailed { .. } => v.completions_failed += 1,
             Event::DeadLettered { .. } => {}
             Event::AbortAfterCommit { .. } => v.aborts_after_commit += 1,
+            Event::AbortAfterRelayAck { .. } => v.relay_aborts_after_ack += 1,
         }
     }
     v.duplicates_prevented = v.deliveries.saturating_sub(v.handler_runs);
@@ -170,6 +190,25 @@ pub(crate) fn check(h: &History) -> Verdict {
                     o.processor,
                     o.at_millis - done
                 ),
+            );
+        }
+    }
+    for id in &h.event_ids {
+        if !h.committed_event_ids.contains(id) {
+            v.violate("event of work that rolled back", format!("event {id}"));
+        }
+    }
+    for s in h.sent.iter().filter(|s| s.acknowledged) {
+        let o = s.order_id;
+        let points = h.points.get(&o).copied().unwrap_or(0);
+        if s.poison && points > 0 {
+            v.violate("event of a rejected order", format!("order {o}: {points} points rows"));
+        } else if !s.poison && points == 0 {
+            v.violate("OrderShipped never handled downstream", format!("order {o}"));
+        } else if points > 1 {
+            v.violate(
+                "OrderShipped handled more than once downstream",
+                format!("order {o}: {points} times"),
             );
         }
     }
@@ -210,6 +249,14 @@ pub(crate) fn check(h: &History) -> Verdict {
         Some(n) => v.violate("messages left in the queue", format!("{n} not settled at the end")),
         None => v.violate("messages left in the queue", "the count could not be read".into()),
     }
+    match h.events_left {
+        Some(0) => {}
+        Some(n) => v.violate(
+            "events left unsent or unhandled",
+            format!("{n} outbox rows or event queue messages at the end"),
+        ),
+        None => v.violate("events left unsent or unhandled", "the count could not be read".into()),
+    }
     v
 }
 
@@ -229,12 +276,16 @@ mod tests {
         let mut h = History {
             sent: vec![sent(1, false), sent(2, false), sent(3, true)],
             left_in_queue: Some(0),
+            events_left: Some(0),
             ..History::default()
         };
         for n in [1, 2] {
             h.charges.insert(n, 1);
             h.emails.insert(n, 1);
             h.shipments.insert(n, 1);
+            h.points.insert(n, 1);
+            h.event_ids.push(format!("event-{n}"));
+            h.committed_event_ids.insert(format!("event-{n}"));
         }
         h.dead_letters.insert("order-3".into(), "OrderRejected".into());
         let mut t = 0;
@@ -344,6 +395,27 @@ mod tests {
             },
         });
         assert_eq!(check(&h).violation_count(), 0);
+    }
+
+    #[test]
+    fn events_lost_repeated_ghostly_or_left_behind_are_flagged() {
+        let mut h = clean();
+        h.points.remove(&1);
+        h.points.insert(2, 2);
+        h.points.insert(3, 1);
+        h.event_ids.push("event-of-a-rollback".into());
+        h.events_left = Some(3);
+        let v = check(&h);
+        for kind in [
+            "OrderShipped never handled downstream",
+            "OrderShipped handled more than once downstream",
+            "event of a rejected order",
+            "event of work that rolled back",
+            "events left unsent or unhandled",
+        ] {
+            assert_eq!(v.violations.get(kind), Some(&1), "{kind}: {v:?}");
+        }
+        assert_eq!(v.violation_count(), 5);
     }
 
     #[test]

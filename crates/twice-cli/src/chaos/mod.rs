@@ -25,7 +25,8 @@ use serde::Serialize;
 use sqlx::Postgres;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::process::{Child, Command};
-use twice::{Message, SharedClock, Stopwatch};
+use twice::outbox::outgoing_message_id;
+use twice::{Message, OutboxStore as _, SharedClock, Stopwatch};
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 use twice_sqlx::{InboxOptions, SqlxInbox};
 
@@ -35,8 +36,10 @@ use crate::demo::services::Service;
 
 /// The queue of the run.
 const QUEUE: &str = "orders";
+/// The queue the handler's `OrderShipped` events go to, through the outbox.
+pub(crate) const SHIPPED: &str = "shipped";
 /// The queue's LockDuration: a stopped processor is held past it.
-const LOCK: Duration = Duration::from_secs(5);
+pub(crate) const LOCK: Duration = Duration::from_secs(5);
 /// How long the end of a run may take to drain the queue.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -79,6 +82,10 @@ pub(crate) struct ChaosArgs {
     /// The chance that a processor aborts right after a commit, before the completion.
     #[arg(long, default_value_t = 0.005, value_parser = crate::demo::rate)]
     abort_rate: f64,
+    /// The chance, per relay turn, that a processor aborts right after the broker
+    /// acknowledged its relay's sends, before the relay deleted their rows.
+    #[arg(long, default_value_t = 0.02, value_parser = crate::demo::rate)]
+    relay_abort_rate: f64,
     /// Share of orders the handler rejects (they must end in the dead-letter queue).
     #[arg(long, default_value_t = 0.02, value_parser = crate::demo::rate)]
     poison_rate: f64,
@@ -96,6 +103,9 @@ pub(crate) struct Faults {
     pub(crate) postgres_restart: u64,
     /// Processors that aborted right after a commit, before completing.
     pub(crate) processor_abort_after_commit: u64,
+    /// Processors that aborted right after the broker acknowledged their relay's sends,
+    /// before the relay deleted the rows.
+    pub(crate) relay_abort_after_ack: u64,
 }
 
 /// The report.
@@ -109,6 +119,15 @@ struct Report {
     #[serde(flatten)]
     verdict: Verdict,
     violation_count: u64,
+}
+
+/// A one-connection pool on the store.
+async fn pool_of(store: &str) -> anyhow::Result<sqlx::Pool<Postgres>> {
+    sqlx::pool::PoolOptions::<Postgres>::new()
+        .max_connections(1)
+        .connect(store)
+        .await
+        .context("connecting to PostgreSQL")
 }
 
 /// The binary the children run: this one.
@@ -214,6 +233,7 @@ struct WorkerSpec {
     payments: std::net::SocketAddr,
     mail: std::net::SocketAddr,
     abort_rate: f64,
+    relay_abort_rate: f64,
     seed: u64,
 }
 
@@ -241,6 +261,7 @@ impl WorkerSpec {
             .args(["--queue", QUEUE, "--store", &self.store, "--run-id", &self.run_id])
             .args(["--payments", &self.payments.to_string(), "--mail", &self.mail.to_string()])
             .args(["--abort-after-commit", &self.abort_rate.to_string()])
+            .args(["--relay-abort-after-ack", &self.relay_abort_rate.to_string()])
             .args([
                 "--seed",
                 &(self.seed * 1_000_003 + index as u64 * 1_009 + incarnation).to_string(),
@@ -284,6 +305,7 @@ fn parse_event(processor: usize, line: &str) -> Option<Observed> {
         "F" => Event::CompletionFailed { message_id },
         "L" => Event::DeadLettered { message_id },
         "A" => Event::AbortAfterCommit { message_id },
+        "R" => Event::AbortAfterRelayAck { message_id },
         _ => return None,
     };
     Some(Observed { processor, at_millis, event })
@@ -359,7 +381,7 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         .await
         .context("connecting to PostgreSQL")?;
     Postgres::create_tables(&pool, &tables).await?;
-    // The inbox table, made once here rather than by the processors racing.
+    // The inbox and outbox tables, made once here rather than by the processors racing.
     SqlxInbox::<Postgres>::new(
         pool.clone(),
         InboxOptions::new()
@@ -368,6 +390,13 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     )
     .await
     .context("creating the inbox")?;
+    SqlxInbox::<Postgres>::new(
+        pool.clone(),
+        InboxOptions::new().table(tables.loyalty_inbox.clone()),
+    )
+    .await
+    .context("creating the loyalty inbox")?;
+    Postgres::outbox(&pool, &tables.outbox).await?;
     let result = run_in(&args, &dir, &run_id, &tables, &clock, stopwatch).await;
     // The restart may have closed the pool's connections; the pool opens new ones.
     let _ = Postgres::drop_tables(&pool, &tables).await;
@@ -397,9 +426,12 @@ async fn run_in(
         dir.join("Config.json"),
         format!(
             r#"{{"UserConfig":{{"Namespaces":[{{"Name":"sbemulatorns","Queues":[{{"Name":"{QUEUE}","Properties":{{
-              "LockDuration":"PT{}S","MaxDeliveryCount":100,
+              "LockDuration":"PT{lock}S","MaxDeliveryCount":100,
+              "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT30M"}}}},
+              {{"Name":"{SHIPPED}","Properties":{{
+              "LockDuration":"PT{lock}S","MaxDeliveryCount":100,
               "RequiresDuplicateDetection":true,"DuplicateDetectionHistoryTimeWindow":"PT30M"}}}}]}}]}}}}"#,
-            LOCK.as_secs()
+            lock = LOCK.as_secs()
         ),
     )?;
     let mut broker = BrokerProc {
@@ -421,6 +453,7 @@ async fn run_in(
         payments: payments.addr(),
         mail: mail.addr(),
         abort_rate: args.abort_rate,
+        relay_abort_rate: args.relay_abort_rate,
         seed: args.seed,
     };
     let events: Arc<Mutex<Vec<Observed>>> = Arc::default();
@@ -511,10 +544,11 @@ async fn run_in(
     }
     sender.await.context("the sender")??;
 
-    // Drain: the queue must empty.
+    // Drain: the queue must empty, and so must the outbox and the events' queue.
+    let outbox = Postgres::outbox(&pool_of(&args.store).await?, &tables.outbox).await?;
     let drain_start = clock.now();
     let mut zero_reads = 0;
-    let left = loop {
+    let (left, events_left) = loop {
         for (i, w) in workers.iter_mut().enumerate() {
             if matches!(w.child.try_wait(), Ok(Some(_))) {
                 incarnation += 1;
@@ -522,9 +556,13 @@ async fn run_in(
             }
         }
         let left = broker.unsettled(QUEUE).await.ok();
-        zero_reads = if left == Some(0) { zero_reads + 1 } else { 0 };
+        let events_left = match (broker.unsettled(SHIPPED).await, outbox.stats().await) {
+            (Ok(queued), Ok(stats)) => Some(queued + stats.pending),
+            _ => None,
+        };
+        zero_reads = if left == Some(0) && events_left == Some(0) { zero_reads + 1 } else { 0 };
         if zero_reads >= 3 || clock.now().duration_since(drain_start) >= DRAIN_TIMEOUT {
-            break left;
+            break (left, events_left);
         }
         clock.sleep(Duration::from_millis(500)).await;
     };
@@ -568,6 +606,9 @@ async fn run_in(
         std::mem::take(&mut *events.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
     faults.processor_abort_after_commit =
         events.iter().filter(|o| matches!(o.event, Event::AbortAfterCommit { .. })).count() as u64;
+    faults.relay_abort_after_ack =
+        events.iter().filter(|o| matches!(o.event, Event::AbortAfterRelayAck { .. })).count()
+            as u64;
     let sent = std::mem::take(&mut *sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
     let pool = sqlx::pool::PoolOptions::<Postgres>::new()
         .max_connections(1)
@@ -575,8 +616,25 @@ async fn run_in(
         .await
         .context("connecting to PostgreSQL")?;
     let shipments = Postgres::count_by_order(&pool, &tables.shipments).await?;
-    let mut history =
-        History { shipments, dead_letters, left_in_queue: left, events, ..History::default() };
+    let points = Postgres::count_by_order(&pool, &tables.points).await?;
+    let event_ids = Postgres::texts(&pool, &tables.points, "event_id", "1 = 1").await?;
+    let committed_event_ids =
+        Postgres::texts(&pool, &tables.inbox, "message_id", "consumer = 'shipping'")
+            .await?
+            .iter()
+            .map(|id| outgoing_message_id("shipping", &twice::MessageId::new(id), 0).into_string())
+            .collect();
+    let mut history = History {
+        shipments,
+        dead_letters,
+        left_in_queue: left,
+        events,
+        points,
+        event_ids,
+        committed_event_ids,
+        events_left,
+        ..History::default()
+    };
     for s in &sent {
         for (service, effects) in [(&payments, &mut history.charges), (&mail, &mut history.emails)]
         {
@@ -611,10 +669,11 @@ fn render(r: &Report) -> String {
         "twice chaos: {} orders, {} processors, seed {}, {:.1} s",
         r.orders, r.processors, r.seed, r.elapsed_seconds
     );
-    let lines: [(&str, u64); 19] = [
+    let lines: [(&str, u64); 21] = [
         ("kills: processor SIGKILL", f.processor_sigkill),
         ("kills: broker SIGKILL", f.broker_sigkill),
         ("kills: processor abort after commit", f.processor_abort_after_commit),
+        ("kills: relay abort after the broker's ack", f.relay_abort_after_ack),
         ("processor SIGSTOP past its lock", f.processor_sigstop_past_lock),
         ("PostgreSQL restarts", f.postgres_restart),
         ("sends invoked", v.sends_invoked),
@@ -627,6 +686,7 @@ fn render(r: &Report) -> String {
         ("charges", v.charges),
         ("emails", v.emails),
         ("dead-lettered", v.dead_lettered),
+        ("OrderShipped handled downstream", v.points),
         ("duplicates: stopped by the inbox", v.duplicates_prevented),
         ("duplicates: stopped by keys", v.idempotency_key_replays),
         ("poison orders", r.verdict.poison_orders),
@@ -642,7 +702,7 @@ fn render(r: &Report) -> String {
         out,
         "{}",
         if r.violation_count == 0 {
-            "PASS  every acknowledged order shipped, charged and emailed exactly once; no completed message delivered again; every poison message dead-lettered; the queue drained."
+            "PASS  every acknowledged order shipped, charged, emailed and announced downstream exactly once; no event of rolled-back work; no completed message delivered again; every poison message dead-lettered; the queues and the outbox drained."
         } else {
             "FAIL"
         }

@@ -9,6 +9,12 @@
 //!
 //! With `--abort-after-commit P` it calls `abort()` right after a transaction commits, before
 //! the completion, with probability P: the crash between commit and complete.
+//!
+//! The handler sends `OrderShipped` through the outbox (to the queue `shipped`), and the
+//! worker also runs a relay of that outbox and the loyalty processor that consumes the queue,
+//! so a kill of the worker kills a relay too. With `--relay-abort-after-ack P` it calls
+//! `abort()` after the broker acknowledged a relay's turn, before the relay deleted its rows,
+//! with probability P per turn.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -21,11 +27,12 @@ use rand::{Rng as _, SeedableRng as _};
 use serde::Deserialize;
 use sqlx::Postgres;
 use twice::{
-    DeadLetterReason, EntityInfo, HandlerError, Outcome, Processor, ProcessorOptions, Properties,
-    Receive, ResultExt as _, SharedClock, Timestamp, Transport, TransportError, json_fn,
+    DeadLetterReason, EntityInfo, HandlerError, Message, Outcome, Processor, ProcessorOptions,
+    Properties, Receive, Relay, RelayOptions, ResultExt as _, SharedClock, Timestamp, Transport,
+    TransportError, json_fn,
 };
 use twice_servicebus_client::{Receiver, ReceiverOptions, ServiceBusClient, ServiceBusDelivery};
-use twice_sqlx::{InboxOptions, SqlxInbox};
+use twice_sqlx::{InboxOptions, OutboxOptions, SqlxInbox, SqlxOutbox};
 
 use crate::demo::db::{DemoDb as _, Tables};
 use crate::demo::services::Client;
@@ -48,6 +55,8 @@ pub(crate) struct WorkerArgs {
     mail: SocketAddr,
     #[arg(long, default_value_t = 0.0)]
     abort_after_commit: f64,
+    #[arg(long, default_value_t = 0.0)]
+    relay_abort_after_ack: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[arg(long, default_value_t = 8)]
@@ -164,14 +173,23 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         .await
         .context("connecting to PostgreSQL")?;
     let tables = Tables::new(&args.run_id);
-    let inbox = SqlxInbox::<Postgres>::new(
-        pool,
-        InboxOptions::new()
-            .table(tables.inbox.clone())
-            .business_key(tables.shipments.clone(), tables.shipments_key.clone()),
+    // The tables were made by the controller: the processes do not race to migrate.
+    let outbox = SqlxOutbox::<Postgres>::new(
+        pool.clone(),
+        OutboxOptions::new().table(tables.outbox.clone()).migrate(false),
     )
     .await
-    .context("opening the inbox")?;
+    .context("opening the outbox")?;
+    let inbox = SqlxInbox::<Postgres>::new(
+        pool.clone(),
+        InboxOptions::new()
+            .table(tables.inbox.clone())
+            .business_key(tables.shipments.clone(), tables.shipments_key.clone())
+            .migrate(false),
+    )
+    .await
+    .context("opening the inbox")?
+    .with_outbox(outbox.clone());
     let client = ServiceBusClient::from_connection_string(&args.connection_string)?;
     let receiver = Recording {
         inner: client
@@ -194,6 +212,8 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
                 }
                 let order_id = i64::try_from(order.order_id).permanent("OrderRejected")?;
                 Postgres::insert_shipment(tx, &table, order_id, order.amount_cents).await?;
+                let shipped = format!(r#"{{"order_id":{}}}"#, order.order_id);
+                ctx.send(super::SHIPPED, Message::new(shipped))?;
                 let key = format!("order-{}", order.order_id);
                 let charge = format!(
                     r#"{{"order_id":{},"amount_cents":{}}}"#,
@@ -236,7 +256,83 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             }
         })
         .on_error(|e| eprintln!("{e}"));
+
+    // The relay of the outbox, on the same namespace.
+    let relay_rate = args.relay_abort_after_ack;
+    let relay_rng =
+        std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1)));
+    let relay_clock = clock.clone();
+    let relay = Relay::new(
+        outbox,
+        client.publisher(),
+        RelayOptions::new().lease_duration(super::LOCK).clock(clock.clone()),
+    )
+    .on_acknowledged(move |seqs| {
+        let hit = relay_rng
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .random_bool(relay_rate);
+        if hit {
+            let first = seqs.first().map_or_else(String::new, ToString::to_string);
+            emit(&relay_clock, 'R', &first, None);
+            std::process::abort();
+        }
+        std::ops::ControlFlow::Continue(())
+    });
+
+    // The loyalty service downstream: one points row per event it handles.
+    let loyalty_inbox = SqlxInbox::<Postgres>::new(
+        pool.clone(),
+        InboxOptions::new().table(tables.loyalty_inbox.clone()).migrate(false),
+    )
+    .await
+    .context("opening the loyalty inbox")?;
+    let points: Arc<str> = tables.points.clone().into();
+    let loyalty_handler =
+        json_fn(move |ctx, event: Shipped, tx: &mut sqlx::Transaction<'static, Postgres>| {
+            let points = Arc::clone(&points);
+            Box::pin(async move {
+                let order_id = i64::try_from(event.order_id).permanent("InvalidEvent")?;
+                Postgres::insert_points(tx, &points, order_id, ctx.message_id().as_str()).await?;
+                Ok(Outcome::Complete)
+            })
+        });
+    let loyalty = Processor::new(
+        client.receiver(
+            super::SHIPPED,
+            ReceiverOptions::new().max_concurrent_calls(args.concurrency),
+        ),
+        loyalty_inbox,
+        loyalty_handler,
+        ProcessorOptions::new()
+            .consumer("loyalty")
+            .max_concurrent_calls(args.concurrency)
+            .max_wait(Duration::from_millis(200))
+            .clock(clock.clone()),
+    )
+    .on_error(|e| eprintln!("loyalty: {e}"));
+
     println!("ready");
-    processor.run(crate::serve::shutdown_signal()).await.context("the processor stopped")?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        crate::serve::shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let (processed, (), handled) = tokio::join!(
+        processor.run(stopped(stop_rx.clone())),
+        relay.run(stopped(stop_rx.clone())),
+        loyalty.run(stopped(stop_rx.clone())),
+    );
+    processed.context("the processor stopped")?;
+    handled.context("the loyalty processor stopped")?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `OrderShipped` event of the chaos run.
+#[derive(Debug, Deserialize)]
+struct Shipped {
+    order_id: u64,
 }
