@@ -10,6 +10,7 @@ mod chaos;
 mod data;
 mod demo;
 mod dlq;
+mod outbox;
 mod serve;
 
 /// Message handling that stays correct when the broker delivers twice.
@@ -34,6 +35,9 @@ enum Command {
     /// Look into a namespace's dead-letter queues (twice serve or Service Bus): list the
     /// counts, show, resubmit, purge or export dead-lettered messages, or watch the counts.
     Dlq(dlq::DlqArgs),
+    /// Look into an outbox table: rows waiting to be sent, the oldest one's age, rows the
+    /// broker refused for good (parked, with their reason); retry or discard parked rows.
+    Outbox(outbox::OutboxArgs),
     /// Run the whole system in separate processes (twice serve, processors, PostgreSQL) under
     /// SIGKILLs, SIGSTOPs and a database restart, and check that every acknowledged order
     /// was handled exactly once.
@@ -61,6 +65,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => serve::run(args).await,
             Command::Data(args) => data::run(args),
             Command::Dlq(args) => dlq::run(args).await,
+            Command::Outbox(args) => outbox::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ChaosWorker(args) => chaos::worker::run(args).await,
         }
@@ -100,7 +105,7 @@ fn init_logging(command: &Command) {
         // The watcher's warnings are what it is for.
         Command::Dlq(args) if args.is_watch() => "warn",
         // Its errors are reported on stderr, once; the client's retries are not news.
-        Command::Dlq(_) => "error",
+        Command::Dlq(_) | Command::Outbox(_) => "error",
         // A processor of a chaos run meets lost connections on purpose.
         Command::Demo(_) | Command::ChaosWorker(_) => "error",
     };

@@ -3,4 +3,5 @@
 mod data;
 mod demo;
 mod dlq;
+mod outbox;
 mod serve;
