@@ -60,3 +60,58 @@ impl Drop for TestQueue {
         });
     }
 }
+
+/// A virtual host of its own on the machine's RabbitMQ, with `guest` allowed everything in it,
+/// deleted (with its queues) on `Drop`. Made with `rabbitmqctl`, which the tests run as a user
+/// allowed to administer the local node.
+#[derive(Debug)]
+pub struct TestVhost {
+    name: String,
+}
+
+impl TestVhost {
+    /// A new vhost named after `prefix`.
+    ///
+    /// # Errors
+    ///
+    /// When `rabbitmqctl` is missing or fails (the server is down, or this user may not
+    /// administer it).
+    pub fn new(prefix: &str) -> std::io::Result<Self> {
+        let name = crate::db::unique_name(prefix);
+        rabbitmqctl(&["add_vhost", &name])?;
+        let vhost = Self { name };
+        rabbitmqctl(&["set_permissions", "-p", &vhost.name, "guest", ".*", ".*", ".*"])?;
+        Ok(vhost)
+    }
+
+    /// The vhost's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The URL of the machine's RabbitMQ in this vhost.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:5672/{}", self.name)
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) -> std::io::Result<()> {
+    let out = std::process::Command::new("rabbitmqctl").args(args).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "rabbitmqctl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+impl Drop for TestVhost {
+    fn drop(&mut self) {
+        if let Err(e) = rabbitmqctl(&["delete_vhost", &self.name]) {
+            eprintln!("RabbitMQ vhost clean-up failed: {e}");
+        }
+    }
+}

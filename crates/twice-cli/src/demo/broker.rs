@@ -168,12 +168,14 @@ impl DemoBroker {
 
     /// Creates the queue `name` (unique to this run on a shared server) with this lock
     /// duration, MaxDeliveryCount 10 and duplicate detection where the broker has it, and
-    /// returns the transport on it.
+    /// returns the transport on it, receiving ahead for `concurrency` handlers where the
+    /// transport is told.
     pub(crate) async fn queue(
         &self,
         name: &str,
         lock: Duration,
         clock: &SharedClock,
+        concurrency: usize,
     ) -> anyhow::Result<DemoTransport> {
         Ok(match self {
             Self::Embedded(broker) => {
@@ -190,6 +192,7 @@ impl DemoBroker {
                 let options =
                     RabbitMqOptions::new(url.as_str(), format!("twice-demo-{run_id}-{name}"))
                         .lock_duration(lock)
+                        .max_concurrent_calls(concurrency)
                         .clock(clock.clone());
                 DemoTransport::RabbitMq(
                     RabbitMqTransport::connect(options)

@@ -251,8 +251,9 @@ where
         ca,
     )
     .await?;
-    let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
-    let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
+    let concurrency = usize::try_from(args.concurrency).unwrap_or(16);
+    let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock, concurrency).await?);
+    let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock, concurrency).await?);
     let result = run_queues::<DB>(
         args,
         plan,

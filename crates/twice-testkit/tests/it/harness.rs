@@ -416,6 +416,7 @@ impl Harness for RabbitMq {
         let url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
         // RabbitMQ has no duplicate detection to turn on or off.
         let options = RabbitMqOptions::new(url, queue.name())
+            .max_concurrent_calls(4)
             .lock_duration(s.lock_duration)
             .max_delivery_count(Some(s.max_delivery_count));
         // Reachable (the proxy connected): a refusal now is a failure, not a reason to skip.
