@@ -380,6 +380,22 @@ impl NatsTransport {
         Ok(s.info().await.map_err(|e| other("reading the stream", e))?.state.messages)
     }
 
+    /// Removes every message of the stream; returns how many. For emptying a stream before a
+    /// run, not for dead-lettered messages, which deserve a copy first (`twice dlq purge`).
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable or the stream does not exist.
+    pub async fn purge(&self) -> Result<u64, TransportError> {
+        let s = self
+            .inner
+            .context
+            .get_stream(&self.inner.options.stream)
+            .await
+            .map_err(|e| other("opening the stream", e))?;
+        Ok(s.purge().await.map_err(|e| other("purging the stream", e))?.purged)
+    }
+
     /// Deletes the stream and its dead-letter stream, with their messages and consumers.
     ///
     /// # Errors

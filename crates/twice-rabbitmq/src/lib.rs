@@ -496,6 +496,27 @@ impl RabbitMqTransport {
         Ok(u64::from(declared.message_count()))
     }
 
+    /// Removes every message waiting in the queue (not those delivered and not yet settled);
+    /// returns how many. For emptying a queue before a run, not for dead-lettered messages,
+    /// which deserve a copy first (`twice dlq purge`).
+    ///
+    /// # Errors
+    ///
+    /// When the broker is unreachable or the queue does not exist.
+    pub async fn purge(&self) -> Result<u64, TransportError> {
+        let link = self.link().await?;
+        let ch = link.connection.create_channel().await.map_err(|e| self.err(e))?;
+        let purged = ch
+            .queue_purge(
+                declare::short(self.queue())?,
+                lapin::options::QueuePurgeOptions::default(),
+            )
+            .await
+            .map_err(|e| self.err(e))?;
+        let _ = ch.close(200, "done".into()).await;
+        Ok(u64::from(purged))
+    }
+
     /// How many deliveries have reached this transport and are neither settled nor past their
     /// lock (handed out, or waiting in the client for a `receive`): with
     /// [`RabbitMqTransport::ready_count`], the messages not yet done.

@@ -18,9 +18,40 @@ impl TestQueue {
         Self { name: crate::db::unique_name(prefix) }
     }
 
+    /// This queue name, as it is (deleted on `Drop` all the same).
+    pub fn named(name: impl Into<String>) -> Self {
+        Self { name: name.into() }
+    }
+
     /// The queue name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Declares the queue as its owner would by hand: durable, with these string and integer
+    /// arguments, and nothing else.
+    ///
+    /// # Errors
+    ///
+    /// When RabbitMQ is unreachable or refuses the declaration.
+    pub async fn declare_by_hand(
+        &self,
+        text: &[(&str, &str)],
+        integers: &[(&str, i64)],
+    ) -> Result<(), lapin::Error> {
+        use lapin::types::{AMQPValue, FieldTable};
+        let mut args = FieldTable::default();
+        for (k, v) in text {
+            args.insert((*k).into(), AMQPValue::LongString((*v).into()));
+        }
+        for (k, v) in integers {
+            args.insert((*k).into(), AMQPValue::LongLongInt(*v));
+        }
+        let conn = Connection::connect(RABBITMQ_URL, ConnectionProperties::default()).await?;
+        let ch = conn.create_channel().await?;
+        let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+        ch.queue_declare(self.name.as_str().into(), durable, args).await?;
+        conn.close(200, "done".into()).await
     }
 
     /// Publishes `body` with no properties at all (no message id), as a client other than

@@ -68,6 +68,13 @@ pub(crate) struct DemoArgs {
     /// RabbitMQ and NATS the queues are named after the run and deleted at the end.
     #[arg(long, value_name = "URL", default_value = "embedded", value_parser = BrokerKind::parse)]
     broker: BrokerKind,
+    /// With RabbitMQ or NATS: run on the queues PREFIX-naive and PREFIX-twice (on NATS the
+    /// streams PREFIX_NAIVE and PREFIX_TWICE) as they are, for instance quorum queues you
+    /// declared yourself with arguments of your own, instead of queues named after the run.
+    /// Missing ones are created. They are emptied at the start and left, empty, at the end; what
+    /// a queue lacks (a delivery limit, a dead-letter target) is printed as a note.
+    #[arg(long, value_name = "PREFIX")]
+    queues: Option<String>,
     /// With a connection string: the namespace's administration API, through which missing
     /// queues are created (default: `http://HOST:5300` for the emulator and `twice serve`,
     /// `https://HOST` for Azure).
@@ -126,6 +133,11 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if args.ca_file.is_some() && !matches!(args.broker, BrokerKind::ServiceBus(_)) {
         bail!("--ca-file applies to a Service Bus connection string given with --broker");
+    }
+    if args.queues.is_some()
+        && !matches!(args.broker, BrokerKind::RabbitMq(_) | BrokerKind::Nats(_))
+    {
+        bail!("--queues applies to RabbitMQ (--broker amqp://…) and NATS (--broker nats://…)");
     }
     let rates = FaultRates {
         sender_retry: args.retry_rate,
@@ -249,6 +261,7 @@ where
         &broker_run,
         args.admin_url.clone(),
         ca,
+        args.queues.clone(),
     )
     .await?;
     let concurrency = usize::try_from(args.concurrency).unwrap_or(16);
@@ -264,8 +277,9 @@ where
         (&naive_queue, &twice_queue),
     )
     .await;
-    if !args.keep {
-        // Leave nothing behind on a shared server, even when the run failed.
+    if !args.keep && args.queues.is_none() {
+        // Leave nothing behind on a shared server, even when the run failed; queues named with
+        // --queues are the user's.
         for q in [&naive_queue, &twice_queue] {
             let _ = q.delete().await;
         }
