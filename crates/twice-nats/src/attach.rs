@@ -21,6 +21,10 @@ pub(crate) struct Attached {
     pub(crate) max_deliver: Option<u32>,
     /// The stream's duplicate window.
     pub(crate) duplicate_window: Duration,
+    /// The subject sends go to: the options', else the existing stream's one subject.
+    pub(crate) subject: String,
+    /// The dead-letter stream's subject (the main stream's transport only).
+    pub(crate) dead_letter_subject: String,
     pub(crate) notes: Vec<String>,
 }
 
@@ -52,7 +56,6 @@ pub(crate) async fn attach(
         .await
         .map_err(|e| crate::other("connecting to NATS", e))?;
     let context = jetstream::new(client.clone());
-    let subject = options.get_subject();
     let mut notes = Vec::new();
     // JetStream refuses a duplicate window longer than the stream's `max_age`.
     let create = |name: String, subject: String, max_age: Duration| stream::Config {
@@ -68,25 +71,57 @@ pub(crate) async fn attach(
         max_age,
         ..stream::Config::default()
     };
+    let stream = if options.create {
+        context
+            .get_or_create_stream(create(
+                options.stream.clone(),
+                options.get_subject(),
+                options.max_age,
+            ))
+            .await
+            .map_err(|e| crate::other("creating the stream", e))?
+    } else {
+        context
+            .get_stream(&options.stream)
+            .await
+            .map_err(|_| TransportError::EntityNotFound(options.stream.clone()))?
+    };
+    // A stream that exists on one subject is published to on that subject.
+    let subject = options.subject.clone().unwrap_or_else(|| {
+        literal_subject(&stream.cached_info().config.subjects)
+            .unwrap_or_else(|| options.get_subject())
+    });
+    let mut dead_letter_subject =
+        options.dead_letter_subject.clone().unwrap_or_else(|| format!("{subject}.dead-letter"));
     if !is_dead_letter {
-        let dl = create(
-            dead_letter_stream_name(&options.stream),
-            options.get_dead_letter_subject(),
-            Duration::ZERO,
-        );
-        if let Err(e) = context.get_or_create_stream(dl).await {
-            return Err(TransportError::Invalid(format!(
-                "the dead-letter stream {} on subject {:?} cannot be made ({e}); if another \
-                 stream takes that subject, set NatsOptions::dead_letter_subject",
-                dead_letter_stream_name(&options.stream),
-                options.get_dead_letter_subject(),
-            )));
+        let name = dead_letter_stream_name(&options.stream);
+        let made = if options.create {
+            context
+                .get_or_create_stream(create(
+                    name.clone(),
+                    dead_letter_subject.clone(),
+                    Duration::ZERO,
+                ))
+                .await
+                .map_err(|e| e.to_string())
+        } else {
+            context.get_stream(&name).await.map_err(|e| e.to_string())
+        };
+        match made {
+            Ok(dl) => {
+                if let Some(s) = literal_subject(&dl.cached_info().config.subjects) {
+                    dead_letter_subject = s;
+                }
+            }
+            Err(e) => {
+                return Err(TransportError::Invalid(format!(
+                    "the dead-letter stream {name} on subject {dead_letter_subject:?} cannot be \
+                     had ({e}); if another stream takes that subject, set \
+                     NatsOptions::dead_letter_subject"
+                )));
+            }
         }
     }
-    let stream = context
-        .get_or_create_stream(create(options.stream.clone(), subject, options.max_age))
-        .await
-        .map_err(|e| crate::other("creating the stream", e))?;
     let config = stream.cached_info().config.clone();
     if config.retention != stream::RetentionPolicy::WorkQueue {
         notes.push(format!(
@@ -155,8 +190,18 @@ pub(crate) async fn attach(
         ack_wait,
         max_deliver,
         duplicate_window: config.duplicate_window,
+        subject,
+        dead_letter_subject,
         notes,
     })
+}
+
+/// The one subject of a stream, when it has exactly one and it has no wildcard.
+fn literal_subject(subjects: &[String]) -> Option<String> {
+    match subjects {
+        [one] if !one.contains(['*', '>']) => Some(one.clone()),
+        _ => None,
+    }
 }
 
 /// The consumer again, made again if it is gone (its stream was deleted and made again);

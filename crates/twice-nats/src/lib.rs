@@ -117,6 +117,24 @@ use crate::dead_letter::{DeadLetters, Original};
 pub use crate::options::NatsOptions;
 pub use twice::dead_letter_reasons::{MAX_DELIVERY_COUNT_EXCEEDED, MISSING_MESSAGE_ID};
 
+/// Every stream on the server at `url` with how many messages it holds, by name.
+///
+/// # Errors
+///
+/// When the server is unreachable.
+pub async fn stream_counts(url: &str) -> Result<Vec<(String, u64)>, TransportError> {
+    let client = async_nats::connect(url).await.map_err(|e| other("connecting to NATS", e))?;
+    let context = jetstream::new(client);
+    let mut streams = context.streams();
+    let mut out = Vec::new();
+    while let Some(info) = streams.next().await {
+        let info = info.map_err(|e| other("listing the streams", e))?;
+        out.push((info.config.name, info.state.messages));
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// The name of the dead-letter stream of `stream`.
 pub fn dead_letter_stream_name(stream: &str) -> String {
     format!("{stream}_DEAD_LETTER")
@@ -231,7 +249,7 @@ impl NatsTransport {
     pub async fn dead_letter_receiver(&self) -> Result<Self, TransportError> {
         let mut options = self.inner.options.clone();
         options.stream = dead_letter_stream_name(&self.inner.options.stream);
-        options.subject = Some(self.inner.options.get_dead_letter_subject());
+        options.subject = self.inner.dead_letters.as_ref().map(|d| d.subject.clone());
         options.max_delivery_count = None;
         // Dead-lettered messages stay until someone takes them.
         options.max_age = Duration::ZERO;
@@ -240,10 +258,10 @@ impl NatsTransport {
 
     async fn open(options: NatsOptions, is_dead_letter: bool) -> Result<Self, TransportError> {
         let attached = attach::attach(&options, is_dead_letter).await?;
-        let subject = options.get_subject();
+        let subject = attached.subject.clone();
         let dead_letters = (!is_dead_letter).then(|| DeadLetters {
             context: attached.context.clone(),
-            subject: options.get_dead_letter_subject(),
+            subject: attached.dead_letter_subject.clone(),
             source: options.stream.clone(),
         });
         let rescuer = match (&dead_letters, attached.max_deliver) {
@@ -378,6 +396,67 @@ impl NatsTransport {
             .await
             .map_err(|e| other("opening the stream", e))?;
         Ok(s.info().await.map_err(|e| other("reading the stream", e))?.state.messages)
+    }
+
+    /// Reads up to `max` messages of the stream from sequence `from` on (the first one when
+    /// `None`), without taking them: no delivery, no lock, no count. A dead-lettered copy
+    /// shows its reason, description and source, and the id its original had (or, when that
+    /// had none, the id of its move).
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable or the stream does not exist.
+    pub async fn peek(
+        &self,
+        from: Option<u64>,
+        max: usize,
+    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+        let mut stream = self
+            .inner
+            .context
+            .get_stream(&self.inner.options.stream)
+            .await
+            .map_err(|e| other("opening the stream", e))?;
+        let state = stream.info().await.map_err(|e| other("reading the stream", e))?.state.clone();
+        let mut out = Vec::new();
+        let mut sequence = from.unwrap_or(state.first_sequence).max(state.first_sequence);
+        while out.len() < max && state.messages > 0 && sequence <= state.last_sequence {
+            // The first stored message at or after `sequence`, skipping those acknowledged.
+            let raw = match stream
+                .raw_message_builder()
+                .sequence(sequence)
+                .next_by_subject(">")
+                .send()
+                .await
+            {
+                Ok(raw) => raw,
+                Err(e)
+                    if e.kind()
+                        == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
+                {
+                    break;
+                }
+                Err(e) => return Err(other("reading the stream", e)),
+            };
+            let parsed = convert::from_parts(Some(&raw.headers), raw.payload.clone());
+            let enqueued =
+                i64::try_from(raw.time.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
+            let mut message = parsed.message;
+            if message.message_id.is_none() {
+                message.message_id = parsed.stored_id.map(MessageId::new);
+            }
+            let mut m = ReceivedMessage::new(
+                message,
+                twice::SequenceNumber::new(i64::try_from(raw.sequence).unwrap_or(i64::MAX)),
+                Timestamp::from_millis(enqueued),
+            );
+            m.dead_letter_reason = parsed.reason;
+            m.dead_letter_error_description = parsed.description;
+            m.dead_letter_source = parsed.source;
+            out.push(m);
+            sequence = raw.sequence + 1;
+        }
+        Ok(out)
     }
 
     /// Removes every message of the stream; returns how many. For emptying a stream before a

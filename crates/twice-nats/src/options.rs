@@ -25,6 +25,7 @@ pub struct NatsOptions {
     pub(crate) max_age: Duration,
     pub(crate) identity: MessageIdentity,
     pub(crate) send_timeout: Duration,
+    pub(crate) create: bool,
     pub(crate) clock: SharedClock,
 }
 
@@ -47,11 +48,13 @@ impl NatsOptions {
             max_age: Duration::ZERO,
             identity: MessageIdentity::message_id(),
             send_timeout: Duration::from_secs(30),
+            create: true,
             clock: SharedClock::system(),
         }
     }
 
-    /// The subject the stream stores (default: the stream name in lower case).
+    /// The subject the stream stores, and sends go to (default: an existing stream's one
+    /// subject, else the stream name in lower case).
     #[must_use]
     pub fn subject(mut self, subject: impl Into<String>) -> Self {
         self.subject = Some(subject.into());
@@ -121,6 +124,15 @@ impl NatsOptions {
     #[must_use]
     pub fn send_timeout(mut self, d: Duration) -> Self {
         self.send_timeout = d;
+        self
+    }
+
+    /// Whether to create the stream and its dead-letter stream where they are missing (default
+    /// true). Off, a missing stream is [`twice::TransportError::EntityNotFound`]; the durable
+    /// consumer is made where missing either way.
+    #[must_use]
+    pub fn create(mut self, create: bool) -> Self {
+        self.create = create;
         self
     }
 

@@ -233,6 +233,15 @@ impl fmt::Debug for RabbitMqDelivery {
     }
 }
 
+impl RabbitMqDelivery {
+    /// The `message-id` property the message came with, if any (the id the inbox claims may
+    /// come from elsewhere, by the identity policy; on a dead-letter queue a message without
+    /// one is shown under a random id).
+    pub fn original_message_id(&self) -> Option<&MessageId> {
+        self.original_id.as_ref()
+    }
+}
+
 impl Delivery for RabbitMqDelivery {
     fn message(&self) -> &ReceivedMessage {
         &self.message
@@ -290,13 +299,15 @@ impl RabbitMqTransport {
             }
         };
         let dead_letter_args = declare::arguments(version, None, None, None)?;
-        let dead_letters =
-            declare::find(&connection, &dead_letter_queue, dead_letter_args, options.declare);
         let queue = match role {
-            Role::DeadLetter => dead_letters.await?,
+            Role::DeadLetter => {
+                declare::find(&connection, &options.queue, dead_letter_args, options.declare)
+                    .await?
+            }
             Role::Main => {
                 // The dead-letter queue is the transport's own: made when missing.
-                dead_letters.await?;
+                declare::find(&connection, &dead_letter_queue, dead_letter_args, options.declare)
+                    .await?;
                 let wanted = declare::arguments(
                     version,
                     options.max_delivery_count,

@@ -3,4 +3,5 @@
 mod data;
 mod demo;
 mod dlq;
+mod dlq_brokers;
 mod serve;

@@ -310,3 +310,21 @@ async fn the_lock_is_the_existing_consumers_ack_wait_counted_from_the_pull() {
     assert!(t.complete(&d).await.unwrap_err().is_lock_lost());
     t.complete(&again).await.unwrap();
 }
+
+#[tokio::test]
+async fn peek_reads_stored_messages_without_taking_them() {
+    let Some((_s, t)) = stream(|o| o).await else { return };
+    for id in ["a", "b", "c"] {
+        t.send(Message::new(id).with_message_id(id)).await.unwrap();
+    }
+    let got = t.receive(2, WAIT).await.unwrap();
+    t.complete(&got[1]).await.unwrap();
+    t.release(&got[0]).await.unwrap();
+    let peeked = t.peek(None, 10).await.unwrap();
+    let ids: Vec<_> = peeked.iter().map(|m| m.message_id().as_str().to_owned()).collect();
+    assert_eq!(ids, ["a", "c"], "the acknowledged one is gone; nothing is taken");
+    assert_eq!(peeked[1].sequence_number.get(), 3);
+    let from = t.peek(Some(2), 10).await.unwrap();
+    assert_eq!(from.len(), 1);
+    assert_eq!(t.message_count().await.unwrap(), 2);
+}

@@ -83,3 +83,18 @@ async fn a_classic_queue_is_counted_by_the_transport() {
     assert_eq!(d.message().message_id().as_str(), "m");
     dlq.complete(&d).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_transport_that_may_not_declare_opens_the_queues_that_exist_and_no_other() {
+    let q = TestQueue::new("twice-rmq");
+    let made = RabbitMqTransport::connect(RabbitMqOptions::new(RABBITMQ_URL, q.name())).await;
+    let Some(_made) = twice_testkit::require_service("RabbitMQ", made) else { return };
+    let options = RabbitMqOptions::new(RABBITMQ_URL, q.name()).declare(false);
+    let t = RabbitMqTransport::connect(options).await.expect("the queue exists");
+    let dlq = t.dead_letter_receiver().await.expect("its dead-letter queue exists");
+    assert_eq!(dlq.ready_count().await.unwrap(), 0);
+    let missing =
+        RabbitMqOptions::new(RABBITMQ_URL, format!("{}-missing", q.name())).declare(false);
+    let err = RabbitMqTransport::connect(missing).await.unwrap_err();
+    assert!(matches!(err, twice::TransportError::EntityNotFound(_)), "{err:?}");
+}
