@@ -61,20 +61,30 @@ impl TestQueue {
     ///
     /// When RabbitMQ is unreachable or refuses the message.
     pub async fn publish_raw(&self, body: &[u8]) -> Result<(), lapin::Error> {
-        let conn = Connection::connect(RABBITMQ_URL, ConnectionProperties::default()).await?;
-        let ch = conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
-        ch.basic_publish(
-            "".into(),
-            self.name.as_str().into(),
-            BasicPublishOptions::default(),
-            body,
-            BasicProperties::default(),
-        )
-        .await?
-        .await?;
-        conn.close(200, "done".into()).await
+        publish_raw_to(&self.name, body).await
     }
+}
+
+/// Publishes `body` to `queue` with no properties at all (no message id), and waits for the
+/// confirm.
+///
+/// # Errors
+///
+/// When RabbitMQ is unreachable or refuses the message.
+pub async fn publish_raw_to(queue: &str, body: &[u8]) -> Result<(), lapin::Error> {
+    let conn = Connection::connect(RABBITMQ_URL, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    ch.basic_publish(
+        "".into(),
+        queue.into(),
+        BasicPublishOptions::default(),
+        body,
+        BasicProperties::default(),
+    )
+    .await?
+    .await?;
+    conn.close(200, "done".into()).await
 }
 
 impl Drop for TestQueue {
