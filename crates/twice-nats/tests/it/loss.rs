@@ -194,3 +194,49 @@ async fn a_send_whose_acknowledgement_was_lost_is_stored_once() {
     assert!(cut.fired(), "the connection was cut after the publish");
     assert_eq!(t.message_count().await.unwrap(), 1, "one message stored once");
 }
+
+#[tokio::test]
+async fn a_message_stranded_while_a_transport_is_connected_is_moved_on_the_advisory() {
+    use async_nats::jetstream::stream;
+    let s = TestStream::new("TWICE_NATS");
+    let Some(js) = js().await else { return };
+    let created = js
+        .create_stream(stream::Config {
+            name: s.name().to_owned(),
+            subjects: vec![s.subject()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            ..stream::Config::default()
+        })
+        .await
+        .unwrap();
+    // A consumer with a MaxDeliver of its own, and an AckWait longer than the test: only the
+    // advisory, not the next sweep, can move the message in time.
+    let consumer: jetstream::consumer::PullConsumer = created
+        .create_consumer(pull::Config {
+            durable_name: Some("twice".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(120),
+            max_deliver: 2,
+            ..pull::Config::default()
+        })
+        .await
+        .unwrap();
+    let options = NatsOptions::new(NATS_URL, s.name()).max_delivery_count(Some(1));
+    let t = NatsTransport::connect(options).await.unwrap();
+    assert!(!t.notes().is_empty(), "the consumer's own AckWait is noted");
+    t.send(Message::new("x").with_message_id("m")).await.unwrap();
+    // Another process takes both deliveries and gives them back; JetStream gives up.
+    for _ in 0..2 {
+        let mut batch = consumer.batch().max_messages(1).expires(BOUND).messages().await.unwrap();
+        let m = batch.next().await.expect("a delivery").unwrap();
+        m.ack_with(jetstream::AckKind::Nak(None)).await.unwrap();
+    }
+    let mut batch =
+        consumer.batch().max_messages(1).expires(Duration::from_secs(1)).messages().await.unwrap();
+    assert!(batch.next().await.is_none(), "JetStream stopped delivering it");
+    let dlq = t.dead_letter_receiver().await.unwrap();
+    let moved = receive_within(&dlq, BOUND).await.expect("moved on the advisory");
+    assert_eq!(moved.message().message_id().as_str(), "m");
+    assert_eq!(moved.message().dead_letter_reason.as_deref(), Some("MaxDeliveryCountExceeded"));
+    dlq.complete(&moved).await.unwrap();
+}
