@@ -77,66 +77,92 @@ pub(crate) fn to_headers(message: &Message, extra: &[(&str, String)]) -> HeaderM
     h
 }
 
-/// The message of a delivery and its `num_delivered`.
-pub(crate) fn from_jetstream(
-    raw: &jetstream::Message,
-    stream: &str,
-) -> Result<(ReceivedMessage, u32), async_nats::Error> {
-    let info = raw.info()?;
-    let sequence = info.stream_sequence;
-    let delivered = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
-    let published =
-        i64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
-    let mut message = Message::new(raw.message.payload.clone());
-    let mut reason = None;
-    let mut description = None;
-    let mut source = None;
-    let mut original = None;
-    if let Some(headers) = &raw.message.headers {
-        for (name, values) in headers.iter() {
-            let Some(value) = values.last().map(|v| v.as_str().to_owned()) else { continue };
-            match name.as_ref() {
-                MSG_ID => message.message_id = Some(MessageId::new(value)),
-                SESSION_ID => message.session_id = Some(SessionId::new(value)),
-                CORRELATION_ID => message.correlation_id = Some(value),
-                SUBJECT => message.subject = Some(value),
-                CONTENT_TYPE => message.content_type = Some(value),
-                TO => message.to = Some(value),
-                REPLY_TO => message.reply_to = Some(value),
-                REPLY_TO_SESSION_ID => message.reply_to_session_id = Some(value),
-                PARTITION_KEY => message.partition_key = Some(value),
-                TIME_TO_LIVE_MS => {
-                    message.time_to_live = value.parse().ok().map(std::time::Duration::from_millis);
-                }
-                DEAD_LETTER_REASON => reason = Some(value),
-                DEAD_LETTER_DESCRIPTION => description = Some(value),
-                DEAD_LETTER_SOURCE => source = Some(value),
-                ORIGINAL_MESSAGE_ID => original = Some(value),
-                DELIVERY_COUNT => {}
-                name if name.starts_with("Nats-") => {}
-                name => {
-                    message.application_properties.insert(name.to_owned(), Value::String(value));
-                }
+/// A stored message read back: the message (its id the producer's `Nats-Msg-Id`, or for a
+/// dead-lettered copy the id its original had; `None` when there is none), the dead-letter
+/// fields of a copy, and the `Nats-Msg-Id` the stored message carries.
+pub(crate) struct Parsed {
+    pub(crate) message: Message,
+    pub(crate) reason: Option<String>,
+    pub(crate) description: Option<String>,
+    pub(crate) source: Option<String>,
+    /// The `Nats-Msg-Id` the stored message carries (for a dead-lettered copy: the id of its
+    /// move).
+    pub(crate) stored_id: Option<String>,
+}
+
+/// The message stored with `headers` and `payload`.
+pub(crate) fn from_parts(headers: Option<&HeaderMap>, payload: bytes::Bytes) -> Parsed {
+    let mut message = Message::new(payload);
+    let (mut reason, mut description, mut source, mut original, mut stored_id) =
+        (None, None, None, None, None);
+    for (name, values) in headers.into_iter().flat_map(HeaderMap::iter) {
+        let Some(value) = values.last().map(|v| v.as_str().to_owned()) else { continue };
+        match name.as_ref() {
+            MSG_ID => stored_id = Some(value),
+            SESSION_ID => message.session_id = Some(SessionId::new(value)),
+            CORRELATION_ID => message.correlation_id = Some(value),
+            SUBJECT => message.subject = Some(value),
+            CONTENT_TYPE => message.content_type = Some(value),
+            TO => message.to = Some(value),
+            REPLY_TO => message.reply_to = Some(value),
+            REPLY_TO_SESSION_ID => message.reply_to_session_id = Some(value),
+            PARTITION_KEY => message.partition_key = Some(value),
+            TIME_TO_LIVE_MS => {
+                message.time_to_live = value.parse().ok().map(std::time::Duration::from_millis);
+            }
+            DEAD_LETTER_REASON => reason = Some(value),
+            DEAD_LETTER_DESCRIPTION => description = Some(value),
+            DEAD_LETTER_SOURCE => source = Some(value),
+            ORIGINAL_MESSAGE_ID => original = Some(value),
+            DELIVERY_COUNT => {}
+            name if name.starts_with("Nats-") => {}
+            name => {
+                message.application_properties.insert(name.to_owned(), Value::String(value));
             }
         }
     }
-    if let Some(id) = original {
-        // A dead-lettered copy shows the id its original had.
-        message.message_id = Some(MessageId::new(id));
-    }
-    if message.message_id.as_ref().is_none_or(|id| id.as_str().is_empty()) {
-        message.message_id = Some(MessageId::new(format!("{stream}:{sequence}")));
-    }
+    // A dead-lettered copy shows the id its original had; any other message the producer's.
+    let id = if reason.is_some() { original } else { stored_id.clone() };
+    message.message_id = id.filter(|id| !id.is_empty()).map(MessageId::new);
+    Parsed { message, reason, description, source, stored_id }
+}
+
+/// A delivery read back: [`Parsed`] as a received message, `num_delivered`, and when the
+/// stream stored it.
+pub(crate) struct Received {
+    pub(crate) message: ReceivedMessage,
+    pub(crate) delivered: u32,
+    pub(crate) stored_id: Option<String>,
+    /// When the stream stored it, in nanoseconds since the Unix epoch.
+    pub(crate) stored_at_nanos: i128,
+}
+
+/// The message of a delivery, as [`Received`] describes it.
+pub(crate) fn from_jetstream(raw: &jetstream::Message) -> Result<Received, async_nats::Error> {
+    let info = raw.info()?;
+    let sequence = info.stream_sequence;
+    let delivered = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
+    let stored_at_nanos = info.published.unix_timestamp_nanos();
+    let published = i64::try_from(stored_at_nanos / 1_000_000).unwrap_or_default();
+    let parsed = from_parts(raw.message.headers.as_ref(), raw.message.payload.clone());
     let enqueued = Timestamp::from_millis(published);
     let mut r = ReceivedMessage::new(
-        message,
+        parsed.message,
         SequenceNumber::new(i64::try_from(sequence).unwrap_or(i64::MAX)),
         enqueued,
     );
     r.delivery_count = delivered;
     r.expires_at = r.message.time_to_live.map(|ttl| enqueued + ttl);
-    r.dead_letter_reason = reason;
-    r.dead_letter_error_description = description;
-    r.dead_letter_source = source;
-    Ok((r, delivered))
+    r.dead_letter_reason = parsed.reason;
+    r.dead_letter_error_description = parsed.description;
+    r.dead_letter_source = parsed.source;
+    Ok(Received { message: r, delivered, stored_id: parsed.stored_id, stored_at_nanos })
+}
+
+/// The `Nats-Msg-Id` of the dead-letter copy of message `sequence` of `stream`, stored at
+/// `stored_at_nanos`: the same for every attempt to move that message (so the dead-letter
+/// stream drops a retried move), and different for any other message, also one at the same
+/// sequence of a stream made again.
+pub(crate) fn dead_letter_copy_id(stream: &str, sequence: u64, stored_at_nanos: i128) -> String {
+    format!("{stream}:{sequence}:{stored_at_nanos}")
 }

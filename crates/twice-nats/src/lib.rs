@@ -18,15 +18,16 @@
 //!
 //! | twice | JetStream |
 //! |---|---|
-//! | the entity | a work-queue stream (`<STREAM>`, subject `<subject>`) and a durable pull consumer with explicit acks, created on connect |
-//! | `send` | a publish with `Nats-Msg-Id`, acknowledged by the stream |
+//! | the entity | a work-queue stream (`<STREAM>`, subject `<subject>`) and a durable pull consumer with explicit acks, created on connect where missing, used as they are where they exist |
+//! | `send` | a publish with `Nats-Msg-Id`, acknowledged by the stream, tried again with the same id until acknowledged |
 //! | `receive` | a pull (`fetch`, then a waiting batch of one when nothing is there) |
 //! | `complete` | `+ACK`, confirmed by the server |
 //! | `abandon`, `release` | `-NAK`: redelivered at once, and JetStream counts the delivery either way |
 //! | `dead_letter` | a publish of the message to the dead-letter stream with the reason in headers, then `+TERM` |
-//! | lock, `renew_lock` | `AckWait` as the lock duration; `+WPI` (in progress) restarts it |
+//! | lock, `renew_lock` | the consumer's `AckWait` as the lock duration; `+WPI` (in progress) restarts it |
 //! | MaxDeliveryCount | see below |
 //! | delivery count | `num_delivered` of the delivery |
+//! | message id | the identity policy ([`NatsOptions::identity`]; default `Nats-Msg-Id`) |
 //! | duplicate detection | `Nats-Msg-Id` within the stream's duplicate window |
 //! | DefaultMessageTimeToLive | the stream's `max_age`, read on connect (zero: forever; [`NatsOptions::max_age`] when the transport creates the stream) |
 //! | sequence number | the stream sequence |
@@ -34,46 +35,69 @@
 //!
 //! # Dead-lettering at MaxDeliveryCount
 //!
-//! The consumer's `MaxDeliver` is MaxDeliveryCount + 1. A delivery whose `num_delivered` exceeds
-//! MaxDeliveryCount is never handed to a handler: the transport publishes it to the
-//! dead-letter stream with the reason [`MAX_DELIVERY_COUNT_EXCEEDED`] and terminates it. So the
-//! message moves when the delivery after the last allowed one happens, as Service Bus moves it
-//! when the count would exceed the limit.
+//! The consumer this transport creates has no `MaxDeliver`: JetStream never gives up on a
+//! message. A delivery whose `num_delivered` exceeds MaxDeliveryCount is never handed to a
+//! handler: the transport publishes it to the dead-letter stream with the reason
+//! [`MAX_DELIVERY_COUNT_EXCEEDED`] and terminates it. So the message moves when the delivery
+//! after the last allowed one happens, as Service Bus moves it when the count would exceed the
+//! limit. Should the move fail (the dead-letter stream unreachable), the delivery is sent back
+//! with a delay (`-NAK` with a delay) and the move is tried again on its next delivery; should
+//! the process die before the `+TERM`, the message comes back when its `AckWait` runs out.
 //!
-//! Should that move not happen (the process died between the delivery and the `+TERM`),
-//! JetStream stops redelivering at `MaxDeliver` and publishes a `MAX_DELIVERIES` advisory. A
-//! connected transport listens for these advisories and moves the message itself: it reads it
-//! from the stream by sequence, publishes it to the dead-letter stream with the same reason, and
-//! deletes it from the stream. The dead-letter copy's `Nats-Msg-Id` is the original's stream
-//! and sequence, so a message moved twice is stored once. An advisory sent while no transport
-//! is connected is lost (advisories are core NATS messages), and its message stays in the
-//! stream until someone moves it.
+//! A consumer that already exists with a `MaxDeliver` (made by hand, or by an earlier version of
+//! this transport) stops delivering a message at that count. The transport finds such messages
+//! and moves them itself: from the server's `MAX_DELIVERIES` advisory while connected, and by a
+//! sweep of the stream on connect and every lock duration after, which also finds those whose
+//! advisory came while no transport was connected.
+//!
+//! Each dead-letter copy's `Nats-Msg-Id` names the original's stream, sequence and the moment
+//! the stream stored it: a move tried again is dropped by the dead-letter stream's duplicate
+//! window, and no other message (also none at the same sequence of a stream deleted and made
+//! again) shares it.
 //!
 //! # The lock
 //!
-//! The lock is the consumer's `AckWait`, kept by the server. The transport also keeps the
-//! deadline it knows of, and refuses a settlement after it with [`TransportError::LockLost`]:
-//! the server may already have delivered the message again. The server starts `AckWait` when
-//! it sends the message, a little before this transport sees it, so for a moment near the end of
-//! a lock two receivers may hold copies; the inbox claim decides between them.
+//! The lock is the consumer's `AckWait`, kept by the server: the transport reads it from the
+//! consumer on connect (for a consumer that exists it may differ from
+//! [`NatsOptions::lock_duration`], and then a note says so). The server starts `AckWait` when
+//! it sends a message, which is after the transport asked for it: the transport counts each
+//! lock from the moment it sent the pull request (and a renewal from the moment it sent the
+//! `+WPI`), so its deadline is never later than the server's. A pull that waits for messages
+//! waits at most a quarter of `AckWait` at a time, so a message never arrives with most of its
+//! lock gone. The transport refuses a settlement after its deadline with
+//! [`TransportError::LockLost`]: the server may already have delivered the message again.
+//!
+//! # Message identity
+//!
+//! The id the inbox claims comes from the identity policy ([`twice::MessageIdentity`],
+//! [`NatsOptions::identity`]): by default the `Nats-Msg-Id` header. A message for which the
+//! policy finds no id is dead-lettered with the reason [`MISSING_MESSAGE_ID`] and never handed
+//! to a handler, unless the policy names such messages by a hash of their content. The
+//! transport never derives an id from the message's place in the stream: a stream deleted and
+//! made again starts its sequence at 1 again, and a reused id would complete a new message
+//! without running its handler.
+//!
+//! [`send`](NatsTransport::send) gives a message without an id a random one *before* its first
+//! publish, and tries the publish again with that same id until the stream acknowledges it (up
+//! to [`NatsOptions::send_timeout`], never past the duplicate window): a publish whose
+//! acknowledgement was lost is stored once.
 //!
 //! # Message properties
 //!
 //! Headers carry strings only: application properties come back as [`twice::Value::String`]
 //! (a number is sent as its decimal text). The Service Bus fields travel in `Twice-*` headers.
 //!
-//! # A message without an id
-//!
-//! A message published without `Nats-Msg-Id` gets the id `<stream>:<stream sequence>`: the
-//! stream gave it a place of its own, which every redelivery of it shares, so it is never merged
-//! with another message. Two publications of the same content without an id are two messages.
-//!
-//! # Connection loss
+//! # Connection loss and a stream made again
 //!
 //! The client reconnects by itself. A pull cut off by the loss fails with a transient error;
-//! deliveries taken before it can still be settled while their `AckWait` lasts.
+//! deliveries taken before it can still be settled while their `AckWait` lasts. A pull that
+//! finds the consumer gone (its stream was deleted and made again) makes the consumer again on
+//! the new stream.
 
+mod attach;
 mod convert;
+mod dead_letter;
+mod options;
 mod rescue;
 
 use std::fmt;
@@ -81,144 +105,34 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
+use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt as _;
 use twice::{
     DeadLetterReason, Delivery, EntityInfo, Message, MessageId, Properties, Receive,
-    ReceivedMessage, SharedClock, Timestamp, Transport, TransportError,
+    ReceivedMessage, Timestamp, Transport, TransportError,
 };
 
-pub use twice::dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED;
+use crate::dead_letter::{DeadLetters, Original};
 
-/// Options of a [`NatsTransport`], with Service Bus names and defaults where Service Bus has the
-/// concept.
-#[derive(Clone, Debug)]
-pub struct NatsOptions {
-    url: String,
-    stream: String,
-    subject: Option<String>,
-    consumer: String,
-    lock_duration: Duration,
-    max_delivery_count: Option<u32>,
-    duplicate_window: Duration,
-    max_age: Duration,
-    clock: SharedClock,
-}
+pub use crate::options::NatsOptions;
+pub use twice::dead_letter_reasons::{MAX_DELIVERY_COUNT_EXCEEDED, MISSING_MESSAGE_ID};
 
-impl NatsOptions {
-    /// Options for `stream` on the server at `url`, with the defaults: subject = the stream
-    /// name in lower case, consumer `twice`, lock (AckWait) 60 s, MaxDeliveryCount 10, duplicate
-    /// window 10 minutes (Service Bus's default), no `max_age`, the system clock.
-    pub fn new(url: impl Into<String>, stream: impl Into<String>) -> Self {
-        Self {
-            url: url.into(),
-            stream: stream.into(),
-            subject: None,
-            consumer: "twice".into(),
-            lock_duration: Duration::from_secs(60),
-            max_delivery_count: Some(10),
-            duplicate_window: Duration::from_secs(600),
-            max_age: Duration::ZERO,
-            clock: SharedClock::system(),
-        }
+/// Every stream on the server at `url` with how many messages it holds, by name.
+///
+/// # Errors
+///
+/// When the server is unreachable.
+pub async fn stream_counts(url: &str) -> Result<Vec<(String, u64)>, TransportError> {
+    let client = async_nats::connect(url).await.map_err(|e| other("connecting to NATS", e))?;
+    let context = jetstream::new(client);
+    let mut streams = context.streams();
+    let mut out = Vec::new();
+    while let Some(info) = streams.next().await {
+        let info = info.map_err(|e| other("listing the streams", e))?;
+        out.push((info.config.name, info.state.messages));
     }
-
-    /// The subject the stream stores (default: the stream name in lower case).
-    #[must_use]
-    pub fn subject(mut self, subject: impl Into<String>) -> Self {
-        self.subject = Some(subject.into());
-        self
-    }
-
-    /// The durable consumer's name (default `twice`).
-    #[must_use]
-    pub fn consumer(mut self, name: impl Into<String>) -> Self {
-        self.consumer = name.into();
-        self
-    }
-
-    /// The lock duration: the consumer's `AckWait` (default 60 s).
-    #[must_use]
-    pub fn lock_duration(mut self, d: Duration) -> Self {
-        self.lock_duration = d;
-        self
-    }
-
-    /// Deliveries before a message is dead-lettered (default 10; `None`: unlimited).
-    #[must_use]
-    pub fn max_delivery_count(mut self, n: Option<u32>) -> Self {
-        self.max_delivery_count = n.map(|n| n.max(1));
-        self
-    }
-
-    /// The stream's duplicate window for `Nats-Msg-Id` (default 10 minutes).
-    #[must_use]
-    pub fn duplicate_window(mut self, d: Duration) -> Self {
-        self.duplicate_window = d;
-        self
-    }
-
-    /// The stream's `max_age` when this transport creates the stream (default zero: messages
-    /// stay until acknowledged). A stream that exists keeps its own; either way
-    /// [`EntityInfo::message_time_to_live`] is what the server reports on connect, and the
-    /// processor checks the inbox's retention against it.
-    #[must_use]
-    pub fn max_age(mut self, d: Duration) -> Self {
-        self.max_age = d;
-        self
-    }
-
-    /// The clock for lock deadlines (default: the system clock).
-    #[must_use]
-    pub fn clock(mut self, clock: SharedClock) -> Self {
-        self.clock = clock;
-        self
-    }
-
-    /// The server's URL.
-    pub fn get_url(&self) -> &str {
-        &self.url
-    }
-
-    /// The stream.
-    pub fn get_stream(&self) -> &str {
-        &self.stream
-    }
-
-    /// The subject the stream stores: the one set, else the stream name in lower case.
-    pub fn get_subject(&self) -> String {
-        self.subject.clone().unwrap_or_else(|| self.stream.to_lowercase())
-    }
-
-    /// The durable consumer's name.
-    pub fn get_consumer(&self) -> &str {
-        &self.consumer
-    }
-
-    /// The lock duration (the consumer's `AckWait`).
-    pub fn get_lock_duration(&self) -> Duration {
-        self.lock_duration
-    }
-
-    /// Deliveries before a message is dead-lettered (`None`: unlimited).
-    pub fn get_max_delivery_count(&self) -> Option<u32> {
-        self.max_delivery_count
-    }
-
-    /// The stream's duplicate window.
-    pub fn get_duplicate_window(&self) -> Duration {
-        self.duplicate_window
-    }
-
-    /// The `max_age` of a stream this transport creates (zero: none).
-    pub fn get_max_age(&self) -> Duration {
-        self.max_age
-    }
-
-    /// The clock for lock deadlines.
-    pub fn get_clock(&self) -> &SharedClock {
-        &self.clock
-    }
+    out.sort();
+    Ok(out)
 }
 
 /// The name of the dead-letter stream of `stream`.
@@ -228,11 +142,20 @@ pub fn dead_letter_stream_name(stream: &str) -> String {
 
 struct Inner {
     options: NatsOptions,
+    is_dead_letter: bool,
     info: EntityInfo,
+    /// The consumer's `AckWait`: the lock.
+    ack_wait: Duration,
+    /// The stream's duplicate window, which bounds how long a send may be tried again.
+    duplicate_window: Duration,
     subject: String,
-    dead_letter_subject: Option<String>,
+    dead_letters: Option<DeadLetters>,
     context: jetstream::Context,
-    consumer: jetstream::consumer::PullConsumer,
+    /// The consumer; replaced when its stream was made again. A std Mutex: cloned out, never
+    /// held across an await.
+    consumer: std::sync::Mutex<jetstream::consumer::PullConsumer>,
+    /// What connecting found missing or different.
+    notes: Vec<String>,
     /// The task that moves messages JetStream stopped delivering to the dead-letter stream.
     rescuer: Option<tokio::task::AbortHandle>,
     /// The newest delivery count this transport has seen of each stream sequence it holds: a
@@ -270,6 +193,7 @@ pub struct NatsDelivery {
     raw: jetstream::Message,
     settled: AtomicBool,
     locked_until: AtomicI64,
+    stored_at_nanos: i128,
 }
 
 impl fmt::Debug for NatsDelivery {
@@ -301,12 +225,16 @@ pub(crate) fn other<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
 }
 
 impl NatsTransport {
-    /// Connects, creates the stream (work-queue retention, file storage, the duplicate window),
-    /// its dead-letter stream and the durable pull consumer, or opens them if they exist.
+    /// Connects, and creates the stream (work-queue retention, file storage, the duplicate
+    /// window), its dead-letter stream and the durable pull consumer where they are missing.
+    /// Where they exist they are used as they are: their settings are read, never changed, and
+    /// [`NatsTransport::notes`] says what differs from the options or is missing.
     ///
     /// # Errors
     ///
-    /// When the server is unreachable or refuses the stream or consumer.
+    /// When the server is unreachable or refuses the stream or consumer, and
+    /// [`TransportError::Invalid`] (with what to change) for an existing consumer that does not
+    /// acknowledge explicitly or a dead-letter subject another stream takes.
     pub async fn connect(options: NatsOptions) -> Result<Self, TransportError> {
         Self::open(options, false).await
     }
@@ -321,7 +249,7 @@ impl NatsTransport {
     pub async fn dead_letter_receiver(&self) -> Result<Self, TransportError> {
         let mut options = self.inner.options.clone();
         options.stream = dead_letter_stream_name(&self.inner.options.stream);
-        options.subject = self.inner.dead_letter_subject.clone();
+        options.subject = self.inner.dead_letters.as_ref().map(|d| d.subject.clone());
         options.max_delivery_count = None;
         // Dead-lettered messages stay until someone takes them.
         options.max_age = Duration::ZERO;
@@ -329,84 +257,41 @@ impl NatsTransport {
     }
 
     async fn open(options: NatsOptions, is_dead_letter: bool) -> Result<Self, TransportError> {
-        let client = async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .max_reconnects(None)
-            .connection_timeout(Duration::from_secs(5))
-            .connect(options.url.as_str())
-            .await
-            .map_err(|e| other("connecting to NATS", e))?;
-        let context = jetstream::new(client.clone());
-        let subject = options.get_subject();
-        let dead_letter_subject = (!is_dead_letter).then(|| format!("{subject}.dead-letter"));
-        // JetStream refuses a duplicate window longer than the stream's `max_age`.
-        let create = |name: String, subject: String, max_age: Duration| stream::Config {
-            name,
-            subjects: vec![subject],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            duplicate_window: if max_age.is_zero() {
-                options.duplicate_window
-            } else {
-                options.duplicate_window.min(max_age)
-            },
-            max_age,
-            ..stream::Config::default()
-        };
-        if let Some(dl) = &dead_letter_subject {
-            context
-                .get_or_create_stream(create(
-                    dead_letter_stream_name(&options.stream),
-                    dl.clone(),
-                    Duration::ZERO,
-                ))
-                .await
-                .map_err(|e| other("creating the dead-letter stream", e))?;
-        }
-        let stream = context
-            .get_or_create_stream(create(options.stream.clone(), subject.clone(), options.max_age))
-            .await
-            .map_err(|e| other("creating the stream", e))?;
-        let max_deliver = options.max_delivery_count.map_or(-1, |n| i64::from(n) + 1);
-        let consumer = stream
-            .get_or_create_consumer(
-                &options.consumer,
-                pull::Config {
-                    durable_name: Some(options.consumer.clone()),
-                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                    ack_wait: options.lock_duration,
-                    max_deliver,
-                    max_ack_pending: 10_000,
-                    ..pull::Config::default()
-                },
-            )
-            .await
-            .map_err(|e| other("creating the consumer", e))?;
-        let rescuer = match (&dead_letter_subject, options.max_delivery_count) {
+        let attached = attach::attach(&options, is_dead_letter).await?;
+        let subject = attached.subject.clone();
+        let dead_letters = (!is_dead_letter).then(|| DeadLetters {
+            context: attached.context.clone(),
+            subject: attached.dead_letter_subject.clone(),
+            source: options.stream.clone(),
+        });
+        let rescuer = match (&dead_letters, attached.max_deliver) {
             (Some(dl), Some(_)) => Some(
-                rescue::start(&client, context.clone(), &options.stream, &options.consumer, dl)
-                    .await?,
+                rescue::start(
+                    &attached.client,
+                    rescue::Rescue {
+                        dead_letters: dl.clone(),
+                        consumer: options.consumer.clone(),
+                        identity: options.identity.clone(),
+                        every: attached.ack_wait.max(Duration::from_secs(1)),
+                        clock: options.clock.clone(),
+                    },
+                )
+                .await?,
             ),
             _ => None,
         };
-        let mut info = EntityInfo::new(options.stream.clone());
-        info.lock_duration = options.lock_duration;
-        info.max_delivery_count = options.max_delivery_count;
-        // What the server has, which for a stream that existed may differ from the options.
-        let config = &stream.cached_info().config;
-        info.duplicate_detection_window = Some(config.duplicate_window);
-        info.requires_session = false;
-        // `max_age` removes a message however often it was delivered; zero keeps it forever.
-        let max_age = config.max_age;
-        info.message_time_to_live = (!max_age.is_zero()).then_some(max_age);
         Ok(Self {
             inner: Arc::new(Inner {
                 options,
-                info,
+                is_dead_letter,
+                info: attached.info,
+                ack_wait: attached.ack_wait,
+                duplicate_window: attached.duplicate_window,
                 subject,
-                dead_letter_subject,
-                context,
-                consumer,
+                dead_letters,
+                context: attached.context,
+                consumer: std::sync::Mutex::new(attached.consumer),
+                notes: attached.notes,
                 rescuer,
                 newest: std::sync::Mutex::default(),
             }),
@@ -418,25 +303,49 @@ impl NatsTransport {
         &self.inner.options.stream
     }
 
+    /// What connecting found missing, or set otherwise than the options say, each in one line
+    /// with how to change it (also logged as warnings): empty for a stream and consumer this
+    /// transport created.
+    pub fn notes(&self) -> &[String] {
+        &self.inner.notes
+    }
+
     /// Sends a message and waits for the stream to store it; returns its id (a random one when
-    /// the message had none). A message whose id the stream saw within its duplicate window is
-    /// dropped by the server, and this returns `Ok` all the same.
+    /// the message had none, fixed before the first attempt). A publish that is not
+    /// acknowledged is tried again with the same id for up to [`NatsOptions::send_timeout`]
+    /// (never past the stream's duplicate window), so a publish whose acknowledgement was lost
+    /// is stored once. A message whose id the stream saw within its duplicate window is dropped
+    /// by the server, and this returns `Ok` all the same.
     ///
     /// # Errors
     ///
-    /// A transient error when the server did not acknowledge it (it may or may not have stored
-    /// it: send it again with the same id).
+    /// A transient error when no attempt was acknowledged in time: the message may or may not
+    /// have been stored. To send it again yourself, give it an id first: a message without
+    /// one gets a new random id on every call, and two calls may store two messages.
     ///
     /// # Cancel safety
     ///
     /// Not cancel safe: a send cut off may or may not have been stored.
     pub async fn send(&self, mut message: Message) -> Result<MessageId, TransportError> {
         let id = message.message_id.get_or_insert_with(MessageId::random).clone();
-        self.send_to(&self.inner.subject, &message, &[]).await?;
-        Ok(id)
+        let clock = &self.inner.options.clock;
+        let window = self.inner.options.send_timeout.min(self.inner.duplicate_window);
+        let until = clock.now() + window;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.send_to(&self.inner.subject, &message, &[]).await {
+                Ok(_) => return Ok(id),
+                Err(e) if clock.now() + pause < until => {
+                    tracing::debug!(stream = %self.stream(), id = %id, "a publish was not acknowledged; trying again with the same id: {e}");
+                    clock.sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
-    /// Publishes and returns whether the stream took it as a duplicate.
+    /// Publishes once and returns whether the stream took it as a duplicate.
     async fn send_to(
         &self,
         subject: &str,
@@ -455,13 +364,14 @@ impl NatsTransport {
         Ok(ack.duplicate)
     }
 
-    /// Sends a message (which must carry an id) and returns true when the stream dropped it as
-    /// a duplicate of one sent within the duplicate window.
+    /// Sends a message (which must carry an id) once and returns true when the stream dropped
+    /// it as a duplicate of one sent within the duplicate window. Unlike
+    /// [`NatsTransport::send`] it does not try again: a second attempt would report the first.
     ///
     /// # Errors
     ///
-    /// [`TransportError::Invalid`] for a message without an id; otherwise as
-    /// [`NatsTransport::send`].
+    /// [`TransportError::Invalid`] for a message without an id; otherwise a transient error
+    /// when the stream did not acknowledge it.
     ///
     /// # Cancel safety
     ///
@@ -488,6 +398,83 @@ impl NatsTransport {
         Ok(s.info().await.map_err(|e| other("reading the stream", e))?.state.messages)
     }
 
+    /// Reads up to `max` messages of the stream from sequence `from` on (the first one when
+    /// `None`), without taking them: no delivery, no lock, no count. A dead-lettered copy
+    /// shows its reason, description and source, and the id its original had (or, when that
+    /// had none, the id of its move).
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable or the stream does not exist.
+    pub async fn peek(
+        &self,
+        from: Option<u64>,
+        max: usize,
+    ) -> Result<Vec<ReceivedMessage>, TransportError> {
+        let mut stream = self
+            .inner
+            .context
+            .get_stream(&self.inner.options.stream)
+            .await
+            .map_err(|e| other("opening the stream", e))?;
+        let state = stream.info().await.map_err(|e| other("reading the stream", e))?.state.clone();
+        let mut out = Vec::new();
+        let mut sequence = from.unwrap_or(state.first_sequence).max(state.first_sequence);
+        while out.len() < max && state.messages > 0 && sequence <= state.last_sequence {
+            // The first stored message at or after `sequence`, skipping those acknowledged.
+            let raw = match stream
+                .raw_message_builder()
+                .sequence(sequence)
+                .next_by_subject(">")
+                .send()
+                .await
+            {
+                Ok(raw) => raw,
+                Err(e)
+                    if e.kind()
+                        == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
+                {
+                    break;
+                }
+                Err(e) => return Err(other("reading the stream", e)),
+            };
+            let parsed = convert::from_parts(Some(&raw.headers), raw.payload.clone());
+            let enqueued =
+                i64::try_from(raw.time.unix_timestamp_nanos() / 1_000_000).unwrap_or_default();
+            let mut message = parsed.message;
+            if message.message_id.is_none() {
+                message.message_id = parsed.stored_id.map(MessageId::new);
+            }
+            let mut m = ReceivedMessage::new(
+                message,
+                twice::SequenceNumber::new(i64::try_from(raw.sequence).unwrap_or(i64::MAX)),
+                Timestamp::from_millis(enqueued),
+            );
+            m.dead_letter_reason = parsed.reason;
+            m.dead_letter_error_description = parsed.description;
+            m.dead_letter_source = parsed.source;
+            out.push(m);
+            sequence = raw.sequence + 1;
+        }
+        Ok(out)
+    }
+
+    /// Removes every message of the stream; returns how many. For emptying a stream before a
+    /// run, not for dead-lettered messages, which deserve a copy first (`twice dlq purge`).
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable or the stream does not exist.
+    pub async fn purge(&self) -> Result<u64, TransportError> {
+        let s = self
+            .inner
+            .context
+            .get_stream(&self.inner.options.stream)
+            .await
+            .map_err(|e| other("opening the stream", e))?;
+        Ok(s.purge().await.map_err(|e| other("purging the stream", e))?.purged)
+    }
+
     /// Deletes the stream and its dead-letter stream, with their messages and consumers.
     ///
     /// # Errors
@@ -505,37 +492,53 @@ impl NatsTransport {
         Ok(())
     }
 
-    fn accept(&self, raw: jetstream::Message) -> Option<NatsDelivery> {
-        let clock = &self.inner.options.clock;
-        let now = clock.now();
-        let (mut message, delivered) = match convert::from_jetstream(
-            &raw,
-            &self.inner.options.stream,
-        ) {
+    /// The delivery of `raw`, pulled by a request sent at `requested`; `None` for one that is
+    /// moved to the dead-letter stream instead of being handed out.
+    fn accept(&self, raw: jetstream::Message, requested: Timestamp) -> Option<NatsDelivery> {
+        let received = match convert::from_jetstream(&raw) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(stream = %self.stream(), "a delivery without JetStream metadata: {e}");
                 return None;
             }
         };
-        if self.inner.options.max_delivery_count.is_some_and(|max| delivered > max) {
-            let this = self.clone();
-            tokio::spawn(async move {
-                let reason = DeadLetterReason::new(
+        let mut message = received.message;
+        let identity = &self.inner.options.identity;
+        let claimed = identity.identify(&message.message);
+        if self.inner.is_dead_letter {
+            // Nothing further to send it to: it is shown, under the id of its move when its
+            // original had none.
+            message.message.message_id = claimed
+                .or_else(|| message.message.message_id.clone())
+                .or_else(|| received.stored_id.map(MessageId::new))
+                .or_else(|| Some(MessageId::random()));
+        } else {
+            let exhausted =
+                self.inner.info.max_delivery_count.filter(|max| received.delivered > *max);
+            let reason = match (&claimed, exhausted) {
+                (None, _) => Some(DeadLetterReason::new(
+                    MISSING_MESSAGE_ID,
+                    "the identity policy found no id for it, so its copies cannot be told apart",
+                )),
+                (Some(_), Some(max)) => Some(DeadLetterReason::new(
                     MAX_DELIVERY_COUNT_EXCEEDED,
-                    format!(
-                        "delivered more than {} times",
-                        this.inner.info.max_delivery_count.unwrap_or_default()
-                    ),
-                );
-                if let Err(e) = this.move_to_dead_letter_stream(&message, &reason, &raw).await {
-                    tracing::warn!(stream = %this.stream(), "moving an exhausted message to the dead-letter stream failed: {e}");
-                }
-            });
-            return None;
+                    format!("delivered more than {max} times"),
+                )),
+                (Some(_), None) => None,
+            };
+            message.message.message_id = claimed;
+            if let Some(reason) = reason {
+                let this = self.clone();
+                let stored_at = received.stored_at_nanos;
+                tokio::spawn(async move {
+                    this.move_or_retry_later(&message, &reason, &raw, stored_at).await;
+                });
+                return None;
+            }
         }
-        self.newest().insert(raw_sequence(&message), delivered);
-        let until = now + self.inner.options.lock_duration;
+        let sequence = raw_sequence(&message);
+        self.newest().insert(sequence, received.delivered);
+        let until = requested + self.inner.ack_wait;
         message.lock_token = Some(twice::LockToken::random());
         message.locked_until = Some(until);
         Some(NatsDelivery {
@@ -543,7 +546,27 @@ impl NatsTransport {
             raw,
             settled: AtomicBool::new(false),
             locked_until: AtomicI64::new(until.as_millis()),
+            stored_at_nanos: received.stored_at_nanos,
         })
+    }
+
+    /// Moves a delivery no handler may see to the dead-letter stream; when the move fails, the
+    /// delivery is sent back with a delay, to be moved on its next delivery.
+    async fn move_or_retry_later(
+        &self,
+        message: &ReceivedMessage,
+        reason: &DeadLetterReason,
+        raw: &jetstream::Message,
+        stored_at_nanos: i128,
+    ) {
+        if let Err(e) = self.move_to_dead_letter_stream(message, reason, raw, stored_at_nanos).await
+        {
+            // Later deliveries wait longer: from one second to a minute.
+            let n = message.delivery_count.saturating_sub(1).min(6);
+            let delay = Duration::from_secs(1 << n).min(Duration::from_secs(60));
+            tracing::warn!(stream = %self.stream(), sequence = %message.sequence_number, "moving a message to the dead-letter stream failed; it comes back in {delay:?} to be moved then: {e}");
+            let _ = raw.ack_with(AckKind::Nak(Some(delay))).await;
+        }
     }
 
     async fn move_to_dead_letter_stream(
@@ -551,25 +574,18 @@ impl NatsTransport {
         message: &ReceivedMessage,
         reason: &DeadLetterReason,
         raw: &jetstream::Message,
+        stored_at_nanos: i128,
     ) -> Result<(), TransportError> {
-        let Some(subject) = &self.inner.dead_letter_subject else {
+        let Some(dead_letters) = &self.inner.dead_letters else {
             return Err(TransportError::Unsupported("dead-lettering from a dead-letter stream"));
         };
-        let mut copy = message.message.clone();
-        // The copy keeps the stream's identity of the original, so that a retried move is
-        // dropped by the dead-letter stream's duplicate window.
-        copy.message_id = Some(MessageId::new(format!(
-            "{}:{}",
-            self.inner.options.stream, message.sequence_number
-        )));
-        let extra = [
-            (convert::DEAD_LETTER_REASON, reason.reason.clone()),
-            (convert::DEAD_LETTER_DESCRIPTION, reason.description.clone()),
-            (convert::DEAD_LETTER_SOURCE, self.inner.options.stream.clone()),
-            (convert::ORIGINAL_MESSAGE_ID, message.message_id().as_str().to_owned()),
-            (convert::DELIVERY_COUNT, message.delivery_count.to_string()),
-        ];
-        self.send_to(subject, &copy, &extra).await?;
+        let original = Original {
+            message: &message.message,
+            sequence: raw_sequence(message),
+            stored_at_nanos,
+            delivery_count: Some(message.delivery_count),
+        };
+        dead_letters.store_copy(&original, reason).await?;
         raw.double_ack_with(AckKind::Term).await.map_err(|e| other("terminating", e))
     }
 
@@ -610,13 +626,20 @@ impl NatsTransport {
         r
     }
 
+    fn consumer(&self) -> jetstream::consumer::PullConsumer {
+        self.inner.consumer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Pulls up to `max` messages, waiting up to `wait` for them (`None`: only those there
+    /// now); each comes with the moment the request was sent.
     async fn pull(
         &self,
         max: usize,
         wait: Option<Duration>,
-    ) -> Result<Vec<jetstream::Message>, TransportError> {
-        let consumer = &self.inner.consumer;
-        let mut batch = match wait {
+    ) -> Result<Vec<(jetstream::Message, Timestamp)>, TransportError> {
+        let requested = self.inner.options.clock.now();
+        let consumer = self.consumer();
+        let batch = match wait {
             None => consumer.fetch().max_messages(max).messages().await,
             Some(wait) => {
                 consumer
@@ -626,13 +649,48 @@ impl NatsTransport {
                     .messages()
                     .await
             }
-        }
-        .map_err(|e| other("pulling", e))?;
+        };
+        let mut batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                self.reattach_if_gone().await;
+                return Err(other("pulling", e));
+            }
+        };
         let mut out = Vec::new();
         while let Some(m) = batch.next().await {
-            out.push(m.map_err(|e| other("pulling", e))?);
+            match m {
+                Ok(m) => out.push((m, requested)),
+                Err(e) => {
+                    if out.is_empty() {
+                        self.reattach_if_gone().await;
+                    }
+                    return if out.is_empty() { Err(other("pulling", e)) } else { Ok(out) };
+                }
+            }
         }
         Ok(out)
+    }
+
+    /// After a failed pull: when the consumer is gone (its stream was deleted and made again),
+    /// makes it again and pulls from the new one from now on.
+    async fn reattach_if_gone(&self) {
+        match attach::reattach(&self.inner.context, &self.inner.options).await {
+            Ok(Some(consumer)) => {
+                *self.inner.consumer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    consumer;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(stream = %self.stream(), "the consumer could not be made again: {e}")
+            }
+        }
+    }
+
+    /// The longest one waiting pull waits: a quarter of the lock, so that a message it brings
+    /// never has most of its lock gone.
+    fn longest_pull(&self) -> Duration {
+        (self.inner.ack_wait / 4).max(Duration::from_millis(10))
     }
 }
 
@@ -656,16 +714,23 @@ impl Receive for NatsTransport {
         if max_messages == 0 {
             return Ok(Vec::new());
         }
+        let clock = self.inner.options.clock.clone();
+        let until = clock.now() + max_wait;
         let mut out: Vec<NatsDelivery> = Vec::new();
         let raw = self.pull(max_messages, None).await?;
-        out.extend(raw.into_iter().filter_map(|m| self.accept(m)));
-        if out.is_empty() {
-            // Nothing there: wait for one, then take what else came with it.
-            let raw = self.pull(1, Some(max_wait)).await?;
-            out.extend(raw.into_iter().filter_map(|m| self.accept(m)));
+        out.extend(raw.into_iter().filter_map(|(m, at)| self.accept(m, at)));
+        while out.is_empty() {
+            // Nothing there: wait for one (a quarter of the lock at a time), then take what
+            // else came with it.
+            let left = until.duration_since(clock.now());
+            if left.is_zero() {
+                break;
+            }
+            let raw = self.pull(1, Some(left.min(self.longest_pull()))).await?;
+            out.extend(raw.into_iter().filter_map(|(m, at)| self.accept(m, at)));
             if !out.is_empty() && max_messages > 1 {
                 let raw = self.pull(max_messages - 1, None).await?;
-                out.extend(raw.into_iter().filter_map(|m| self.accept(m)));
+                out.extend(raw.into_iter().filter_map(|(m, at)| self.accept(m, at)));
             }
         }
         Ok(out)
@@ -691,11 +756,17 @@ impl Receive for NatsTransport {
         delivery: &NatsDelivery,
         reason: DeadLetterReason,
     ) -> Result<(), TransportError> {
-        if self.inner.dead_letter_subject.is_none() {
+        if self.inner.dead_letters.is_none() {
             return Err(TransportError::Unsupported("dead-lettering from a dead-letter stream"));
         }
         self.take(delivery)?;
-        self.move_to_dead_letter_stream(&delivery.message, &reason, &delivery.raw).await
+        self.move_to_dead_letter_stream(
+            &delivery.message,
+            &reason,
+            &delivery.raw,
+            delivery.stored_at_nanos,
+        )
+        .await
     }
 
     async fn defer(&self, _delivery: &NatsDelivery) -> Result<(), TransportError> {
@@ -718,13 +789,15 @@ impl Transport for NatsTransport {
 
     async fn renew_lock(&self, delivery: &NatsDelivery) -> Result<Timestamp, TransportError> {
         let clock = &self.inner.options.clock;
+        // The server restarts AckWait when the +WPI reaches it, which is after now.
+        let sent = clock.now();
         if delivery.settled.load(Ordering::SeqCst)
-            || clock.now().as_millis() >= delivery.locked_until.load(Ordering::SeqCst)
+            || sent.as_millis() >= delivery.locked_until.load(Ordering::SeqCst)
         {
             return Err(TransportError::LockLost);
         }
         delivery.raw.double_ack_with(AckKind::Progress).await.map_err(|e| other("renewing", e))?;
-        let until = clock.now() + self.inner.options.lock_duration;
+        let until = sent + self.inner.ack_wait;
         delivery.locked_until.store(until.as_millis(), Ordering::SeqCst);
         Ok(until)
     }

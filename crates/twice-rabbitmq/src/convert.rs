@@ -23,6 +23,10 @@ pub(crate) const DEAD_LETTER_REASON: &str = "twice-dead-letter-reason";
 pub(crate) const DEAD_LETTER_DESCRIPTION: &str = "twice-dead-letter-description";
 pub(crate) const DEAD_LETTER_SOURCE: &str = "twice-dead-letter-source";
 pub(crate) const DELIVERY_COUNT: &str = "twice-delivery-count";
+/// The deliveries of a message that ended unsettled before this copy of it was published: the
+/// count the transport keeps where the broker does not (RabbitMQ 4.3 and later, classic
+/// queues), carried from one copy to the next.
+pub(crate) const RETURNS: &str = "twice-returns";
 
 fn short(what: &str, s: &str) -> Result<ShortString, TransportError> {
     ShortString::try_new(s)
@@ -86,7 +90,7 @@ fn from_value(v: &AMQPValue) -> Option<Value> {
     })
 }
 
-fn text(v: &AMQPValue) -> Option<String> {
+pub(crate) fn text(v: &AMQPValue) -> Option<String> {
     match v {
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
@@ -94,7 +98,7 @@ fn text(v: &AMQPValue) -> Option<String> {
     }
 }
 
-fn integer(v: &AMQPValue) -> Option<i64> {
+pub(crate) fn integer(v: &AMQPValue) -> Option<i64> {
     match v {
         AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
         AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
@@ -155,7 +159,9 @@ pub(crate) fn to_amqp(
     Ok(p)
 }
 
-/// The message `d` carries, with the broker-set fields this transport knows.
+/// The message `d` carries, with the broker-set fields this transport knows. Its delivery
+/// count is one more than the returns the broker counted (`x-delivery-count`) and those the
+/// transport carried in [`RETURNS`].
 pub(crate) fn from_amqp(d: &lapin::message::Delivery, now: Timestamp) -> ReceivedMessage {
     let p = &d.properties;
     let mut message = Message::new(d.data.clone());
@@ -173,6 +179,7 @@ pub(crate) fn from_amqp(d: &lapin::message::Delivery, now: Timestamp) -> Receive
         .and_then(|s| i64::try_from(s).ok())
         .map_or(now, |s| Timestamp::from_millis(s.saturating_mul(1000)));
     let mut returns = 0i64;
+    let mut carried = 0i64;
     let mut reason = None;
     let mut description = None;
     let mut source = None;
@@ -196,7 +203,8 @@ pub(crate) fn from_amqp(d: &lapin::message::Delivery, now: Timestamp) -> Receive
                 DEAD_LETTER_SOURCE => source = text(value),
                 // Kept for people reading the dead-letter queue with other tools.
                 DELIVERY_COUNT => {}
-                "x-delivery-count" => returns = integer(value).unwrap_or(0),
+                RETURNS => carried = integer(value).unwrap_or(0).max(0),
+                "x-delivery-count" => returns = integer(value).unwrap_or(0).max(0),
                 "x-death" => death = first_death(value),
                 _ if name.starts_with("x-") => {}
                 _ => {
@@ -209,7 +217,8 @@ pub(crate) fn from_amqp(d: &lapin::message::Delivery, now: Timestamp) -> Receive
     }
     let sequence = SequenceNumber::new(i64::try_from(d.delivery_tag).unwrap_or(i64::MAX));
     let mut r = ReceivedMessage::new(message, sequence, enqueued);
-    r.delivery_count = u32::try_from(returns.saturating_add(1)).unwrap_or(u32::MAX).max(1);
+    let count = returns.saturating_add(carried).saturating_add(1);
+    r.delivery_count = u32::try_from(count).unwrap_or(u32::MAX).max(1);
     if let Some(ttl) = r.message.time_to_live {
         r.expires_at = Some(enqueued + ttl);
     }

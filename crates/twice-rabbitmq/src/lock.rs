@@ -3,11 +3,11 @@
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use lapin::options::BasicNackOptions;
+use futures::future::BoxFuture;
 use twice::{SharedClock, Timestamp};
 
 /// The lock of one delivery: until when it holds, and whether a settlement (or the expiry) has
-/// taken the delivery.
+/// taken the delivery. Both count from the moment the delivery reached the client.
 pub(crate) struct Lock {
     settled: AtomicBool,
     locked_until: AtomicI64,
@@ -35,12 +35,23 @@ impl Lock {
         Timestamp::from_millis(self.locked_until.load(Ordering::SeqCst))
     }
 
+    /// Whether the lock still holds at `now` (neither settled nor run out).
+    pub(crate) fn holds(&self, now: Timestamp) -> bool {
+        !self.settled.load(Ordering::SeqCst) && now < self.locked_until()
+    }
+
     /// Takes the delivery for a settlement: true once, and only while the lock holds.
     pub(crate) fn take(&self, now: Timestamp) -> bool {
         if now >= self.locked_until() {
-            // The expiry task requeues it (or already has).
+            // The expiry task returns it (or already has).
             return false;
         }
+        self.take_now()
+    }
+
+    /// Takes the delivery whatever the time (the transport moves it instead of handing it
+    /// out): true once.
+    pub(crate) fn take_now(&self) -> bool {
         let taken = self.settled.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst);
         if taken.is_ok() {
             self.held.fetch_sub(1, Ordering::SeqCst);
@@ -66,8 +77,13 @@ impl Lock {
         Some(until)
     }
 
-    /// Requeues the delivery when its lock runs out unsettled.
-    pub(crate) fn expire_later(lock: &Arc<Self>, clock: SharedClock, acker: lapin::Acker) {
+    /// Runs `on_expiry` (which returns the delivery to the queue, counting a delivery) when the
+    /// lock runs out unsettled.
+    pub(crate) fn expire_later(
+        lock: &Arc<Self>,
+        clock: SharedClock,
+        on_expiry: impl FnOnce() -> BoxFuture<'static, ()> + Send + 'static,
+    ) {
         let this = Arc::clone(lock);
         let task = tokio::spawn(async move {
             loop {
@@ -80,9 +96,7 @@ impl Lock {
                     this.settled.compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst);
                 if expired.is_ok() {
                     this.held.fetch_sub(1, Ordering::SeqCst);
-                    let requeue = BasicNackOptions { requeue: true, ..BasicNackOptions::default() };
-                    // A failure means the channel is gone, and the broker requeued it anyway.
-                    let _ = acker.nack(requeue).await;
+                    on_expiry().await;
                 }
                 return;
             }

@@ -16,7 +16,14 @@
 //!   sessions, what the plain processor does with them;
 //! - processor scenarios run the [`Processor`] with an SQLite, a PostgreSQL and a MariaDB inbox:
 //!   a poison body, a crash between commit and complete, two copies at the same instant, a lock
-//!   lost while the handler runs. Each must end with the work committed once per message.
+//!   lost while the handler runs. Each must end with the work committed once per message;
+//! - the scenarios of [`scenarios`], of what users meet: a handler longer than the lock with
+//!   renewal, a producer that is not twice (no message id), the entity deleted and made again, a
+//!   transport told another lock than the broker's, a delivery in flight across a reconnect.
+//!
+//! The report holds what was measured, and only that: a scenario the harness cannot play (no
+//! way to restart a server other tests share, no raw producer) is a cell that says `not run`
+//! and why, and [`render_table`] shows `not run` for a transport that did not run at all.
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
@@ -35,8 +42,10 @@ use twice_sqlx::{InboxOptions, SqlxInbox};
 
 use crate::db::{MariaDatabase, PgDatabase, SqliteDatabase};
 
+pub mod scenarios;
 pub mod sessions;
 
+pub use scenarios::{FOREIGN_PRODUCER, IN_FLIGHT, LOCK_MISMATCH, LONG_HANDLER, RECREATED};
 pub use sessions::{SESSION_ORDER, SessionEntity};
 
 /// How long a scenario may wait for something that should happen within a few lock durations;
@@ -87,6 +96,22 @@ pub trait Entity: Send + Sync + 'static {
     /// on the same address and data where the harness can do that without disturbing other
     /// tests, otherwise a cut of every connection. Returns once the broker serves again.
     fn interrupt(&self) -> impl Future<Output = Interruption> + Send;
+
+    /// Sends `body` as a producer that is not twice would: with the broker's own client and no
+    /// message id. `None` when the harness has no such producer (the cell says `not run`).
+    fn send_without_id(
+        &self,
+        body: &'static [u8],
+    ) -> impl Future<Output = Option<Result<(), TransportError>>> + Send {
+        let _ = body;
+        async { None }
+    }
+
+    /// Deletes the entity and makes it again, empty, under the same name, while the transport
+    /// stays connected. `None` when the harness cannot.
+    fn recreate(&self) -> impl Future<Output = Option<Result<(), TransportError>>> + Send {
+        async { None }
+    }
 }
 
 /// How [`Entity::interrupt`] took the broker away and brought it back.
@@ -123,6 +148,18 @@ pub trait Harness: Send + Sync {
     fn create(&self, settings: EntitySettings)
     -> impl Future<Output = Option<Self::Entity>> + Send;
 
+    /// A fresh entity whose broker holds each lock for `settings.lock_duration` while its
+    /// transport was told (or would assume) `told`; `Err(why)` when the harness cannot make one
+    /// (the cell says `not run` and why), `None` when the broker is unreachable.
+    fn create_with_lock_told(
+        &self,
+        settings: EntitySettings,
+        told: Duration,
+    ) -> impl Future<Output = Option<Result<Self::Entity, String>>> + Send {
+        let _ = (settings, told);
+        async { Some(Err("the harness cannot tell the transport another lock".to_owned())) }
+    }
+
     /// The cell of [`SESSION_ORDER`]: a transport with sessions plays
     /// [`sessions::with_sessions`] on a fresh session-enabled entity; one without plays
     /// [`sessions::without_sessions`], saying what a user does instead.
@@ -139,7 +176,7 @@ pub struct Report {
 }
 
 /// The capabilities, in the order of the table.
-pub const CAPABILITIES: [&str; 15] = [
+pub const CAPABILITIES: [&str; 21] = [
     ABANDON,
     LOCK_EXPIRY,
     MAX_DELIVERY,
@@ -151,10 +188,16 @@ pub const CAPABILITIES: [&str; 15] = [
     ORDER,
     SESSION_ORDER,
     RECONNECT,
+    RECONNECT_CUT,
+    IN_FLIGHT,
+    RECREATED,
+    LOCK_MISMATCH,
+    FOREIGN_PRODUCER,
     P_POISON,
     P_CRASH,
     P_TWO_COPIES,
     P_LOCK_LOST,
+    LONG_HANDLER,
 ];
 
 /// A row of the capability table.
@@ -177,6 +220,8 @@ pub const RENEW: &str = "lock renewal";
 pub const ORDER: &str = "FIFO order with one receiver";
 /// A row of the capability table.
 pub const RECONNECT: &str = "reconnect after a broker restart, nothing lost";
+/// A row of the capability table.
+pub const RECONNECT_CUT: &str = "reconnect after a cut connection, nothing lost";
 /// A row of the capability table.
 pub const P_POISON: &str = "processor: poison body dead-lettered, no work";
 /// A row of the capability table.
@@ -240,7 +285,24 @@ pub async fn run<H: Harness>(harness: &H) -> Option<Report> {
     cells.insert(RENEW, renew(harness).await?);
     cells.insert(ORDER, order(harness).await?);
     cells.insert(SESSION_ORDER, harness.sessions().await?);
-    cells.insert(RECONNECT, reconnect(harness).await?);
+    let (how, cell) = reconnect_how(harness).await?;
+    let (measured, other) = match how {
+        Interruption::Cut => (RECONNECT_CUT, RECONNECT),
+        Interruption::Restarted | Interruption::Reopened => (RECONNECT, RECONNECT_CUT),
+    };
+    cells.insert(measured, cell);
+    cells.insert(
+        other,
+        not_run(match how {
+            Interruption::Cut => SHARED_SERVER,
+            Interruption::Restarted => RESTART_ONLY,
+            Interruption::Reopened => IN_PROCESS,
+        }),
+    );
+    cells.insert(IN_FLIGHT, scenarios::in_flight(harness).await?);
+    cells.insert(RECREATED, scenarios::recreated(harness).await?);
+    cells.insert(LOCK_MISMATCH, scenarios::lock_mismatch(harness).await?);
+    cells.insert(FOREIGN_PRODUCER, scenarios::foreign_producer(harness).await?);
     let stores = processor_scenarios(harness).await?;
     for (capability, by_store) in stores {
         let cell = if by_store.values().all(|c| c == YES) {
@@ -456,10 +518,21 @@ async fn order<H: Harness>(h: &H) -> Option<String> {
     Some(if seen == ids { YES.into() } else { format!("received in the order {seen:?}") })
 }
 
-/// The cell of [`RECONNECT`] when the harness cut the connections instead of restarting the
-/// broker (a broker other tests share): `.ci/run` restarts those brokers for real in a step of
-/// its own ([`reconnect`]).
-pub const CUT_ONLY: &str = "yes, on a cut connection (restarted for real by `.ci/run`)";
+/// The cell of a scenario the harness could not play: `not run: <why>`.
+pub fn not_run(why: &str) -> String {
+    format!("{NOT_RUN}: {why}")
+}
+
+/// How a cell of a scenario that did not run begins.
+pub const NOT_RUN: &str = "not run";
+
+/// Why a shared server's restart row is not run.
+pub const SHARED_SERVER: &str =
+    "a server other tests share is not restarted in `cargo test`; `.ci/run` restarts it for real";
+/// Why the cut row of a harness that restarts its server is not run.
+pub const RESTART_ONLY: &str = "this harness restarts the server and has no proxy to cut";
+/// Why the connection rows of an in-process broker are not run.
+pub const IN_PROCESS: &str = "the broker is in process: there is no connection to cut";
 
 /// The cell of [`RECONNECT`] for a broker in the test's process, reopened on its data.
 pub const REOPENED: &str = "n/a: in-process; reopened on its data, nothing lost";
@@ -472,6 +545,11 @@ pub const REOPENED: &str = "n/a: in-process; reopened on its data, nothing lost"
 ///
 /// When a message is lost or nothing works within the bound after the interruption.
 pub async fn reconnect<H: Harness>(h: &H) -> Option<String> {
+    reconnect_how(h).await.map(|(_, cell)| cell)
+}
+
+/// [`reconnect`], and how the harness interrupted.
+async fn reconnect_how<H: Harness>(h: &H) -> Option<(Interruption, String)> {
     const S: &str = "reconnect";
     // A short lock: a copy the transport had taken before the interruption comes back soon
     // wherever the broker kept its lock.
@@ -516,14 +594,11 @@ pub async fn reconnect<H: Harness>(h: &H) -> Option<String> {
             Err(err) => fail(S, format!("a permanent error after the interruption: {err}")),
         }
         if sent && waiting.is_empty() {
-            return Some(
-                match how {
-                    Interruption::Restarted => YES,
-                    Interruption::Cut => CUT_ONLY,
-                    Interruption::Reopened => REOPENED,
-                }
-                .into(),
-            );
+            let cell = match how {
+                Interruption::Restarted | Interruption::Cut => YES,
+                Interruption::Reopened => REOPENED,
+            };
+            return Some((how, cell.into()));
         }
         clock.sleep(Duration::from_millis(100)).await;
     }
@@ -600,6 +675,7 @@ async fn processor_with<H: Harness, I: Inbox>(
         (P_CRASH, crash_after_commit(h, &inbox).await?),
         (P_TWO_COPIES, two_copies(h, &inbox).await?),
         (P_LOCK_LOST, lock_lost(h, &inbox).await?),
+        (LONG_HANDLER, scenarios::long_handler(h, &inbox).await?),
     ])
 }
 
@@ -873,6 +949,13 @@ pub fn render_table(reports: &[Report]) -> String {
         s.push('\n');
     }
     s
+}
+
+impl Report {
+    /// The report of a transport that did not run at all: every cell `not run`.
+    pub fn not_run(transport: &str) -> Self {
+        Self { transport: transport.to_owned(), cells: BTreeMap::new() }
+    }
 }
 
 /// A report with these cells, for the expectations a test states.

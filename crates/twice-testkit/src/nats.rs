@@ -34,11 +34,21 @@ impl TestStream {
     ///
     /// When NATS is unreachable or the stream does not take it.
     pub async fn publish_raw(&self, body: &'static [u8]) -> Result<(), async_nats::Error> {
-        let client = async_nats::connect(NATS_URL).await?;
-        let js = async_nats::jetstream::new(client);
-        js.publish(self.subject(), body.into()).await?.await?;
-        Ok(())
+        publish_raw_to(&self.subject(), body).await
     }
+}
+
+/// Publishes `body` to `subject` with no headers at all, and waits for a stream's
+/// acknowledgement.
+///
+/// # Errors
+///
+/// When NATS is unreachable or no stream takes it.
+pub async fn publish_raw_to(subject: &str, body: &'static [u8]) -> Result<(), async_nats::Error> {
+    let client = async_nats::connect(NATS_URL).await?;
+    let js = async_nats::jetstream::new(client);
+    js.publish(subject.to_owned(), body.into()).await?.await?;
+    Ok(())
 }
 
 impl Drop for TestStream {

@@ -137,6 +137,7 @@ pub mod error;
 pub mod handler;
 pub mod health;
 pub mod idempotency;
+pub mod identity;
 pub mod ids;
 pub mod inbox;
 pub mod message;
@@ -160,6 +161,7 @@ pub use handler::{
 };
 pub use health::{Health, HealthHandle};
 pub use idempotency::IdempotencyKey;
+pub use identity::{MessageIdentity, WhenMissing};
 pub use ids::{LockToken, MessageId, SequenceNumber, SessionId};
 pub use inbox::{Claim, Inbox};
 pub use message::{Message, MessageState, Properties, ReceivedMessage, Value};

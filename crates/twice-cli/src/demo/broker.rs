@@ -92,10 +92,14 @@ pub(crate) enum DemoBroker {
     RabbitMq {
         url: String,
         run_id: String,
+        /// The prefix of queues the user named (`--queues`), used as they are.
+        named: Option<String>,
     },
     Nats {
         url: String,
         run_id: String,
+        /// The prefix of streams the user named (`--queues`), used as they are.
+        named: Option<String>,
     },
     /// `twice serve` in process: its broker (for the counts) and the server's connection
     /// string; the sender stops the server.
@@ -122,6 +126,7 @@ impl DemoBroker {
         run_id: &str,
         admin_url: Option<AdminUrl>,
         ca: Option<Ca>,
+        named: Option<String>,
     ) -> anyhow::Result<Self> {
         Ok(match kind {
             BrokerKind::Embedded => Self::Embedded(
@@ -129,8 +134,10 @@ impl DemoBroker {
                     .await
                     .context("opening the embedded broker")?,
             ),
-            BrokerKind::RabbitMq(url) => Self::RabbitMq { url: url.clone(), run_id: run_id.into() },
-            BrokerKind::Nats(url) => Self::Nats { url: url.clone(), run_id: run_id.into() },
+            BrokerKind::RabbitMq(url) => {
+                Self::RabbitMq { url: url.clone(), run_id: run_id.into(), named }
+            }
+            BrokerKind::Nats(url) => Self::Nats { url: url.clone(), run_id: run_id.into(), named },
             BrokerKind::Serve => {
                 let broker = Broker::open(BrokerOptions::durable(dir).clock(clock))
                     .await
@@ -168,12 +175,14 @@ impl DemoBroker {
 
     /// Creates the queue `name` (unique to this run on a shared server) with this lock
     /// duration, MaxDeliveryCount 10 and duplicate detection where the broker has it, and
-    /// returns the transport on it.
+    /// returns the transport on it, receiving ahead for `concurrency` handlers where the
+    /// transport is told.
     pub(crate) async fn queue(
         &self,
         name: &str,
         lock: Duration,
         clock: &SharedClock,
+        concurrency: usize,
     ) -> anyhow::Result<DemoTransport> {
         Ok(match self {
             Self::Embedded(broker) => {
@@ -186,29 +195,44 @@ impl DemoBroker {
                     receiver: broker.receiver(name).await?,
                 }
             }
-            Self::RabbitMq { url, run_id } => {
-                let options =
-                    RabbitMqOptions::new(url.as_str(), format!("twice-demo-{run_id}-{name}"))
-                        .lock_duration(lock)
-                        .clock(clock.clone());
-                DemoTransport::RabbitMq(
-                    RabbitMqTransport::connect(options)
-                        .await
-                        .with_context(|| format!("connecting to RabbitMQ at {url}"))?,
-                )
+            Self::RabbitMq { url, run_id, named } => {
+                // Only the order queues are the user's; the event queues are the run's.
+                let named = named.as_ref().filter(|_| name.starts_with("orders-"));
+                let queue = match named {
+                    Some(prefix) => format!("{prefix}-{}", name.rsplit('-').next().unwrap_or(name)),
+                    None => format!("twice-demo-{run_id}-{name}"),
+                };
+                let options = RabbitMqOptions::new(url.as_str(), queue.as_str())
+                    .lock_duration(lock)
+                    .max_concurrent_calls(concurrency)
+                    .clock(clock.clone());
+                let t = RabbitMqTransport::connect(options)
+                    .await
+                    .with_context(|| format!("connecting to RabbitMQ at {url}"))?;
+                if named.is_some() {
+                    empty_named(&queue, t.notes(), t.purge().await?);
+                }
+                DemoTransport::RabbitMq(t)
             }
-            Self::Nats { url, run_id } => {
-                let stream =
-                    format!("TWICE_DEMO_{run_id}_{}", name.replace('-', "_")).to_uppercase();
-                let options = NatsOptions::new(url.as_str(), stream)
+            Self::Nats { url, run_id, named } => {
+                let named = named.as_ref().filter(|_| name.starts_with("orders-"));
+                let stream = match named {
+                    Some(prefix) => format!("{prefix}_{}", name.rsplit('-').next().unwrap_or(name)),
+                    None => format!("TWICE_DEMO_{run_id}_{name}"),
+                }
+                .replace('-', "_")
+                .to_uppercase();
+                let options = NatsOptions::new(url.as_str(), stream.as_str())
                     .lock_duration(lock)
                     .duplicate_window(DUPLICATE_WINDOW)
                     .clock(clock.clone());
-                DemoTransport::Nats(
-                    NatsTransport::connect(options)
-                        .await
-                        .with_context(|| format!("connecting to NATS at {url}"))?,
-                )
+                let t = NatsTransport::connect(options)
+                    .await
+                    .with_context(|| format!("connecting to NATS at {url}"))?;
+                if named.is_some() {
+                    empty_named(&stream, t.notes(), t.purge().await?);
+                }
+                DemoTransport::Nats(t)
             }
             Self::Serve { broker, connection_string, .. } => {
                 let properties = QueueProperties::default()
@@ -241,6 +265,16 @@ impl DemoBroker {
             }
             _ => {}
         }
+    }
+}
+
+/// Says what a queue the user named lacks, and what emptying it removed.
+fn empty_named(queue: &str, notes: &[String], purged: u64) {
+    for note in notes {
+        eprintln!("note: {note}");
+    }
+    if purged > 0 {
+        eprintln!("note: {queue}: {purged} messages left from before were removed");
     }
 }
 

@@ -71,6 +71,13 @@ pub(crate) struct DemoArgs {
     /// RabbitMQ and NATS the queues are named after the run and deleted at the end.
     #[arg(long, value_name = "URL", default_value = "embedded", value_parser = BrokerKind::parse)]
     broker: BrokerKind,
+    /// With RabbitMQ or NATS: run on the queues PREFIX-naive and PREFIX-twice (on NATS the
+    /// streams PREFIX_NAIVE and PREFIX_TWICE) as they are, for instance quorum queues you
+    /// declared yourself with arguments of your own, instead of queues named after the run.
+    /// Missing ones are created. They are emptied at the start and left, empty, at the end; what
+    /// a queue lacks (a delivery limit, a dead-letter target) is printed as a note.
+    #[arg(long, value_name = "PREFIX")]
+    queues: Option<String>,
     /// With a connection string: the namespace's administration API, through which missing
     /// queues are created (default: `http://HOST:5300` for the emulator and `twice serve`,
     /// `https://HOST` for Azure).
@@ -129,6 +136,11 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if args.ca_file.is_some() && !matches!(args.broker, BrokerKind::ServiceBus(_)) {
         bail!("--ca-file applies to a Service Bus connection string given with --broker");
+    }
+    if args.queues.is_some()
+        && !matches!(args.broker, BrokerKind::RabbitMq(_) | BrokerKind::Nats(_))
+    {
+        bail!("--queues applies to RabbitMQ (--broker amqp://…) and NATS (--broker nats://…)");
     }
     let rates = FaultRates {
         sender_retry: args.retry_rate,
@@ -254,20 +266,23 @@ where
         &broker_run,
         args.admin_url.clone(),
         ca,
+        args.queues.clone(),
     )
     .await?;
-    let naive_queue = Arc::new(broker.queue(NAIVE_QUEUE, lock, &clock).await?);
-    let twice_queue = Arc::new(broker.queue(TWICE_QUEUE, lock, &clock).await?);
+    let concurrency = usize::try_from(args.concurrency).unwrap_or(16);
+    let queue = |name| broker.queue(name, lock, &clock, concurrency);
     let queues = Queues {
-        naive: naive_queue,
-        twice: twice_queue,
-        naive_shipped: Arc::new(broker.queue(NAIVE_SHIPPED, lock, &clock).await?),
-        twice_shipped: Arc::new(broker.queue(TWICE_SHIPPED, lock, &clock).await?),
+        naive: Arc::new(queue(NAIVE_QUEUE).await?),
+        twice: Arc::new(queue(TWICE_QUEUE).await?),
+        naive_shipped: Arc::new(queue(NAIVE_SHIPPED).await?),
+        twice_shipped: Arc::new(queue(TWICE_SHIPPED).await?),
     };
     let result = run_queues::<DB>(args, plan, pools, tables, store_name, stopwatch, &queues).await;
     if !args.keep {
-        // Leave nothing behind on a shared server, even when the run failed.
-        for q in queues.all() {
+        // Leave nothing behind on a shared server, even when the run failed; the order queues
+        // named with --queues are the user's, the event queues are always the run's.
+        let ours = if args.queues.is_some() { &queues.all()[2..] } else { &queues.all()[..] };
+        for q in ours {
             let _ = q.delete().await;
         }
     }

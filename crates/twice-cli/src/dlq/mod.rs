@@ -10,6 +10,7 @@
 //! a warning, unless `--new-id` gives the copies new ids.
 
 pub(crate) mod admin;
+mod brokers;
 mod watch;
 
 use std::collections::BTreeSet;
@@ -40,9 +41,10 @@ const DEAD_LETTER_PROPERTIES: [&str; 2] = ["DeadLetterReason", "DeadLetterErrorD
 #[derive(Debug, clap::Args)]
 pub(crate) struct DlqArgs {
     /// The namespace's connection string (`Endpoint=sb://…;SharedAccessKeyName=…;
-    /// SharedAccessKey=…`); default: the TWICE_CONNECTION_STRING variable. `twice serve`
-    /// prints its own.
-    #[arg(long, value_name = "STRING", global = true)]
+    /// SharedAccessKey=…`), or a RabbitMQ (`amqp://user:pass@host:port/vhost`) or NATS
+    /// (`nats://host:port`) server; default: the TWICE_CONNECTION_STRING variable. `twice
+    /// serve` prints its own.
+    #[arg(long, visible_alias = "connection", value_name = "STRING", global = true)]
     connection_string: Option<String>,
     /// The administration API (ATOM over HTTP), for `list`, `watch` and the
     /// duplicate-detection check of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
@@ -288,6 +290,13 @@ impl DlqArgs {
 }
 
 pub(crate) async fn run(args: DlqArgs) -> anyhow::Result<ExitCode> {
+    if let Some(broker) = brokers::Broker::of(&args) {
+        let done = match &args.command {
+            DlqCommand::Watch(w) => watch::watch_broker(&broker, w).await,
+            command => brokers::run(&broker, command).await,
+        };
+        return done.map(|()| ExitCode::SUCCESS);
+    }
     let ctx = Ctx::new(&args)?;
     let result = match args.command {
         DlqCommand::List { entity, json } => list(&ctx, entity.as_deref(), json).await,

@@ -21,6 +21,7 @@ use twice::SequenceNumber;
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 
 use super::admin::EntityCounts;
+use super::brokers::{self, Broker};
 use super::{Ctx, PEEK_PAGE, dlq_path, parse_duration};
 
 /// Options of `twice dlq watch`.
@@ -144,6 +145,40 @@ pub(crate) async fn watch(ctx: &Ctx, args: &WatchArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
         )
     };
+    let newest = |entity: String, after| {
+        let client = &client;
+        async move { newest_reason(client, &entity, after).await }
+    };
+    watch_with(args, "queue(s) and subscription(s)", read, newest).await
+}
+
+/// `twice dlq watch` on RabbitMQ (the queue `--entity` names) or NATS (every stream, or those
+/// whose name contains `--entity`); runs until Ctrl-C.
+pub(super) async fn watch_broker(broker: &Broker, args: &WatchArgs) -> anyhow::Result<()> {
+    let read = || brokers::counts(broker, args.entity.as_deref());
+    let newest =
+        |entity: String, after| async move { brokers::newest_reason(broker, &entity, after).await };
+    let what = match broker {
+        Broker::RabbitMq(_) => "queue(s)",
+        Broker::Nats(_) => "stream(s)",
+    };
+    watch_with(args, what, read, newest).await
+}
+
+/// The watch: `read` gives the counts, `newest` the reason of an entity's newest dead-lettered
+/// message after a sequence number (and that message's sequence number).
+async fn watch_with<R, RF, N, NF>(
+    args: &WatchArgs,
+    what: &str,
+    read: R,
+    newest: N,
+) -> anyhow::Result<()>
+where
+    R: Fn() -> RF,
+    RF: Future<Output = anyhow::Result<Vec<EntityCounts>>>,
+    N: Fn(String, Option<i64>) -> NF,
+    NF: Future<Output = (String, Option<i64>)>,
+{
     // A std Mutex: short sections, never held across an await.
     let state = Arc::new(Mutex::new(State::default()));
     let first = read().await?;
@@ -154,11 +189,7 @@ pub(crate) async fn watch(ctx: &Ctx, args: &WatchArgs) -> anyhow::Result<()> {
         println!("metrics: http://{}/metrics", listener.local_addr()?);
         tokio::spawn(serve_metrics(listener, Arc::clone(&state)));
     }
-    println!(
-        "watching {} queue(s) and subscription(s) every {:?}; Ctrl-C stops",
-        first.len(),
-        args.interval
-    );
+    println!("watching {} {what} every {:?}; Ctrl-C stops", first.len(), args.interval);
     let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
     loop {
         tokio::select! {
@@ -176,7 +207,7 @@ pub(crate) async fn watch(ctx: &Ctx, args: &WatchArgs) -> anyhow::Result<()> {
         let rises = lock(&state).update(&counts, false);
         for rise in rises {
             let after = lock(&state).entities.get(&rise.entity).and_then(|w| w.newest);
-            let (reason, newest) = newest_reason(&client, &rise.entity, after).await;
+            let (reason, newest) = newest(rise.entity.clone(), after).await;
             if let Some(w) = lock(&state).entities.get_mut(&rise.entity) {
                 w.newest = newest.or(w.newest);
             }

@@ -4,6 +4,7 @@
 use std::process::Command;
 
 use serde_json::Value;
+use twice_testkit::rabbitmq::TestQueue;
 use twice_testkit::serve::ServeProcess;
 
 const POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -130,6 +131,33 @@ fn demo_on_rabbitmq_keeps_every_invariant_and_naive_double_charges() {
         return;
     }
     let (success, json) = run_demo(&["--broker", "amqp://guest:guest@127.0.0.1:5672/%2f"]);
+    assert_eq!(json["broker"], "rabbitmq");
+    check(success, &json);
+}
+
+#[test]
+fn demo_on_rabbitmq_quorum_queues_declared_by_hand_keeps_every_invariant() {
+    if !reachable("127.0.0.1:5672") {
+        return;
+    }
+    let prefix = twice_testkit::db::unique_name("hand");
+    // Quorum queues as their owner declared them: a length limit, a delivery limit of their
+    // own, no dead-letter target; the demo must use them as they are.
+    let queues = ["naive", "twice"].map(|q| TestQueue::named(format!("{prefix}-{q}")));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for q in &queues {
+        rt.block_on(q.declare_by_hand(
+            &[("x-queue-type", "quorum")],
+            &[("x-max-length", 100_000), ("x-delivery-limit", 20)],
+        ))
+        .expect("declaring the queue by hand");
+    }
+    let (success, json) = run_demo(&[
+        "--broker",
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        "--queues",
+        prefix.as_str(),
+    ]);
     assert_eq!(json["broker"], "rabbitmq");
     check(success, &json);
 }

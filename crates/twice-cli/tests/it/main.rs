@@ -3,5 +3,6 @@
 mod data;
 mod demo;
 mod dlq;
+mod dlq_brokers;
 mod outbox;
 mod serve;

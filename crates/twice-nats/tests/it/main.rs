@@ -1,9 +1,15 @@
 //! The NATS JetStream transport against the NATS server on 127.0.0.1:4222.
 
+mod handled;
+mod loss;
+
 use std::time::Duration;
 use twice::Receive as _;
 
-use twice::{DeadLetterReason, Delivery as _, Message, Properties, Transport, TransportError};
+use twice::{
+    DeadLetterReason, Delivery as _, Message, MessageIdentity, Properties, Transport,
+    TransportError,
+};
 use twice_nats::{NatsDelivery, NatsOptions, NatsTransport};
 use twice_testkit::nats::{NATS_URL, TestStream};
 use twice_testkit::proxy::Proxy;
@@ -137,24 +143,47 @@ async fn renewal_keeps_the_message_from_being_redelivered() {
 }
 
 #[tokio::test]
-async fn messages_without_an_id_get_distinct_ids_from_their_stream_sequence() {
+async fn a_message_without_an_id_is_dead_lettered_not_handled() {
     let Some((s, t)) = stream(|o| o).await else { return };
-    s.publish_raw(b"same").await.unwrap();
-    s.publish_raw(b"same").await.unwrap();
-    let got = t.receive(2, WAIT).await.unwrap();
-    assert_eq!(got.len(), 2);
+    s.publish_raw(b"anonymous").await.unwrap();
+    t.send(Message::new("named").with_message_id("named")).await.unwrap();
+    let d = receive_one(&t).await;
+    assert_eq!(d.message().message_id().as_str(), "named", "the anonymous one is never handed out");
+    t.complete(&d).await.unwrap();
+    let dlq = t.dead_letter_receiver().await.unwrap();
+    let d = receive_one(&dlq).await;
+    assert_eq!(d.message().body().as_ref(), b"anonymous");
+    assert_eq!(d.message().dead_letter_reason.as_deref(), Some(twice_nats::MISSING_MESSAGE_ID));
+    assert!(!d.message().message_id().as_str().is_empty(), "shown under the id of its move");
+    dlq.complete(&d).await.unwrap();
+    assert_eq!(t.message_count().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn the_identity_policy_names_messages_by_a_header_or_their_content() {
+    let Some((s, t)) = stream(|o| o.identity(MessageIdentity::property("event-id"))).await else {
+        return;
+    };
+    t.send(Message::new("x").with_message_id("broker-id").with_property("event-id", "e-7"))
+        .await
+        .unwrap();
+    let d = receive_one(&t).await;
+    assert_eq!(d.message().message_id().as_str(), "e-7", "the header, not Nats-Msg-Id");
+    t.complete(&d).await.unwrap();
+
+    let hashed = MessageIdentity::message_id().or_content_hash();
+    let Some((s2, t2)) = stream(|o| o.identity(hashed)).await else { return };
+    s2.publish_raw(b"same").await.unwrap();
+    s2.publish_raw(b"same").await.unwrap();
+    let got = t2.receive(2, WAIT).await.unwrap();
+    assert_eq!(got.len(), 2, "two publications are two stored messages");
     let ids: Vec<_> = got.iter().map(|d| d.message().message_id().as_str().to_owned()).collect();
-    assert_eq!(ids, [format!("{}:1", s.name()), format!("{}:2", s.name())]);
+    assert_eq!(ids[0], ids[1], "of the same content: one id, so the claim makes them one");
+    assert!(ids[0].starts_with("sha256:"));
     for d in &got {
-        t.abandon(d, Properties::new()).await.unwrap();
+        t2.complete(d).await.unwrap();
     }
-    let again = t.receive(2, WAIT).await.unwrap();
-    let again_ids: Vec<_> =
-        again.iter().map(|d| d.message().message_id().as_str().to_owned()).collect();
-    assert_eq!(again_ids, ids, "a redelivery keeps its id");
-    for d in &again {
-        t.complete(d).await.unwrap();
-    }
+    drop(s);
 }
 
 #[tokio::test]
@@ -204,39 +233,6 @@ async fn after_the_connection_is_cut_the_client_reconnects_and_settles() {
 }
 
 #[tokio::test]
-async fn a_message_jetstream_stopped_delivering_is_moved_to_the_dead_letter_stream() {
-    let Some((s, t)) = stream(|o| o.max_delivery_count(Some(1))).await else { return };
-    t.send(Message::new("x").with_message_id("m")).await.unwrap();
-    // Another client on the same consumer takes both deliveries MaxDeliver allows and never
-    // settles them, as a process that died before it could would.
-    let client = async_nats::connect(NATS_URL).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let consumer: async_nats::jetstream::consumer::PullConsumer =
-        js.get_stream(s.name()).await.unwrap().get_consumer("twice").await.unwrap();
-    for _ in 0..2 {
-        let mut batch = consumer
-            .batch()
-            .max_messages(1)
-            .expires(Duration::from_secs(5))
-            .messages()
-            .await
-            .unwrap();
-        let m = futures::StreamExt::next(&mut batch).await.expect("a delivery").unwrap();
-        m.ack_with(async_nats::jetstream::AckKind::Nak(None)).await.unwrap();
-    }
-    // A further pull makes the server try again and give up with the advisory.
-    let mut batch =
-        consumer.batch().max_messages(1).expires(Duration::from_secs(1)).messages().await.unwrap();
-    while futures::StreamExt::next(&mut batch).await.is_some() {}
-    let dlq = t.dead_letter_receiver().await.unwrap();
-    let d = receive_one(&dlq).await;
-    assert_eq!(d.message().message_id().as_str(), "m");
-    assert_eq!(d.message().dead_letter_reason.as_deref(), Some("MaxDeliveryCountExceeded"));
-    dlq.complete(&d).await.unwrap();
-    assert_eq!(t.message_count().await.unwrap(), 0, "it was deleted from the stream");
-}
-
-#[tokio::test]
 async fn the_message_time_to_live_is_the_max_age_of_the_stream() {
     let Some((_s, t)) = stream(|o| o).await else { return };
     assert_eq!(t.entity().message_time_to_live, None, "max_age 0 keeps messages forever");
@@ -272,4 +268,63 @@ async fn an_existing_stream_reports_its_own_max_age() {
     t.send(Message::new("x").with_message_id("short-lived")).await.unwrap();
     tokio::time::sleep(max_age * 2).await;
     assert!(t.receive(1, Duration::from_millis(300)).await.unwrap().is_empty(), "aged out");
+}
+
+#[tokio::test]
+async fn the_lock_is_the_existing_consumers_ack_wait_counted_from_the_pull() {
+    use async_nats::jetstream::{self, consumer::pull, stream};
+    let s = TestStream::new("TWICE_NATS");
+    let client = async_nats::connect(NATS_URL).await;
+    let Some(client) = twice_testkit::require_service("NATS", client) else { return };
+    let js = jetstream::new(client);
+    let created = js
+        .create_stream(stream::Config {
+            name: s.name().to_owned(),
+            subjects: vec![s.subject()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            ..stream::Config::default()
+        })
+        .await
+        .unwrap();
+    let ack_wait = Duration::from_secs(2);
+    let _: jetstream::consumer::PullConsumer = created
+        .create_consumer(pull::Config {
+            durable_name: Some("twice".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait,
+            ..pull::Config::default()
+        })
+        .await
+        .unwrap();
+    // The options say 60 s; the server's consumer says 2 s, and the server is right.
+    let t = NatsTransport::connect(NatsOptions::new(NATS_URL, s.name())).await.unwrap();
+    assert_eq!(t.entity().lock_duration, ack_wait, "the consumer's AckWait is the lock");
+    t.send(Message::new("x").with_message_id("m")).await.unwrap();
+    let clock = twice::SharedClock::system();
+    let before = clock.now();
+    let d = receive_one(&t).await;
+    let until = d.message().locked_until.unwrap();
+    assert!(until <= before + ack_wait + Duration::from_millis(5), "no later than the server's");
+    let again = receive_one(&t).await;
+    assert_eq!(again.message().delivery_count, 2, "the server delivered it again at AckWait");
+    assert!(t.complete(&d).await.unwrap_err().is_lock_lost());
+    t.complete(&again).await.unwrap();
+}
+
+#[tokio::test]
+async fn peek_reads_stored_messages_without_taking_them() {
+    let Some((_s, t)) = stream(|o| o).await else { return };
+    for id in ["a", "b", "c"] {
+        t.send(Message::new(id).with_message_id(id)).await.unwrap();
+    }
+    let got = t.receive(2, WAIT).await.unwrap();
+    t.complete(&got[1]).await.unwrap();
+    t.release(&got[0]).await.unwrap();
+    let peeked = t.peek(None, 10).await.unwrap();
+    let ids: Vec<_> = peeked.iter().map(|m| m.message_id().as_str().to_owned()).collect();
+    assert_eq!(ids, ["a", "c"], "the acknowledged one is gone; nothing is taken");
+    assert_eq!(peeked[1].sequence_number.get(), 3);
+    let from = t.peek(Some(2), 10).await.unwrap();
+    assert_eq!(from.len(), 1);
+    assert_eq!(t.message_count().await.unwrap(), 2);
 }

@@ -21,7 +21,7 @@ use twice_testkit::conformance::{Entity, EntitySettings, Harness, Interruption, 
 use twice_testkit::nats::TestStream;
 use twice_testkit::process::ServerRestart;
 use twice_testkit::proxy::Proxy;
-use twice_testkit::rabbitmq::TestQueue;
+use twice_testkit::rabbitmq::{TestQueue, publish_raw_to};
 use twice_testkit::require_service;
 
 /// Receives and completes everything `t` has now.
@@ -62,6 +62,7 @@ impl Opened {
 
 pub(crate) struct EmbeddedEntity {
     queue: String,
+    settings: EntitySettings,
     // A std Mutex: cloned out or swapped, never held across an await.
     opened: Mutex<Opened>,
     dir: TempDir,
@@ -96,6 +97,27 @@ impl Entity for EmbeddedEntity {
         *self.opened.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = reopened;
         Interruption::Reopened
     }
+
+    /// A send without an id: the broker names the message at enqueue.
+    async fn send_without_id(&self, body: &'static [u8]) -> Option<Result<(), TransportError>> {
+        Some(
+            self.opened()
+                .broker
+                .send(&self.queue, Message::new(body))
+                .await
+                .map(|_| ())
+                .map_err(Into::into),
+        )
+    }
+
+    async fn recreate(&self) -> Option<Result<(), TransportError>> {
+        let broker = self.opened().broker;
+        let remade = async {
+            broker.delete_queue(&self.queue).await?;
+            broker.create_queue(&self.queue, queue_properties(self.settings)).await
+        };
+        Some(remade.await.map_err(Into::into))
+    }
 }
 
 impl Harness for Embedded {
@@ -118,7 +140,16 @@ impl Harness for Embedded {
         broker.create_queue(&queue, queue_properties(s)).await.expect("creating the queue");
         broker.shutdown().await;
         let opened = Mutex::new(Opened::open(dir.path(), &queue).await);
-        Some(EmbeddedEntity { queue, opened, dir })
+        Some(EmbeddedEntity { queue, settings: s, opened, dir })
+    }
+
+    async fn create_with_lock_told(
+        &self,
+        _settings: EntitySettings,
+        _told: Duration,
+    ) -> Option<Result<EmbeddedEntity, String>> {
+        Some(Err("the embedded receiver takes the lock from its entity: it cannot be told another"
+            .into()))
     }
 
     async fn sessions(&self) -> Option<String> {
@@ -209,6 +240,7 @@ impl Serving {
 }
 
 pub(crate) struct ServiceBusEntity {
+    settings: EntitySettings,
     transport: Arc<SbReceiver>,
     dead_letters: SbReceiver,
     sender: Sender,
@@ -241,7 +273,33 @@ impl Entity for ServiceBusEntity {
         *serving = restarted.run(server);
         Interruption::Restarted
     }
+
+    /// A send without an id, straight to the broker behind `twice serve` (the Service Bus
+    /// client always sets one): the broker names the message at enqueue.
+    async fn send_without_id(&self, body: &'static [u8]) -> Option<Result<(), TransportError>> {
+        let broker = self.serving.lock().await.broker.clone();
+        Some(broker.send(SB_QUEUE, Message::new(body)).await.map(|_| ()).map_err(Into::into))
+    }
+
+    async fn recreate(&self) -> Option<Result<(), TransportError>> {
+        let broker = self.serving.lock().await.broker.clone();
+        let remade = async {
+            broker.delete_queue(SB_QUEUE).await?;
+            broker.create_queue(SB_QUEUE, queue_properties(self.settings)).await
+        };
+        Some(remade.await.map_err(Into::into))
+    }
 }
+
+/// Why the embedded broker's lock row is not run.
+pub(crate) const EMBEDDED_LOCK: &str =
+    "the embedded receiver takes the lock from its entity: it cannot be told another";
+/// Why RabbitMQ's lock row is not run.
+pub(crate) const RABBITMQ_LOCK: &str =
+    "RabbitMQ has no lock of its own: the transport's is the only one";
+
+/// The queue of the Service Bus harness.
+const SB_QUEUE: &str = "kit";
 
 impl Drop for ServiceBusEntity {
     fn drop(&mut self) {
@@ -264,12 +322,35 @@ impl Harness for ServiceBus {
     }
 
     async fn create(&self, s: EntitySettings) -> Option<ServiceBusEntity> {
+        Some(self.create_told(s, None).await)
+    }
+
+    /// The receiver is told the entity's lock is `told` (its `entity_info`); the broker's
+    /// deliveries carry their real lock.
+    async fn create_with_lock_told(
+        &self,
+        s: EntitySettings,
+        told: Duration,
+    ) -> Option<Result<ServiceBusEntity, String>> {
+        Some(Ok(self.create_told(s, Some(told)).await))
+    }
+
+    async fn sessions(&self) -> Option<String> {
+        self.sessions_of().await
+    }
+}
+
+impl ServiceBus {
+    async fn create_told(&self, s: EntitySettings, told: Option<Duration>) -> ServiceBusEntity {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let queue = "kit";
+        let queue = SB_QUEUE;
         let (serving, server) =
             Serving::start(dir.path(), SocketAddr::from(([127, 0, 0, 1], 0))).await;
         serving.broker.create_queue(queue, queue_properties(s)).await.expect("creating the queue");
-        let info = serving.broker.entity_info(queue).await.expect("the queue");
+        let mut info = serving.broker.entity_info(queue).await.expect("the queue");
+        if let Some(told) = told {
+            info.lock_duration = told;
+        }
         let addr = server.amqp_addr();
         let options = ClientOptions::from_connection_string(&server.connection_string())
             .expect("the server's connection string")
@@ -283,10 +364,10 @@ impl Harness for ServiceBus {
         let dead_letters =
             client.receiver(&format!("{queue}/$DeadLetterQueue"), ReceiverOptions::new());
         let sender = client.sender(queue);
-        Some(ServiceBusEntity { transport, dead_letters, sender, addr, serving, dir })
+        ServiceBusEntity { settings: s, transport, dead_letters, sender, addr, serving, dir }
     }
 
-    async fn sessions(&self) -> Option<String> {
+    async fn sessions_of(&self) -> Option<String> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let (serving, server) =
             Serving::start(dir.path(), SocketAddr::from(([127, 0, 0, 1], 0))).await;
@@ -355,12 +436,24 @@ impl ServerTransport for NatsTransport {
     }
 }
 
+/// What a server entity does through the broker's own client.
+type Raw = Box<
+    dyn Fn(&'static [u8]) -> futures::future::BoxFuture<'static, Result<(), TransportError>>
+        + Send
+        + Sync,
+>;
+/// Deletes the entity and makes it again.
+type Remake =
+    Box<dyn Fn() -> futures::future::BoxFuture<'static, Result<(), TransportError>> + Send + Sync>;
+
 /// An entity on a server, reached through a proxy the kit can cut; `G` deletes it on drop.
 pub(crate) struct ServerEntity<T, G> {
     transport: Arc<T>,
     dead_letters: T,
     proxy: Proxy,
     restart: Option<ServerRestart>,
+    raw: Raw,
+    remake: Remake,
     _guard: G,
 }
 
@@ -393,6 +486,18 @@ impl<T: ServerTransport, G: Send + Sync + 'static> Entity for ServerEntity<T, G>
             }
         }
     }
+
+    async fn send_without_id(&self, body: &'static [u8]) -> Option<Result<(), TransportError>> {
+        Some((self.raw)(body).await)
+    }
+
+    async fn recreate(&self) -> Option<Result<(), TransportError>> {
+        Some((self.remake)().await)
+    }
+}
+
+fn other(e: impl std::fmt::Display) -> TransportError {
+    TransportError::Other { message: e.to_string(), transient: false, source: None }
 }
 
 /// RabbitMQ (on 127.0.0.1:5672 unless given), through a proxy the kit can cut, or restarted
@@ -416,18 +521,43 @@ impl Harness for RabbitMq {
         let url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
         // RabbitMQ has no duplicate detection to turn on or off.
         let options = RabbitMqOptions::new(url, queue.name())
+            .max_concurrent_calls(4)
             .lock_duration(s.lock_duration)
             .max_delivery_count(Some(s.max_delivery_count));
         // Reachable (the proxy connected): a refusal now is a failure, not a reason to skip.
-        let transport = RabbitMqTransport::connect(options).await.expect("creating the queue");
+        let transport =
+            RabbitMqTransport::connect(options.clone()).await.expect("creating the queue");
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter queue");
+        let name = queue.name().to_owned();
+        let raw: Raw = Box::new(move |body| {
+            let name = name.clone();
+            Box::pin(async move { publish_raw_to(&name, body).await.map_err(other) })
+        });
+        let remake: Remake = Box::new(move || {
+            let options = options.clone();
+            Box::pin(async move {
+                // Deleted and declared again by transports of their own.
+                RabbitMqTransport::connect(options.clone()).await?.delete().await?;
+                RabbitMqTransport::connect(options).await.map(|_| ())
+            })
+        });
         Some(ServerEntity {
             transport: Arc::new(transport),
             dead_letters,
             proxy,
             restart: self.restart.clone(),
+            raw,
+            remake,
             _guard: queue,
         })
+    }
+
+    async fn create_with_lock_told(
+        &self,
+        _settings: EntitySettings,
+        _told: Duration,
+    ) -> Option<Result<Self::Entity, String>> {
+        Some(Err(RABBITMQ_LOCK.into()))
     }
 
     async fn sessions(&self) -> Option<String> {
@@ -455,6 +585,30 @@ impl Harness for Nats {
     }
 
     async fn create(&self, s: EntitySettings) -> Option<Self::Entity> {
+        self.create_told(s, None).await
+    }
+
+    /// The stream and its consumer made first, with the broker's lock as `AckWait`; the
+    /// transport is told another.
+    async fn create_with_lock_told(
+        &self,
+        s: EntitySettings,
+        told: Duration,
+    ) -> Option<Result<Self::Entity, String>> {
+        self.create_told(s, Some(told)).await.map(Ok)
+    }
+
+    async fn sessions(&self) -> Option<String> {
+        without_sessions(self, NATS_INSTEAD_OF_SESSIONS).await
+    }
+}
+
+impl Nats {
+    async fn create_told(
+        &self,
+        s: EntitySettings,
+        told: Option<Duration>,
+    ) -> Option<ServerEntity<NatsTransport, TestStream>> {
         let target = self.restart.as_ref().map_or("127.0.0.1:4222", ServerRestart::addr);
         let proxy = require_service("NATS", Proxy::start(target).await)?;
         let stream = TestStream::new("TWICE_KIT");
@@ -470,20 +624,41 @@ impl Harness for Nats {
             .lock_duration(s.lock_duration)
             .max_delivery_count(Some(s.max_delivery_count))
             .duplicate_window(window);
+        if told.is_some() {
+            // The broker's consumer first, with the broker's lock as AckWait.
+            NatsTransport::connect(options.clone()).await.expect("creating the stream");
+        }
+        let options = match told {
+            Some(told) => options.lock_duration(told),
+            None => options,
+        };
         // Reachable (the proxy connected): a refusal now is a failure, not a reason to skip.
-        let transport = NatsTransport::connect(options).await.expect("creating the stream");
+        let transport = NatsTransport::connect(options.clone()).await.expect("creating the stream");
         let dead_letters = transport.dead_letter_receiver().await.expect("the dead-letter stream");
+        let subject = stream.subject();
+        let raw: Raw = Box::new(move |body| {
+            let subject = subject.clone();
+            Box::pin(async move {
+                twice_testkit::nats::publish_raw_to(&subject, body).await.map_err(other)
+            })
+        });
+        let remake: Remake = Box::new(move || {
+            let options = options.clone();
+            Box::pin(async move {
+                // Deleted and made again by a transport of its own.
+                NatsTransport::connect(options.clone()).await?.delete().await?;
+                NatsTransport::connect(options).await.map(|_| ())
+            })
+        });
         Some(ServerEntity {
             transport: Arc::new(transport),
             dead_letters,
             proxy,
             restart: self.restart.clone(),
+            raw,
+            remake,
             _guard: stream,
         })
-    }
-
-    async fn sessions(&self) -> Option<String> {
-        without_sessions(self, NATS_INSTEAD_OF_SESSIONS).await
     }
 }
 
