@@ -98,6 +98,7 @@ mod attach;
 mod convert;
 mod dead_letter;
 mod options;
+mod publish;
 mod rescue;
 
 use std::fmt;

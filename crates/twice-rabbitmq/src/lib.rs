@@ -126,6 +126,7 @@ mod convert;
 mod declare;
 mod lock;
 mod options;
+mod publish;
 mod version;
 
 use std::fmt;
@@ -427,7 +428,7 @@ impl RabbitMqTransport {
         let until = clock.now() + self.inner.options.send_timeout;
         let mut pause = Duration::from_millis(50);
         loop {
-            match self.publish(&queue, &message.body, properties.clone()).await {
+            match self.publish_to(&queue, &message.body, properties.clone()).await {
                 Ok(()) => return Ok(id),
                 Err(e) if e.is_transient() && clock.now() + pause < until => {
                     tracing::debug!(queue = %queue, id = %id, "a publish was not confirmed; trying again with the same id: {e}");
@@ -439,7 +440,7 @@ impl RabbitMqTransport {
         }
     }
 
-    async fn publish(
+    pub(crate) async fn publish_to(
         &self,
         queue: &str,
         body: &[u8],
@@ -624,7 +625,7 @@ impl RabbitMqTransport {
         let extra = [(convert::RETURNS, AMQPValue::LongLongInt(count))];
         let properties = convert::to_amqp(&copy, message.enqueued_time, &extra)?;
         let queue = self.inner.options.queue.clone();
-        if let Err(e) = self.publish(&queue, &copy.body, properties).await {
+        if let Err(e) = self.publish_to(&queue, &copy.body, properties).await {
             tracing::warn!(queue = %queue, "returning a message with its count failed; requeued without it: {e}");
             return settled(acker.nack(requeue).await);
         }
@@ -654,7 +655,7 @@ impl RabbitMqTransport {
         copy.message_id.clone_from(&delivery.original_id);
         let properties = convert::to_amqp(&copy, message.enqueued_time, &extra)?;
         let dlq = self.inner.dead_letter_queue.clone();
-        if let Err(e) = self.publish(&dlq, &copy.body, properties).await {
+        if let Err(e) = self.publish_to(&dlq, &copy.body, properties).await {
             let requeue = BasicNackOptions { requeue: true, ..BasicNackOptions::default() };
             let _ = delivery.acker.nack(requeue).await;
             return Err(e);

@@ -509,6 +509,11 @@ where
     let reasons: Vec<&str> = parked.iter().map(|r| r.last_error.as_deref().unwrap_or("")).collect();
     assert!(reasons[0].contains("not found"), "{}: {reasons:?}", F::NAME);
     assert!(reasons[1].contains("exceeds"), "{}: {reasons:?}", F::NAME);
+    // Counted at the acknowledgement; its row is deleted just after.
+    until_async("the sent row deleted", || async {
+        outbox.stats().await.expect("stats").pending == 0
+    })
+    .await;
     let stats = outbox.stats().await.expect("stats");
     assert_eq!((stats.pending, stats.parked), (0, 2), "{stats:?}");
     let shipped = peek_all(&broker, "shipped").await;
@@ -521,7 +526,8 @@ where
     until("the retried row sent", || counters.snapshot().sent == 2).await;
     assert_eq!(peek_all(&broker, "no-such-queue").await.len(), 1);
     assert_eq!(F::discard_parked(&outbox).await, 1);
-    assert_eq!(outbox_rows(&f, "outbox_park").await, 0);
+    until_async("the retried row deleted", || async { outbox_rows(&f, "outbox_park").await == 0 })
+        .await;
     shutdown.trigger();
     task.await.expect("join");
 }

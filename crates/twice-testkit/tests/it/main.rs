@@ -11,6 +11,7 @@
 //! expectations only decide whether the test passes.
 
 mod harness;
+mod outbox;
 
 use twice_testkit::conformance::sessions::no_sessions;
 use twice_testkit::conformance::{self, Report, not_run};

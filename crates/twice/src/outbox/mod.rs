@@ -369,6 +369,24 @@ pub trait Publish: Send + Sync + fmt::Debug + 'static {
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
 }
 
+impl<P: Publish> Publish for Arc<P> {
+    fn system(&self) -> &'static str {
+        (**self).system()
+    }
+
+    fn schedules(&self) -> bool {
+        (**self).schedules()
+    }
+
+    fn publish(
+        &self,
+        destination: &str,
+        message: Message,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        (**self).publish(destination, message)
+    }
+}
+
 /// Whether the relay gives up on a row for `error` (parks it) rather than retrying.
 pub fn is_permanent(error: &TransportError) -> bool {
     match error {

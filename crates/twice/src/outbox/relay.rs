@@ -519,7 +519,6 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                     sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s);
                 }
                 Err(e) if is_permanent(&e) => {
-                    self.counters.record_parked();
                     tracing::warn!(
                         seq = row.seq,
                         message_id = %id,
@@ -527,6 +526,7 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                         "the broker refused an outbox message for good; it is parked: {e}"
                     );
                     self.store_call(self.store.park(&self.owner, row.seq, &e.to_string())).await;
+                    self.counters.record_parked();
                 }
                 Err(e) => {
                     self.counters.record_failure();
