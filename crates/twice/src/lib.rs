@@ -11,6 +11,12 @@
 //! See [`processor`] for what happens to each message, [`Mode`] for the three ways of
 //! protecting work, and [`IdempotencyKey`] for work that cannot join the transaction.
 //!
+//! A handler that sends a follow-up message sends it through its context
+//! ([`Context::send`], [`Context::publish`], [`Context::schedule`]): the message becomes a row
+//! of the [`outbox`] in the same transaction, sent by a [`Relay`] only once that transaction
+//! has committed, under an id fixed when the row was written. So no work that rolls back
+//! announces itself, and no work that commits goes unannounced.
+//!
 //! # Example
 //!
 //! The seed's shipping handler: one shipment per `OrderPlaced`, with the database as the only

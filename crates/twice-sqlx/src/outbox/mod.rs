@@ -6,7 +6,7 @@
 //! HTTP handler ── SqlxOutbox::send(&mut tx) ──▶ rows in the caller's transaction ──┘
 //! ```
 //!
-//! - [`SqlxOutbox`] is the table. Give it to the inbox ([`SqlxInbox::with_outbox`]) so that a
+//! - [`SqlxOutbox`] is the table. Give it to the inbox ([`SqlxInbox::with_outbox`](crate::SqlxInbox::with_outbox)) so that a
 //!   handler's [`twice::Context::send`] writes rows in the transaction that claimed the
 //!   message; use [`SqlxOutbox::send`] or [`SqlxOutbox::write`] on your own transaction
 //!   elsewhere.
@@ -14,6 +14,87 @@
 //!   .run(shutdown)`, with any [`twice::Publish`] (the embedded broker, the Service Bus client,
 //!   RabbitMQ, NATS). A commit in this process wakes it at once; it polls for rows written
 //!   elsewhere.
+//!
+//! # Example
+//!
+//! A shipping handler that announces `OrderShipped` through the outbox, and a relay that sends
+//! it to the queue `shipped` of an embedded broker once the handler's transaction committed.
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use twice::{json_fn, Context, Message, Outcome, Processor, ProcessorOptions, Relay, RelayOptions};
+//! use twice_broker::{config::QueueProperties, Broker, BrokerOptions};
+//! use twice_sqlx::{InboxOptions, OutboxOptions, SqlxInbox, SqlxOutbox};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct OrderPlaced {
+//!     order_id: i64,
+//! }
+//!
+//! let dir = tempfile::tempdir()?;
+//! let pool = sqlx::SqlitePool::connect_with(twice_sqlx::sqlite::connect_options(
+//!     dir.path().join("shop.db"),
+//! ))
+//! .await?;
+//! sqlx::query("CREATE TABLE shipments (order_id INTEGER NOT NULL UNIQUE)").execute(&pool).await?;
+//! let outbox = SqlxOutbox::new(pool.clone(), OutboxOptions::new()).await?;
+//! let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new()).await?.with_outbox(outbox.clone());
+//!
+//! let handler = json_fn(
+//!     |ctx: Context<'_>, order: OrderPlaced, tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>| {
+//!         Box::pin(async move {
+//!             sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)")
+//!                 .bind(order.order_id)
+//!                 .execute(&mut **tx)
+//!                 .await?;
+//!             // A row in this transaction: sent only if the shipment commits, with an id
+//!             // derived from this message's, the same on every redelivery.
+//!             let event = format!(r#"{{"order_id":{}}}"#, order.order_id);
+//!             ctx.send("shipped", Message::new(event))?;
+//!             Ok(Outcome::Complete)
+//!         })
+//!     },
+//! );
+//!
+//! let broker = Broker::open(BrokerOptions::in_memory()).await?;
+//! broker.create_queue("orders", QueueProperties::default()).await?;
+//! broker.create_queue("shipped", QueueProperties::default()).await?;
+//! broker.send("orders", Message::new(r#"{"order_id":42}"#).with_message_id("order-42")).await?;
+//!
+//! let processor = Processor::new(
+//!     broker.receiver("orders").await?,
+//!     inbox,
+//!     handler,
+//!     ProcessorOptions::new().consumer("shipping"),
+//! );
+//! let relay = Relay::new(outbox, broker.clone(), RelayOptions::new());
+//! let sent = relay.counters();
+//! let until_sent = {
+//!     let sent = sent.clone();
+//!     async move {
+//!         while sent.snapshot().sent < 1 {
+//!             tokio::task::yield_now().await;
+//!         }
+//!     }
+//! };
+//! // The processor runs until the relay has sent the event; the relay stops with it.
+//! let (done, stop) = tokio::sync::oneshot::channel::<()>();
+//! let relay = tokio::spawn(relay.run(async move {
+//!     let _ = stop.await;
+//! }));
+//! processor.run(until_sent).await?;
+//! let _ = done.send(());
+//! relay.await?;
+//!
+//! let shipped = broker.receive("shipped", 1, std::time::Duration::from_secs(5)).await?;
+//! assert_eq!(&shipped[0].body()[..], br#"{"order_id":42}"#);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "sqlite"))]
+//! # fn main() {}
+//! ```
 //!
 //! # The table
 //!

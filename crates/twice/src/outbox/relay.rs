@@ -1,24 +1,4 @@
-//! The relay: sends an outbox's committed rows on a broker, in order per ordering key.
-//!
-//! One turn: lease a batch of due rows, send each ordering key's rows in order (different keys
-//! concurrently), then delete the rows the broker acknowledged in one statement. A transient
-//! failure holds the rest of its key back and retries the row after a backoff; a permanent one
-//! parks the row. Between turns the relay sleeps until a local commit wakes it
-//! ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
-//! processes and by relays that died.
-//!
-//! With the `metrics` cargo feature the relay records, labelled by `destination` where it says
-//! so:
-//!
-//! | metric | kind | what |
-//! |---|---|---|
-//! | `twice_outbox_sent_total` | counter | messages the broker acknowledged, label `destination` |
-//! | `twice_outbox_send_failures_total` | counter | sends that failed and will be retried |
-//! | `twice_outbox_parked_total` | counter | rows parked by this relay |
-//! | `twice_outbox_relay_lag_seconds` | histogram | from the row's write to the broker's acknowledgement |
-//! | `twice_outbox_pending` | gauge | rows not yet sent (from the store, every stats interval) |
-//! | `twice_outbox_oldest_pending_seconds` | gauge | age of the oldest of them |
-//! | `twice_outbox_parked` | gauge | rows parked in the table |
+//! The relay: sends an outbox's committed rows on a broker; see [`Relay`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -297,7 +277,29 @@ impl RelayCounters {
 type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
 type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
-/// Sends an outbox's rows on a broker; see the [module docs](self).
+/// The relay: sends an outbox's committed rows on a broker, in order per ordering key.
+///
+/// One turn: lease a batch of due rows, send each ordering key's rows in order (different keys
+/// concurrently), then delete the rows the broker acknowledged in one statement. A transient
+/// failure holds the rest of its key back and retries the row after a backoff; a permanent one
+/// parks the row. Between turns the relay sleeps until a local commit wakes it
+/// ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
+/// processes and by relays that died.
+///
+/// With the `metrics` cargo feature the relay records, labelled by `destination` where it says
+/// so:
+///
+/// | metric | kind | what |
+/// |---|---|---|
+/// | `twice_outbox_sent_total` | counter | messages the broker acknowledged, label `destination` |
+/// | `twice_outbox_send_failures_total` | counter | sends that failed and will be retried |
+/// | `twice_outbox_parked_total` | counter | rows parked by this relay |
+/// | `twice_outbox_relay_lag_seconds` | histogram | from the row's write to the broker's acknowledgement |
+/// | `twice_outbox_pending` | gauge | rows not yet sent (from the store, every stats interval) |
+/// | `twice_outbox_oldest_pending_seconds` | gauge | age of the oldest of them |
+/// | `twice_outbox_parked` | gauge | rows parked in the table |
+///
+/// See also the [outbox docs](crate::outbox).
 pub struct Relay<S, P> {
     store: Arc<S>,
     publisher: Arc<P>,
