@@ -654,3 +654,40 @@ where
     assert_eq!(bodies, [b"now".to_vec(), b"later".to_vec()], "{}", F::NAME);
 }
 on_all_stores!(a_scheduled_message_waits_in_the_outbox_where_the_broker_cannot_hold_it);
+
+/// With a retention, sent rows are kept (marked sent) and then purged in bounded batches by the
+/// relay's housekeeping; without one they are deleted at once.
+async fn sent_rows_are_kept_for_the_retention_then_purged<F: Fixture>(f: F)
+where
+    Outboxed<F>: OutboxStore<Error = StoreError>,
+{
+    const N: u64 = 7;
+    create_shipments(&f, false).await;
+    let broker = broker().await;
+    let options = OutboxOptions::new()
+        .table("outbox_kept")
+        .sent_retention(Some(Duration::from_secs(2)))
+        .purge_batch_size(2);
+    let outbox = f.outbox(options).await.expect("outbox");
+    let messages = (0..N).map(|i| ("shipped", Message::new(format!("{i}")))).collect();
+    f.write_all(&outbox, messages).await;
+    // Housekeeping only after the rows were sent and seen kept: a first round at start, the
+    // next ones every 100 ms.
+    let relay = Relay::new(
+        outbox.clone(),
+        broker.clone(),
+        relay_options().stats_interval(Duration::from_millis(100)),
+    );
+    let counters = relay.counters();
+    let shutdown = Shutdown::default();
+    let task = tokio::spawn(relay.run(shutdown.wait()));
+    until("all sent", || counters.snapshot().sent == N).await;
+    // Kept, marked sent, for the retention (two seconds: the poll sees them long before).
+    until_async("all marked sent", || async { outbox.stats().await.expect("stats").sent == N })
+        .await;
+    until_async("purged", || async { outbox_rows(&f, "outbox_kept").await == 0 }).await;
+    shutdown.trigger();
+    task.await.expect("join");
+    assert_eq!(peek_all(&broker, "shipped").await.len(), 7);
+}
+on_all_stores!(sent_rows_are_kept_for_the_retention_then_purged);

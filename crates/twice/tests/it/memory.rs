@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use twice::outbox::{LeasedMessage, OutboxStats, OutboxStore, Wake};
 use twice::{
-    Claim, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId, Properties,
-    Receive, ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
+    Claim, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId, OutgoingMessage,
+    Properties, Receive, ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
 };
 
 type Key = (String, MessageId);
@@ -64,6 +65,8 @@ pub struct MemoryInbox {
     shared: Arc<Shared>,
     pub faults: Faults,
     pub connections: Option<u32>,
+    /// Where a handler's sends go once its transaction commits, if anywhere.
+    pub outbox: Option<Arc<MemoryOutbox>>,
 }
 
 /// A transaction: its claim and its work, kept only if it commits.
@@ -78,6 +81,8 @@ pub struct MemoryTx {
     /// Set by a handler to play a statement that failed and aborted the transaction (as on
     /// PostgreSQL): the commit then keeps nothing, and says nothing.
     pub aborted: bool,
+    /// Outgoing messages staged in this transaction.
+    outgoing: Vec<OutgoingMessage>,
 }
 
 impl Drop for MemoryTx {
@@ -128,6 +133,7 @@ impl Inbox for MemoryInbox {
             finish: None,
             work: Vec::new(),
             aborted: false,
+            outgoing: Vec::new(),
         })
     }
 
@@ -159,6 +165,25 @@ impl Inbox for MemoryInbox {
         }
     }
 
+    fn has_outbox(&self) -> bool {
+        self.outbox.is_some()
+    }
+
+    async fn stage<'a>(
+        &'a self,
+        tx: &'a mut MemoryTx,
+        messages: &'a [OutgoingMessage],
+    ) -> Result<(), MemoryError> {
+        tx.outgoing.extend_from_slice(messages);
+        Ok(())
+    }
+
+    fn outbox_committed(&self) {
+        if let Some(outbox) = &self.outbox {
+            outbox.wake.wake();
+        }
+    }
+
     async fn check_committable<'a>(&'a self, tx: &'a mut MemoryTx) -> Result<(), MemoryError> {
         if tx.aborted { Err(MemoryError::Aborted) } else { Ok(()) }
     }
@@ -175,6 +200,9 @@ impl Inbox for MemoryInbox {
                 state.committed.insert(key, tx.claimed_at);
             }
             state.work.append(&mut tx.work);
+            if let Some(outbox) = &self.outbox {
+                outbox.rows.lock().expect("rows").append(&mut tx.outgoing);
+            }
             if let Some((key, owner)) = tx.finish.take()
                 && state.recorded.get(&key).is_some_and(|(_, o)| *o == owner)
                 && let Some((at, _)) = state.recorded.remove(&key)
@@ -423,5 +451,69 @@ impl Transport for MemoryTransport {
         again.message.application_properties.extend(props);
         self.push(again);
         Ok(())
+    }
+}
+
+/// An outbox in memory: committed rows, leased whole by one relay, deleted when sent.
+#[derive(Debug, Default)]
+pub struct MemoryOutbox {
+    pub rows: Mutex<Vec<OutgoingMessage>>,
+    wake: Wake,
+}
+
+impl OutboxStore for MemoryOutbox {
+    type Error = MemoryError;
+
+    fn waker(&self) -> &Wake {
+        &self.wake
+    }
+
+    async fn lease<'a>(
+        &'a self,
+        _owner: &'a str,
+        max: usize,
+        _lease: Duration,
+    ) -> Result<Vec<LeasedMessage>, MemoryError> {
+        let mut rows = self.rows.lock().expect("rows");
+        let n = max.min(rows.len());
+        Ok(rows
+            .drain(..n)
+            .zip(1..)
+            .map(|(r, seq)| {
+                LeasedMessage::new(seq, r.destination, r.message, r.ordering_key, r.created_at, 0)
+            })
+            .collect())
+    }
+
+    async fn sent<'a>(&'a self, _owner: &'a str, seqs: &'a [i64]) -> Result<u64, MemoryError> {
+        Ok(seqs.len() as u64)
+    }
+
+    async fn retry_later<'a>(
+        &'a self,
+        _: &'a str,
+        _: i64,
+        _: Duration,
+        _: &'a str,
+        _: bool,
+    ) -> Result<(), MemoryError> {
+        Ok(())
+    }
+
+    async fn release<'a>(&'a self, _: &'a str, _: &'a [i64]) -> Result<(), MemoryError> {
+        Ok(())
+    }
+
+    async fn park<'a>(&'a self, _: &'a str, _: i64, _: &'a str) -> Result<(), MemoryError> {
+        Ok(())
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, MemoryError> {
+        let pending = self.rows.lock().expect("rows").len() as u64;
+        Ok(OutboxStats::new(pending, None, 0, 0))
+    }
+
+    async fn purge_sent(&self) -> Result<u64, MemoryError> {
+        Ok(0)
     }
 }

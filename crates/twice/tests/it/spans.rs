@@ -221,3 +221,86 @@ async fn the_sender_is_the_opentelemetry_parent_of_the_message_span() {
     assert_eq!(trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
     assert_eq!(span_id.to_string(), "00f067aa0ba902b7");
 }
+
+/// A publisher that keeps what it was given.
+#[derive(Debug, Default)]
+struct Kept(Mutex<Vec<(String, Message)>>);
+
+impl twice::Publish for Kept {
+    async fn publish(
+        &self,
+        destination: &str,
+        message: Message,
+    ) -> Result<(), twice::TransportError> {
+        self.0.lock().expect("kept").push((destination.to_owned(), message));
+        Ok(())
+    }
+}
+
+/// A handler's message sent through the outbox carries the incoming message's trace, and the
+/// relay's `twice.publish` span names it: the trace runs from the incoming message to the send.
+#[tokio::test]
+async fn the_relays_send_span_is_linked_to_the_incoming_messages_trace() {
+    if !alone("the_relays_send_span_is_linked_to_the_incoming_messages_trace") {
+        return;
+    }
+    let capture = Capture::default();
+    let _default = subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
+    let transport = Arc::new(MemoryTransport::new());
+    let mut sent = Message::new("{}").with_message_id("order-7");
+    inject(&mut sent, &PARENT.parse::<TraceParent>().expect("valid"));
+    transport.send(sent);
+    let outbox = Arc::new(crate::memory::MemoryOutbox::default());
+    let mut inbox = MemoryInbox::default();
+    inbox.outbox = Some(Arc::clone(&outbox));
+    let handler = handler_fn(|ctx: Context<'_>, _: &mut MemoryTx| {
+        Box::pin(async move {
+            ctx.send("shipped", Message::new("order 7 shipped"))?;
+            Ok(Outcome::Complete)
+        }) as BoxFuture<'_, _>
+    });
+    let processor = Processor::from_arcs(
+        Arc::clone(&transport),
+        Arc::new(inbox),
+        Arc::new(handler),
+        ProcessorOptions::new().max_wait(Duration::from_millis(10)).consumer("shipping"),
+    );
+    let kept = Arc::new(Kept::default());
+    let relay =
+        twice::Relay::from_arcs(Arc::clone(&outbox), Arc::clone(&kept), twice::RelayOptions::new());
+    let k = Arc::clone(&kept);
+    let done = async move {
+        while k.0.lock().expect("kept").is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    let (relayed, processed) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(10), relay.run(done)),
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            processor.run(async {
+                while transport.settled().is_empty() {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        ),
+    );
+    relayed.expect("relayed in time");
+    processed.expect("processed in time").expect("run");
+    let kept = kept.0.lock().expect("kept").clone();
+    assert_eq!(kept.len(), 1);
+    let id = kept[0].1.message_id.clone().expect("an id");
+    let spans = capture.0.lock().expect("spans").clone();
+    let publish: Vec<&Fields> = spans.iter().filter(|f| f["name"] == "twice.publish").collect();
+    assert_eq!(publish.len(), 1, "{spans:?}");
+    let span = publish[0];
+    assert_eq!(span["trace_parent"], PARENT, "{span:?}");
+    assert_eq!(span["messaging.destination.name"], "shipped");
+    assert_eq!(span["messaging.message.id"], id.as_str());
+    assert_eq!(span["otel.kind"], "producer");
+    assert_eq!(
+        twice::trace_context::extract(&kept[0].1).map(|p| p.to_string()).as_deref(),
+        Some(PARENT),
+        "the message carries the trace downstream"
+    );
+}
