@@ -976,6 +976,10 @@ impl twice::SessionReceiver for SessionReceiver {
         Ok(self.renew_lock().await?)
     }
 
+    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+        Ok(self.settle(d, Settle::Release).await?)
+    }
+
     async fn get_state(&self) -> Result<Option<Bytes>, TransportError> {
         Ok(self.session_state().await?)
     }

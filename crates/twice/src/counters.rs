@@ -17,7 +17,7 @@
 //! | `twice_processor_abandoned_total` | counter | messages abandoned |
 //! | `twice_processor_dead_lettered_total` | counter | messages dead-lettered by the processor |
 //! | `twice_processor_deferred_total` | counter | messages deferred |
-//! | `twice_processor_released_total` | counter | prefetched messages released at shutdown |
+//! | `twice_processor_released_total` | counter | messages released uncounted: prefetched ones at shutdown, and those whose begin or claim failed through every retry |
 //! | `twice_processor_lock_lost_total` | counter | messages whose lock was lost while processed |
 //! | `twice_processor_lock_renewals_total` | counter | lock renewals |
 //! | `twice_processor_handler_errors_total` | counter | handler errors |
@@ -270,7 +270,9 @@ pub struct CounterSnapshot {
     pub dead_lettered: u64,
     /// Messages deferred.
     pub deferred: u64,
-    /// Prefetched messages released unprocessed at shutdown.
+    /// Messages released without a delivery counted: prefetched messages no handler took at
+    /// shutdown, and messages whose transaction could not begin or whose claim failed in every
+    /// attempt until the infrastructure retries were used up.
     pub released: u64,
     /// Messages whose lock was lost while they were processed: the work was rolled back and the
     /// message left to the broker.

@@ -111,6 +111,7 @@ impl<R: SessionReceiver> Settler for SessionSettler<'_, R> {
         match how {
             Settlement::Complete => self.0.complete(delivery).await,
             Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
+            Settlement::Release => self.0.release(delivery).await,
             Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
             Settlement::Defer => self.0.defer(delivery).await,
             // A session's messages keep their order: one cannot come back later than the next.

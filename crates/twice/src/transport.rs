@@ -271,6 +271,17 @@ pub trait SessionReceiver: Receive {
     /// Renews the session lock; returns the new locked-until time.
     fn renew_session_lock(&self) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;
 
+    /// Releases one of the session's messages without counting a delivery (no handler saw
+    /// it): it stays first in the session, for this receiver. The default returns
+    /// [`TransportError::Unsupported`], and the processor abandons the message instead.
+    fn release(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        let _ = delivery;
+        async { Err(TransportError::Unsupported("release a message of a session")) }
+    }
+
     /// The session state, if any was set.
     fn get_state(
         &self,

@@ -7,9 +7,11 @@
 mod support;
 
 mod business_keys;
+mod classify;
 mod crash;
 mod dedup;
 mod edges;
+mod failover;
 mod isolation;
 mod processor;
 mod store;

@@ -24,6 +24,7 @@
 //! | `Ok(Complete)`                                  | commit      | complete                   |
 //! | `Ok(Complete)`, but the database aborted the transaction | roll back | as a handler error |
 //! | error the store calls transient (deadlock, lock wait timeout, serialization failure, lost connection) | roll back | retried in process (see below) |
+//! | the begin or the claim failed, whatever the error (unless the store calls it permanent) | roll back | retried in process; released when the retries are used up |
 //! | transient or unclassified error, panic          | roll back   | handler retry policy, then abandon |
 //! | `Ok(Abandon)`                                   | roll back   | abandon                    |
 //! | violation of a registered business key          | roll back   | complete (duplicate)       |
@@ -61,6 +62,16 @@
 //! errors get the configurable policy: immediate retries, then delayed redelivery
 //! ([`Transport::redeliver_later`]), then abandon.
 //!
+//! The claim is the processor's own insert, so a claim that fails is never the message's
+//! fault, whatever the store makes of the error: a read-only transaction after a failover, a
+//! full disk, a dropped table are retried like a lost connection. When the retries are used up
+//! and no handler has run in any attempt (the begin or the claim failed every time), the
+//! message is released ([`Transport::release`]) rather than abandoned, so that it comes back
+//! with its delivery count unchanged: a database down for longer than MaxDeliveryCount
+//! attempts never dead-letters a message unrun. Only an error the store calls permanent (a
+//! message id the inbox key cannot hold) abandons the message, which then reaches the
+//! dead-letter queue by MaxDeliveryCount. A transport without release abandons instead.
+//!
 //! # The seeds' rules at the edges
 //!
 //! What twice does where a handler, a database or a sender misbehaves:
@@ -74,7 +85,10 @@
 //!   connection.
 //! - *The database is briefly unavailable.* In-process retries with backoff; no delivery is
 //!   spent. After [`RetryPolicy::infrastructure_retries`] failures in a row the message is
-//!   abandoned.
+//!   released if no handler ran (it comes back uncounted), abandoned if one did.
+//! - *A failover: the database refuses writes for a while.* The claims fail (PostgreSQL 25006,
+//!   MariaDB 1290/1792, SQLite 8); each is retried as above, so the messages wait out the
+//!   window without spending deliveries, and each handler runs once afterwards.
 //! - *Fewer pooled connections than concurrent calls.* Refused at start
 //!   ([`Processor::check`]): the surplus calls would only wait for a connection and time out.
 //! - *A message without an id.* Dead-lettered with [`MISSING_MESSAGE_ID`]; never merged with

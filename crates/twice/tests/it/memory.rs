@@ -46,6 +46,9 @@ pub struct Faults {
     /// The next this many commits commit and then report a lost connection (the outcome is
     /// unknown to the caller).
     pub commits_lost_after: AtomicUsize,
+    /// The next this many claims fail as a read-only database refuses a write (an error the
+    /// store cannot classify).
+    pub claim_failures: AtomicUsize,
 }
 
 /// The inbox's errors.
@@ -57,6 +60,9 @@ pub enum MemoryError {
     /// The transaction was aborted by the store.
     #[error("the transaction was aborted")]
     Aborted,
+    /// The store refused the write, for a reason it does not classify.
+    #[error("cannot execute INSERT in a read-only transaction")]
+    ReadOnly,
 }
 
 #[derive(Debug, Default)]
@@ -138,6 +144,9 @@ impl Inbox for MemoryInbox {
         id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, MemoryError> {
+        if take_one(&self.faults.claim_failures) {
+            return Err(MemoryError::ReadOnly);
+        }
         let key = (consumer.to_owned(), id.clone());
         loop {
             let ended = self.shared.ended.notified();
@@ -257,6 +266,8 @@ impl Inbox for MemoryInbox {
 pub enum Settled {
     Complete,
     Abandon,
+    /// Unlocked without counting a delivery.
+    Release,
     DeadLetter(DeadLetterReason),
     Defer,
     RedeliverLater(Duration),
@@ -401,6 +412,7 @@ impl Transport for MemoryTransport {
     }
 
     async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.record(d, Settled::Release);
         self.push(d.clone());
         Ok(())
     }
