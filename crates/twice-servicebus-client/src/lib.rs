@@ -38,8 +38,9 @@
 //!   exponential backoff and jitter ([`RetryOptions`]); receivers and senders attach again on
 //!   their next call. A message received on a link that died cannot be settled any more: its
 //!   settlement fails with lock-lost, which the processor expects (the message comes back).
-//! - Receive in peek-lock with link credit sized from `max_concurrent_calls`, or
-//!   receive-and-delete; complete, abandon with properties, dead-letter with reason and
+//! - Receive in peek-lock with credit on demand (a call for `n` messages opens credit for
+//!   `n`, so no message is locked before a handler is free to take it; see
+//!   [`ReceiverOptions`]) or a prefetch, or receive-and-delete; complete, abandon with properties, dead-letter with reason and
 //!   description, defer, receive deferred messages, renew locks through `$management`;
 //!   peek without locking (queues, subscriptions and their dead-letter queues);
 //!   sessions (accept next or named, renew the session lock, get and set state).
@@ -87,7 +88,7 @@ pub use tls::TlsOptions;
 pub use token::{AccessToken, SasKeyProvider, SasSignatureProvider, TokenProvider, TokenType};
 
 /// A receiver and a sender on one entity, from a connection string: what `twice demo
-/// --broker <connection string>` needs. `max_concurrent_calls` sizes the receiver's credit.
+/// --broker <connection string>` needs. `max_concurrent_calls` bounds the receiver's credit.
 pub fn connect(
     connection_string: &str,
     entity: &str,

@@ -22,22 +22,42 @@ pub enum ReceiveMode {
 }
 
 /// Options of a receiver.
+///
+/// # Credit
+///
+/// By default the link's credit follows the receive calls: a call for `n` messages opens
+/// credit for `n` (less what is already open or buffered), and no more. A message is locked
+/// for this receiver from the moment the service sends it, and its lock runs while it waits in
+/// a buffer, unrenewed; so behind handlers that run long, a message received ahead of them
+/// would see its lock run out unseen and spend one of its deliveries. With credit on demand a
+/// processor holds no more locked messages than it has free calls to start them (it asks for
+/// that many). [`prefetch`](Self::prefetch) keeps credit open ahead of the calls instead, for
+/// throughput when handlers are short against the lock.
 #[derive(Clone, Debug)]
 pub struct ReceiverOptions {
     pub(crate) mode: ReceiveMode,
+    /// Credit kept open ahead of the calls; 0: credit on demand.
     pub(crate) prefetch: u32,
+    /// With credit on demand, the most one call opens.
+    pub(crate) max_credit: Option<u32>,
     entity: Option<EntityInfo>,
     message_time_to_live: Option<Duration>,
 }
 
 impl Default for ReceiverOptions {
     fn default() -> Self {
-        Self { mode: ReceiveMode::PeekLock, prefetch: 2, entity: None, message_time_to_live: None }
+        Self {
+            mode: ReceiveMode::PeekLock,
+            prefetch: 0,
+            max_credit: None,
+            entity: None,
+            message_time_to_live: None,
+        }
     }
 }
 
 impl ReceiverOptions {
-    /// Peek-lock with the credit of one concurrent call.
+    /// Peek-lock with credit on demand.
     pub fn new() -> Self {
         Self::default()
     }
@@ -49,20 +69,24 @@ impl ReceiverOptions {
         self
     }
 
-    /// Sizes the link credit for a processor with this many concurrent calls: twice as many
-    /// messages as calls are in flight or buffered, so a finished call finds the next message
-    /// waiting without locking many more than can be worked on.
+    /// Sizes the receiver for a processor with this many concurrent calls: credit on demand
+    /// (no prefetch), and never more than `calls` messages asked for at once, so that no
+    /// message is locked before a call is free to start it.
     #[must_use]
     pub fn max_concurrent_calls(mut self, calls: usize) -> Self {
-        self.prefetch = u32::try_from(calls.max(1).saturating_mul(2)).unwrap_or(u32::MAX);
+        self.prefetch = 0;
+        self.max_credit = Some(u32::try_from(calls.max(1)).unwrap_or(u32::MAX));
         self
     }
 
-    /// The link credit directly: how many messages may be delivered ahead of `receive` calls
-    /// (at least 1).
+    /// Keeps `n` credits open on the link ahead of the `receive` calls (0: credit on demand,
+    /// the default). Prefetched messages are locked while they wait, and their locks are not
+    /// renewed: choose `n` so that they are taken well within the lock duration. A prefetched
+    /// message whose lock ran out is counted by the processor
+    /// (`CounterSnapshot::expired_in_buffer`) and delivered again by the service.
     #[must_use]
     pub fn prefetch(mut self, n: u32) -> Self {
-        self.prefetch = n.max(1);
+        self.prefetch = n;
         self
     }
 
@@ -92,9 +116,15 @@ impl ReceiverOptions {
         self.mode
     }
 
-    /// The credit.
+    /// The credit kept open ahead of the calls (0: credit on demand).
     pub fn get_prefetch(&self) -> u32 {
         self.prefetch
+    }
+
+    /// With credit on demand, the most credit one call opens, as set by
+    /// [`max_concurrent_calls`](Self::max_concurrent_calls).
+    pub fn get_max_credit(&self) -> Option<u32> {
+        self.max_credit
     }
 
     /// The entity info given with [`entity_info`](Self::entity_info), if any.

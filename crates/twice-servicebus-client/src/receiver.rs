@@ -141,6 +141,9 @@ struct RecvLink {
     handle: u32,
     id: u64,
     events: mpsc::UnboundedReceiver<LinkEvent>,
+    /// With credit on demand: the credit granted and not yet read off the link (credit still
+    /// open, and deliveries buffered in `events`).
+    promised: u32,
 }
 
 /// What the pieces of a receiver share.
@@ -243,7 +246,9 @@ async fn attach_receiver(
         })
         .await?;
     let events = link.events.take().ok_or(Error::ConnectionLost)?;
-    Ok((RecvLink { conn: conn.clone(), handle: link.handle, id: link.id, events }, link))
+    let recv =
+        RecvLink { conn: conn.clone(), handle: link.handle, id: link.id, events, promised: 0 };
+    Ok((recv, link))
 }
 
 impl Shared {
@@ -288,12 +293,25 @@ impl Shared {
 
     /// Reads up to `max` deliveries from `link`, waiting up to `max_wait` for the first.
     /// `Err(None)` means the link is gone without an error worth reporting.
+    ///
+    /// With credit on demand, first opens credit for `max` (at most the options' maximum),
+    /// less what is already open or buffered: the link never holds more locked messages than
+    /// the calls asked for.
     async fn read(
         &self,
         link: &mut RecvLink,
         max: usize,
         max_wait: Duration,
     ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
+        let on_demand = self.options.prefetch == 0;
+        if on_demand {
+            let asked = u32::try_from(max.max(1)).unwrap_or(u32::MAX);
+            let want = self.options.max_credit.map_or(asked, |cap| asked.min(cap));
+            if link.promised < want {
+                link.conn.engine.flow(link.handle, link.id, want - link.promised);
+                link.promised = want;
+            }
+        }
         let mut out = Vec::new();
         let mut taken = 0u32;
         let first = match tokio::time::timeout(max_wait, link.events.recv()).await {
@@ -325,8 +343,10 @@ impl Shared {
                 Err(mpsc::error::TryRecvError::Disconnected) => None,
             };
         }
-        // Keep the credit where it was: one more for every message taken off the link.
-        if taken > 0 {
+        if on_demand {
+            link.promised = link.promised.saturating_sub(taken);
+        } else if taken > 0 {
+            // Keep the prefetch where it was: one more for every message taken off the link.
             link.conn.engine.flow(link.handle, link.id, taken);
         }
         Ok(out)

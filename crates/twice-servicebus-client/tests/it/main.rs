@@ -2,5 +2,6 @@
 
 mod client;
 mod harness;
+mod long_handlers;
 mod processor;
 mod tls;

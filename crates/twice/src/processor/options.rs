@@ -172,7 +172,10 @@ impl ProcessorOptions {
 
     /// How many messages to receive ahead of the handlers (default 0). Prefetched messages are
     /// locked; their locks are not renewed until a handler takes them, and those still waiting
-    /// at shutdown are released.
+    /// at shutdown are released. One whose lock runs out while it waits is skipped (the broker
+    /// delivers it again, with a delivery counted) and counted in
+    /// [`CounterSnapshot::expired_in_buffer`](crate::CounterSnapshot::expired_in_buffer):
+    /// keep the prefetch small enough for the handlers to take each message within its lock.
     #[must_use]
     pub fn prefetch_count(mut self, n: usize) -> Self {
         self.prefetch_count = n;

@@ -107,9 +107,17 @@ where
                 }
             }
             let Some((delivery, received_at)) = buffer.pop_front() else { continue };
-            if delivery.message().locked_until.is_some_and(|until| until <= clock.now()) {
+            if let Some(until) = delivery.message().locked_until.filter(|u| *u <= clock.now()) {
                 // Its lock ran out while it waited in the prefetch buffer: the broker delivers
-                // it again, so it must not be processed here.
+                // it again (with a delivery counted), so it must not be processed here. Counted,
+                // since a prefetch too deep for the handlers' pace burns deliveries this way.
+                core.counters.inc(Counter::ExpiredInBuffer);
+                tracing::debug!(
+                    message_id = %delivery.message().message_id(),
+                    locked_until = %until,
+                    delivery_count = delivery.message().delivery_count,
+                    "the lock of a received message ran out before a handler took it; skipped"
+                );
                 continue;
             }
             let span = core.span(delivery.message());

@@ -189,6 +189,25 @@ async fn infrastructure_retries_used_up_after_the_handler_abandon_the_message() 
     assert_eq!((s.infrastructure_retries, s.abandoned), (2, 1), "{s:?}");
 }
 
+/// A received message whose lock ran out before a handler took it (it waited behind others in
+/// a prefetch buffer) is not handled, since the broker delivers it again; it is counted.
+#[tokio::test]
+async fn a_message_whose_lock_ran_out_before_a_handler_took_it_is_counted_not_handled() {
+    let run = Run::new(MemoryInbox::default());
+    let mut stale = twice::ReceivedMessage::new(
+        order("order-stale"),
+        twice::SequenceNumber::new(1),
+        twice::Timestamp::from_millis(0),
+    );
+    stale.locked_until = Some(twice::Timestamp::from_millis(1));
+    run.transport.push(stale);
+    run.transport.send(order("order-7"));
+    let s = run.until_settled(&[], ProcessorOptions::new(), 1).await;
+    assert_eq!(run.transport.settled(), [(Some(MessageId::new("order-7")), 1, Settled::Complete)]);
+    assert_eq!((s.expired_in_buffer, s.received), (1, 1), "{s:?}");
+    assert_eq!(run.inbox.work(), ["order-7"]);
+}
+
 /// A commit whose outcome the processor cannot know (the connection broke after the server
 /// committed) is retried; the retry's claim finds the commit and completes as a duplicate.
 #[tokio::test]
