@@ -1,6 +1,7 @@
 //! Receivers: peek-lock or receive-and-delete on a queue or subscription, and session
 //! receivers; settlement, lock renewal and deferred messages.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,8 +27,8 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_millis(200);
 /// How a delivery is settled.
 #[derive(Clone, Debug)]
 enum Via {
-    /// On the link it came on, while that link lives.
-    Link { engine: Engine, handle: u32, id: u64, delivery_id: u32 },
+    /// On the link it came on, while that link lives (`attached`).
+    Link { engine: Engine, handle: u32, id: u64, delivery_id: u32, attached: Arc<AtomicBool> },
     /// Through `$management` with its lock token (deferred messages).
     Management,
     /// Received without a lock.
@@ -144,6 +145,8 @@ struct RecvLink {
     /// With credit on demand: the credit granted and not yet read off the link (credit still
     /// open, and deliveries buffered in `events`).
     promised: u32,
+    /// Whether the link is still attached (the engine clears it).
+    attached: Arc<AtomicBool>,
 }
 
 /// What the pieces of a receiver share.
@@ -246,8 +249,14 @@ async fn attach_receiver(
         })
         .await?;
     let events = link.events.take().ok_or(Error::ConnectionLost)?;
-    let recv =
-        RecvLink { conn: conn.clone(), handle: link.handle, id: link.id, events, promised: 0 };
+    let recv = RecvLink {
+        conn: conn.clone(),
+        handle: link.handle,
+        id: link.id,
+        events,
+        promised: 0,
+        attached: Arc::clone(&link.attached),
+    };
     Ok((recv, link))
 }
 
@@ -268,6 +277,7 @@ impl Shared {
                         handle: link.handle,
                         id: link.id,
                         delivery_id: d.delivery_id,
+                        attached: Arc::clone(&link.attached),
                     }
                 };
                 if d.settled {
@@ -360,7 +370,7 @@ impl Shared {
     ) -> Result<(), Error> {
         match &d.via {
             Via::Unlocked => Err(Error::Invalid("the message was received without a lock".into())),
-            Via::Link { engine, handle, id, delivery_id } => {
+            Via::Link { engine, handle, id, delivery_id, .. } => {
                 if d.settled.swap(true, std::sync::atomic::Ordering::AcqRel) {
                     return Err(lost(false));
                 }
@@ -399,7 +409,7 @@ impl Shared {
     ) -> Result<Value, Error> {
         match session {
             Some(s) => {
-                if s.conn.engine.is_closed() {
+                if s.conn.engine.is_closed() || !s.attached.load(Ordering::Acquire) {
                     return Err(lost(true));
                 }
                 body.push(("session-id", Value::string(s.session_id.as_str())));
@@ -415,9 +425,12 @@ impl Shared {
     async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, Error> {
         let lock =
             d.message.lock_token.ok_or_else(|| Error::Invalid("the message has no lock".into()))?;
-        if let Via::Link { engine, .. } = &d.via
-            && engine.is_closed()
+        if let Via::Link { engine, attached, .. } = &d.via
+            && (engine.is_closed() || !attached.load(Ordering::Acquire))
         {
+            // The lock belongs to the link, which is gone: a renewal through `$management`
+            // could still keep the message locked on the service, for a delivery that can
+            // never be settled; so the lock is lost here, at once.
             return Err(lost(false));
         }
         let body = vec![("lock-tokens", uuid_array(&[lock]))];
@@ -692,6 +705,8 @@ impl twice::Transport for Receiver {
 struct SessionHold {
     conn: Arc<Conn>,
     session_id: SessionId,
+    /// Whether the session's link is still attached: the session lock is the link's.
+    attached: Arc<AtomicBool>,
 }
 
 /// Accepts sessions of a session-enabled entity; implements [`twice::SessionTransport`].
@@ -754,7 +769,7 @@ impl SessionClient {
             .unwrap_or_else(|| shared.client.options.clock.now());
         Ok(Some(SessionReceiver {
             shared: shared.clone(),
-            hold: SessionHold { conn, session_id: granted },
+            hold: SessionHold { attached: Arc::clone(&link.attached), conn, session_id: granted },
             link: tokio::sync::Mutex::new(link),
             locked_until: Mutex::new(locked_until),
         }))

@@ -231,3 +231,64 @@ async fn a_handler_three_locks_long_in_a_session_burns_no_delivery() {
     assert_each_once_on_its_first_delivery(&calls, dead);
     assert_eq!((c.completed, c.lock_lost), (total, 0), "{c:?}");
 }
+
+/// The receiver's link is detached while a handler runs (here by the receiver itself; the
+/// service detaches links too): the message's lock belonged to that link, and its delivery
+/// can no longer be settled. The next renewal fails at once as lock-lost, without asking the
+/// service (which would keep the message locked, unsettleable, for as long as the renewals
+/// go on), and the handler is stopped with its work rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_link_stops_the_renewal_at_once() {
+    let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
+        return;
+    };
+    let s = Serve::start().await;
+    s.broker.create_queue("long", queue(false)).await.expect("queue");
+    let info: EntityInfo = s.broker.entity_info("long").await.expect("info");
+    let client = s.client();
+    client.sender("long").send_message(Message::new("{}").with_message_id("m-0")).await.unwrap();
+    let calls = Calls::default();
+    let handler = long_handler(s.clock.clone(), calls.clone(), Arc::default());
+    let receiver = Arc::new(
+        client.receiver("long", ReceiverOptions::new().max_concurrent_calls(1).entity_info(info)),
+    );
+    let p = Processor::from_arcs(
+        Arc::clone(&receiver),
+        Arc::new(inbox(&db).await),
+        Arc::new(handler),
+        ProcessorOptions::new()
+            .max_concurrent_calls(1)
+            .max_wait(Duration::from_secs(2))
+            .clock(SharedClock::from(s.clock.clone())),
+    )
+    .on_error(|e| eprintln!("processor: {e}"));
+    let counters = p.counters();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(p.run(async move {
+        let _ = stopped.await;
+    }));
+    for _ in 0..10_000 {
+        if !lock(&calls).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(lock(&calls).len(), 1, "the handler runs");
+    receiver.close().await;
+    // Past the first renewal (5 s in), short of the lock's end (10 s).
+    for _ in 0..8 {
+        s.clock.advance(Duration::from_secs(1));
+        for _ in 0..200 {
+            let c = counters.snapshot();
+            if c.lock_lost > 0 || c.renewals > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    let c = counters.snapshot();
+    // Before the shutdown, which waits for a handler still running.
+    assert_eq!((c.lock_lost, c.renewals, c.committed), (1, 0, 0), "{c:?}");
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}

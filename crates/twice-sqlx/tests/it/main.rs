@@ -14,4 +14,5 @@ mod edges;
 mod failover;
 mod isolation;
 mod processor;
+mod sessions;
 mod store;

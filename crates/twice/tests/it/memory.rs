@@ -289,6 +289,12 @@ pub struct MemoryTransport {
     completions_started: AtomicUsize,
     /// The next this many completions fail because the lock was lost (after the hold).
     pub completions_lock_lost: AtomicUsize,
+    /// When set, a renewal returns this locked-until (a lock the broker will not extend past
+    /// it) instead of extending the lock without end.
+    pub renew_cap: Mutex<Option<Timestamp>>,
+    /// Renewals asked for. Past 10,000 a renewal fails with lock-lost, so that a keeper that
+    /// renews in a loop ends.
+    pub renew_calls: AtomicUsize,
 }
 
 impl MemoryTransport {
@@ -303,6 +309,8 @@ impl MemoryTransport {
             hold_completions: tokio::sync::watch::Sender::new(false),
             completions_started: AtomicUsize::new(0),
             completions_lock_lost: AtomicUsize::new(0),
+            renew_cap: Mutex::new(None),
+            renew_calls: AtomicUsize::new(0),
         }
     }
 
@@ -418,7 +426,11 @@ impl Transport for MemoryTransport {
     }
 
     async fn renew_lock(&self, _: &ReceivedMessage) -> Result<Timestamp, TransportError> {
-        Ok(Timestamp::MAX)
+        if self.renew_calls.fetch_add(1, Ordering::SeqCst) >= 10_000 {
+            return Err(TransportError::LockLost);
+        }
+        let cap = *self.renew_cap.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(cap.unwrap_or(Timestamp::MAX))
     }
 
     async fn redeliver_later(
