@@ -68,6 +68,7 @@
 //! CI: the TLS roots, Entra ID tokens and Azure's own replies are exercised only through the
 //! same code paths against `twice serve` and unit tests of the requests.
 
+mod admin;
 mod client;
 mod connstr;
 mod engine;
@@ -78,6 +79,7 @@ mod sender;
 mod tls;
 pub mod token;
 
+pub use admin::AdminEndpoint;
 pub use client::{ClientOptions, RetryOptions, ServiceBusClient};
 pub use connstr::ConnectionString;
 pub use error::{Error, condition};

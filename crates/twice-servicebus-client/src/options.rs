@@ -2,9 +2,13 @@
 //!
 //! AMQP does not carry an entity's properties: Service Bus serves them only through its
 //! administration API (ATOM over HTTPS; on `twice serve` and the emulator, a port of its own
-//! that a connection string does not name). This client speaks AMQP alone, so a receiver
-//! assumes the Service Bus defaults (lock 60 s, 10 deliveries, no duplicate detection) and no
-//! time to live unless the options say otherwise.
+//! that a connection string does not name, 5300 by default). A receiver reads them from there
+//! when the processor starts ([`Receiver::entity_properties`](crate::Receiver::entity_properties)),
+//! and the options override what they give: [`ReceiverOptions::entity_info`] all of it,
+//! [`ReceiverOptions::message_time_to_live`] the time to live. When it cannot read them (a key
+//! without the `Manage` claim, the API unreachable) it warns and assumes what the options say,
+//! or the Service Bus defaults (lock 60 s, 10 deliveries, no duplicate detection, no time to
+//! live).
 
 use std::time::Duration;
 
@@ -91,8 +95,8 @@ impl ReceiverOptions {
     }
 
     /// What the processor should know about the entity (lock duration, max delivery count,
-    /// duplicate detection window, time to live). AMQP does not carry these; without this the
-    /// Service Bus defaults are assumed.
+    /// duplicate detection window, time to live), given rather than read from the namespace's
+    /// administration API.
     #[must_use]
     pub fn entity_info(mut self, info: EntityInfo) -> Self {
         self.entity = Some(info);
@@ -100,11 +104,9 @@ impl ReceiverOptions {
     }
 
     /// The entity's `DefaultMessageTimeToLive` (of a subscription: the shorter of its own and
-    /// its topic's), which the receiver cannot read over AMQP. It becomes
+    /// its topic's), overriding the one read from the administration API. It becomes
     /// [`EntityInfo::message_time_to_live`], and the processor then refuses an inbox that
-    /// forgets a message id before a copy of the message can have expired. Without it (and
-    /// without [`entity_info`](Self::entity_info) carrying one) the receiver reports `None`
-    /// and the processor checks the inbox against the lock and delivery count alone.
+    /// forgets a message id before a copy of the message can have expired.
     #[must_use]
     pub fn message_time_to_live(mut self, ttl: Duration) -> Self {
         self.message_time_to_live = Some(ttl);

@@ -155,7 +155,10 @@ struct Shared {
     client: Arc<Inner>,
     entity: String,
     options: ReceiverOptions,
+    /// What the options say of the entity, or the Service Bus defaults.
     info: EntityInfo,
+    /// What was read from the namespace (or settled on without it), once read.
+    read: std::sync::OnceLock<EntityInfo>,
     mgmt: Management,
 }
 
@@ -180,6 +183,7 @@ impl ServiceBusClient {
                 entity: entity.to_owned(),
                 options,
                 info,
+                read: std::sync::OnceLock::new(),
                 mgmt: Management::default(),
             }),
             link: tokio::sync::Mutex::new(None),
@@ -261,6 +265,54 @@ async fn attach_receiver(
 }
 
 impl Shared {
+    /// The entity's properties: as read, else as the options say.
+    fn info(&self) -> &EntityInfo {
+        self.read.get().unwrap_or(&self.info)
+    }
+
+    /// Reads the entity's properties from the administration API, unless the options gave
+    /// them; the options' time to live overrides the one read. What was read is kept.
+    async fn read_entity(&self) -> Result<EntityInfo, Error> {
+        if let Some(read) = self.read.get() {
+            return Ok(read.clone());
+        }
+        if self.options.get_entity_info().is_some() {
+            return Ok(self.read.get_or_init(|| self.info.clone()).clone());
+        }
+        let mut read = crate::admin::entity_properties(&self.client, &self.entity).await?;
+        if let Some(ttl) = self.options.get_message_time_to_live() {
+            read.message_time_to_live = Some(ttl);
+        }
+        tracing::debug!(entity = %self.entity, ?read, "entity properties read");
+        Ok(self.read.get_or_init(|| read).clone())
+    }
+
+    /// As [`Shared::read_entity`], for the processor: when the properties cannot be read (a
+    /// key without the `Manage` claim, the API unreachable or elsewhere), warns and goes on
+    /// with what the options say, or the Service Bus defaults; the AMQP link reports an
+    /// entity that does not exist.
+    async fn read_entity_or_defaults(&self) -> EntityInfo {
+        match self.read_entity().await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(
+                    entity = %self.entity,
+                    error = %e,
+                    admin = %self.client.options.get_admin_endpoint(),
+                    "cannot read the entity's properties from the administration API; going \
+                     on with {} (give ClientOptions::admin_endpoint and a key with the Manage \
+                     claim, or ReceiverOptions::entity_info)",
+                    if self.options.get_message_time_to_live().is_some() {
+                        "the Service Bus defaults and the time to live given"
+                    } else {
+                        "the Service Bus defaults (lock 60 s, 10 deliveries, no time to live)"
+                    }
+                );
+                self.read.get_or_init(|| self.info.clone()).clone()
+            }
+        }
+    }
+
     /// Turns a transfer into a delivery; a payload that is not a message is abandoned (it
     /// comes back, and is dead-lettered by the delivery limit) rather than dropped.
     fn delivery(&self, link: &RecvLink, d: Incoming) -> Option<ServiceBusDelivery> {
@@ -510,6 +562,26 @@ impl Receiver {
         &self.shared.entity
     }
 
+    /// The entity's properties (lock duration, MaxDeliveryCount, time to live, sessions,
+    /// duplicate detection), read once from the namespace's administration API
+    /// ([`ClientOptions::admin_endpoint`](crate::ClientOptions::admin_endpoint)) unless
+    /// [`ReceiverOptions::entity_info`] gave them; [`ReceiverOptions::message_time_to_live`]
+    /// overrides the time to live read. Reading needs the `Manage` claim. The processor reads
+    /// them as it starts ([`twice::Transport::read_entity`]); when it cannot, the receiver
+    /// warns and goes on with what the options say, or the Service Bus defaults.
+    ///
+    /// # Errors
+    ///
+    /// When the API cannot be reached, refuses the key, or has no such entity
+    /// ([`Error::is_not_found`], [`Error::is_unauthorized`]).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn entity_properties(&self) -> Result<EntityInfo, Error> {
+        self.shared.read_entity().await
+    }
+
     /// Receives up to `max_messages`, waiting up to `max_wait` for the first. Connects and
     /// attaches as needed; after a lost link it attaches again within the same wait.
     ///
@@ -684,7 +756,11 @@ impl twice::Receive for Receiver {
 
 impl twice::Transport for Receiver {
     fn entity(&self) -> &EntityInfo {
-        &self.shared.info
+        self.shared.info()
+    }
+
+    async fn read_entity(&self) -> Result<EntityInfo, TransportError> {
+        Ok(self.shared.read_entity_or_defaults().await)
     }
 
     fn system(&self) -> &'static str {
@@ -944,7 +1020,11 @@ impl twice::Receive for SessionClient {
 
 impl twice::Transport for SessionClient {
     fn entity(&self) -> &EntityInfo {
-        &self.receiver.shared.info
+        self.receiver.shared.info()
+    }
+
+    async fn read_entity(&self) -> Result<EntityInfo, TransportError> {
+        Ok(self.receiver.shared.read_entity_or_defaults().await)
     }
 
     fn system(&self) -> &'static str {

@@ -190,6 +190,26 @@ pub trait Transport: Receive {
     /// The entity this transport receives from.
     fn entity(&self) -> &EntityInfo;
 
+    /// Reads the entity's properties from the broker where the transport can (lock duration,
+    /// MaxDeliveryCount, time to live, sessions, duplicate detection), so that the processor's
+    /// checks and its lock renewal rest on what the broker does rather than on defaults. The
+    /// processor calls it once as it starts, before its checks; afterwards
+    /// [`Transport::entity`] answers with what it read. The default returns
+    /// [`Transport::entity`] as it is.
+    ///
+    /// # Errors
+    ///
+    /// [`TransportError::EntityNotFound`] when the broker has no such entity; a transport that
+    /// cannot read the properties (no right to, no way to) goes on with what it has and says
+    /// so in a log line, rather than fail.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    fn read_entity(&self) -> impl Future<Output = Result<EntityInfo, TransportError>> + Send {
+        async { Ok(self.entity().clone()) }
+    }
+
     /// The messaging system, as the OpenTelemetry semantic conventions name it in
     /// `messaging.system` (`servicebus`, `rabbitmq`, `nats`, ...): recorded on the span of
     /// every message. The default is `unknown`.

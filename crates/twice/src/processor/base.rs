@@ -267,6 +267,10 @@ macro_rules! processor_type {
                 self,
                 shutdown: impl std::future::Future<Output = ()> + Send,
             ) -> Result<(), $crate::ProcessorError> {
+                // The entity's properties as the broker has them, for the checks and the locks.
+                $crate::Transport::read_entity(&*self.base.transport)
+                    .await
+                    .map_err($crate::ProcessorError::Transport)?;
                 self.check()?;
                 let _running = self.base.activity.start();
                 let core = self.base.core(&self.options.settings());
