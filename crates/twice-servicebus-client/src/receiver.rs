@@ -142,9 +142,6 @@ struct RecvLink {
     handle: u32,
     id: u64,
     events: mpsc::UnboundedReceiver<LinkEvent>,
-    /// With credit on demand: the credit granted and not yet read off the link (credit still
-    /// open, and deliveries buffered in `events`).
-    promised: u32,
     /// Whether the link is still attached (the engine clears it).
     attached: Arc<AtomicBool>,
 }
@@ -258,7 +255,6 @@ async fn attach_receiver(
         handle: link.handle,
         id: link.id,
         events,
-        promised: 0,
         attached: Arc::clone(&link.attached),
     };
     Ok((recv, link))
@@ -357,8 +353,15 @@ impl Shared {
     /// `Err(None)` means the link is gone without an error worth reporting.
     ///
     /// With credit on demand, first opens credit for `max` (at most the options' maximum),
-    /// less what is already open or buffered: the link never holds more locked messages than
-    /// the calls asked for.
+    /// less what is already buffered, and takes back what is left when the call ends, however
+    /// it ends (answered, failed, or its future dropped): the link never holds more locked
+    /// messages than a call waiting on it asked for, and none while no call waits, so a caller
+    /// that stops asking (a processor shutting down, a receiver dropped) leaves no message
+    /// locked to a link nobody reads.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: deliveries not yet returned stay buffered for the next call.
     async fn read(
         &self,
         link: &mut RecvLink,
@@ -366,14 +369,36 @@ impl Shared {
         max_wait: Duration,
     ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
         let on_demand = self.options.prefetch == 0;
+        let mut open = 0u32;
         if on_demand {
             let asked = u32::try_from(max.max(1)).unwrap_or(u32::MAX);
             let want = self.options.max_credit.map_or(asked, |cap| asked.min(cap));
-            if link.promised < want {
-                link.conn.engine.flow(link.handle, link.id, want - link.promised);
-                link.promised = want;
+            let buffered = u32::try_from(link.events.len()).unwrap_or(u32::MAX);
+            open = want.saturating_sub(buffered);
+            if open > 0 {
+                link.conn.engine.flow(link.handle, link.id, open);
             }
         }
+        // Whether the call's credit was all used is not known here (what it read may have
+        // been buffered before it), so what is open is taken back in any case: one flow frame.
+        let _revoke = CreditBack {
+            engine: link.conn.engine.clone(),
+            handle: link.handle,
+            id: link.id,
+            open: open > 0,
+        };
+        self.take(link, max, max_wait).await
+    }
+
+    /// The receiving part of [`Shared::read`]. Cancel safe: it awaits only before it reads
+    /// the first delivery.
+    async fn take(
+        &self,
+        link: &mut RecvLink,
+        max: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
+        let on_demand = self.options.prefetch == 0;
         let mut out = Vec::new();
         let mut taken = 0u32;
         let first = match tokio::time::timeout(max_wait, link.events.recv()).await {
@@ -405,9 +430,7 @@ impl Shared {
                 Err(mpsc::error::TryRecvError::Disconnected) => None,
             };
         }
-        if on_demand {
-            link.promised = link.promised.saturating_sub(taken);
-        } else if taken > 0 {
+        if !on_demand && taken > 0 {
             // Keep the prefetch where it was: one more for every message taken off the link.
             link.conn.engine.flow(link.handle, link.id, taken);
         }
@@ -773,6 +796,22 @@ impl twice::Transport for Receiver {
 
     async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
         Ok(self.renew_message_lock(d).await?)
+    }
+}
+
+/// Takes back a link's credit when dropped, if `open`.
+struct CreditBack {
+    engine: Engine,
+    handle: u32,
+    id: u64,
+    open: bool,
+}
+
+impl Drop for CreditBack {
+    fn drop(&mut self) {
+        if self.open {
+            self.engine.stop_credit(self.handle, self.id);
+        }
     }
 }
 

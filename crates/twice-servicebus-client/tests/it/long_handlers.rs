@@ -292,3 +292,49 @@ async fn a_detached_link_stops_the_renewal_at_once() {
     let _ = stop.send(());
     task.await.unwrap().unwrap();
 }
+
+/// A processor stops (its shutdown resolves) while its receive call waits, its client living
+/// on: the credit that call opened is taken back, so a message sent afterwards is not locked
+/// to a link nobody reads (where it would stay until its lock ran out, spending a delivery),
+/// and another receiver gets it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_processor_leaves_no_credit_behind() {
+    let Some(db) = require_service("PostgreSQL", PgDatabase::create("twice_sbc").await) else {
+        return;
+    };
+    let s = Serve::start().await;
+    s.broker.create_queue("long", queue(false)).await.expect("queue");
+    let info: EntityInfo = s.broker.entity_info("long").await.expect("info");
+    let client = s.client();
+    let handler = long_handler(s.clock.clone(), Calls::default(), Arc::default());
+    let p = Processor::new(
+        client.receiver("long", ReceiverOptions::new().max_concurrent_calls(4).entity_info(info)),
+        inbox(&db).await,
+        handler,
+        ProcessorOptions::new()
+            .max_concurrent_calls(4)
+            .max_wait(Duration::from_millis(200))
+            .clock(SharedClock::from(s.clock.clone())),
+    );
+    let health = p.health_handle();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(p.run(async move {
+        let _ = stopped.await;
+    }));
+    // Stop it once it has received (nothing) and asks again.
+    for _ in 0..10_000 {
+        if health.check().await.last_receive_at.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+
+    client.sender("long").send_message(Message::new("{}").with_message_id("m-9")).await.unwrap();
+    let other = client.receiver("long", ReceiverOptions::new());
+    let got = other.receive_messages(1, Duration::from_secs(5)).await.unwrap();
+    let counts = s.broker.counts("long").await.unwrap();
+    assert_eq!(got.len(), 1, "the message went to the stopped processor's link: {counts:?}");
+    assert_eq!(got[0].message().delivery_count, 1);
+}
