@@ -96,9 +96,12 @@ impl std::fmt::Display for AdminEndpoint {
 
 /// The entity `path` (a queue, or `topic/Subscriptions/name`; a `/$DeadLetterQueue` reads
 /// its parent's) as the administration API describes it. A subscription's time to live is the
-/// shorter of its own and its topic's, and its duplicate detection its topic's.
+/// shorter of its own and its topic's, and its duplicate detection its topic's. A dead-letter
+/// queue has its parent's lock, and no delivery limit, sessions or time to live (as the
+/// embedded broker reports it).
 pub(crate) async fn entity_properties(inner: &Inner, path: &str) -> Result<EntityInfo, Error> {
     let parent = strip_dead_letter(path);
+    let dead_letter = parent.len() < path.len();
     let entry = get(inner, parent).await?;
     let mut info = EntityInfo::new(path);
     if let Some(d) = element(&entry, "LockDuration").and_then(|v| iso_duration(&v)) {
@@ -125,6 +128,13 @@ pub(crate) async fn entity_properties(inner: &Inner, path: &str) -> Result<Entit
             .and_then(|v| iso_duration(&v))
             .unwrap_or(Duration::from_secs(600))
     });
+    if dead_letter {
+        // A dead-letter queue never dead-letters again, has no sessions and keeps its
+        // messages until they are received.
+        info.max_delivery_count = None;
+        info.requires_session = false;
+        info.message_time_to_live = None;
+    }
     Ok(info)
 }
 

@@ -156,6 +156,8 @@ struct Shared {
     info: EntityInfo,
     /// What was read from the namespace (or settled on without it), once read.
     read: std::sync::OnceLock<EntityInfo>,
+    /// The inbox scope: the path in lower case, since Service Bus names are case-insensitive.
+    scope: String,
     mgmt: Management,
 }
 
@@ -181,6 +183,7 @@ impl ServiceBusClient {
                 options,
                 info,
                 read: std::sync::OnceLock::new(),
+                scope: claim_scope(entity),
                 mgmt: Management::default(),
             }),
             link: tokio::sync::Mutex::new(None),
@@ -782,6 +785,10 @@ impl twice::Transport for Receiver {
         self.shared.info()
     }
 
+    fn claim_scope(&self) -> &str {
+        &self.shared.scope
+    }
+
     async fn read_entity(&self) -> Result<EntityInfo, TransportError> {
         Ok(self.shared.read_entity_or_defaults().await)
     }
@@ -813,6 +820,13 @@ impl Drop for CreditBack {
             self.engine.stop_credit(self.handle, self.id);
         }
     }
+}
+
+/// The claim scope of an entity path: Service Bus compares entity names (and the
+/// `$DeadLetterQueue` sub-queue's) without case, so every spelling of one entity is one scope;
+/// a dead-letter queue keeps its suffix and is a scope of its own.
+fn claim_scope(path: &str) -> String {
+    path.trim_matches('/').to_ascii_lowercase()
 }
 
 /// The connection and id of a locked session.
@@ -1060,6 +1074,10 @@ impl twice::Receive for SessionClient {
 impl twice::Transport for SessionClient {
     fn entity(&self) -> &EntityInfo {
         self.receiver.shared.info()
+    }
+
+    fn claim_scope(&self) -> &str {
+        &self.receiver.shared.scope
     }
 
     async fn read_entity(&self) -> Result<EntityInfo, TransportError> {

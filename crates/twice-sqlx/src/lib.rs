@@ -13,7 +13,7 @@
 //!
 //! | column            | meaning                                                        |
 //! |-------------------|----------------------------------------------------------------|
-//! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
+//! | `consumer`        | the processor's consumer name, by default its transport's claim scope (topic subscriptions share ids) |
 //! | `message_id`      | the message id                                                 |
 //! | `processed_at_ms` | when the claim was made (the processor's clock), ms since the Unix epoch |
 //! | `purge_after_ms`  | when the row may be purged (the database's clock), indexed; NULL: never |

@@ -190,6 +190,18 @@ pub trait Transport: Receive {
     /// The entity this transport receives from.
     fn entity(&self) -> &EntityInfo;
 
+    /// The scope of the inbox keys of a processor on this entity that is given no consumer
+    /// name ([`ProcessorOptions::consumer`](crate::ProcessorOptions::consumer)): one name per
+    /// entity, the same however the entity is spelled and from whichever receiver, and
+    /// different for every other entity whose messages may share the inbox table. The default
+    /// is the entity path exactly as [`Transport::entity`] gives it, for brokers whose names
+    /// are case-sensitive and global; a transport whose broker folds case or has more than one
+    /// namespace for names overrides it: see
+    /// [Claim scope](crate::processor#claim-scope) for each transport's rule.
+    fn claim_scope(&self) -> &str {
+        &self.entity().path
+    }
+
     /// Reads the entity's properties from the broker where the transport can (lock duration,
     /// MaxDeliveryCount, time to live, sessions, duplicate detection), so that the processor's
     /// checks and its lock renewal rest on what the broker does rather than on defaults. The

@@ -65,6 +65,14 @@ async fn a_receiver_reads_its_entitys_properties_and_the_options_override_them()
     let read = told.entity_properties().await.expect("read");
     assert_eq!((read.max_delivery_count, read.message_time_to_live), (Some(3), Some(HOUR / 2)));
 
+    // A dead-letter queue: its entity's lock; it never dead-letters again and keeps what it
+    // holds.
+    let dead = client.receiver("orders/$DeadLetterQueue", ReceiverOptions::new());
+    let read = dead.entity_properties().await.expect("read");
+    assert_eq!(read.path, "orders/$DeadLetterQueue");
+    assert_eq!(read.lock_duration, Duration::from_secs(45));
+    assert_eq!((read.max_delivery_count, read.message_time_to_live), (None, None));
+
     let missing = client.receiver("no-such-queue", ReceiverOptions::new());
     let e = missing.entity_properties().await.expect_err("no such entity");
     assert!(e.is_not_found(), "{e}");

@@ -5,4 +5,5 @@ mod entity;
 mod harness;
 mod long_handlers;
 mod processor;
+mod scope;
 mod tls;

@@ -38,6 +38,43 @@
 //! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
 //! rolled back, instead of committing work whose message another receiver may already hold.
 //!
+//! # Claim scope
+//!
+//! The inbox key is `(consumer, message id)`. The consumer is the name set with
+//! [`ProcessorOptions::consumer`], or else the transport's
+//! [`claim_scope`](crate::Transport::claim_scope): the entity, named so that every receiver of
+//! the same entity claims in the same scope however the entity is spelled, and no two
+//! entities whose messages may share an inbox table do. Message ids are the sender's, so two
+//! entities can carry the same id for different messages (the subscriptions of one topic
+//! always do), and one entity reached under two spellings must not have its messages handled
+//! once per spelling. Each transport's rule:
+//!
+//! | transport | claim scope |
+//! |---|---|
+//! | Service Bus client | the path in lower case (entity names are case-insensitive): `orders`, `events/subscriptions/billing`; a dead-letter queue is its own scope, `orders/$deadletterqueue` |
+//! | embedded broker (`twice-broker`) | the path as the entity was created, whatever spelling the receiver was asked for (the broker resolves every spelling to it); a dead-letter queue is its own scope, `Orders/$DeadLetterQueue` |
+//! | RabbitMQ, NATS JetStream | what the transport's `claim_scope` says (its crate documents it); by default the entity path as given |
+//! | any other | the entity path as given (the default) |
+//!
+//! A dead-letter queue is scoped apart from its entity: a message reaches it uncompleted, so
+//! whatever its entity's processor claimed for it was rolled back, except a dedup-only record
+//! left in progress by a crash, which must not hold up the dead-letter queue's processor.
+//!
+//! *Migration.* Before these rules the scope was the path exactly as configured. A processor
+//! whose path has upper-case letters (`Orders`) now claims under `orders`, so a message
+//! claimed before the upgrade and delivered again after it would be handled again. Either
+//! keep the old scope with `.consumer("Orders")`, or move the rows once, while no processor
+//! of that entity runs (PostgreSQL and SQLite; on MariaDB `INSERT IGNORE` for the first
+//! statement):
+//!
+//! ```sql
+//! INSERT INTO twice_inbox (consumer, message_id, processed_at_ms, purge_after_ms, state, owner)
+//!   SELECT 'orders', message_id, processed_at_ms, purge_after_ms, state, owner
+//!   FROM twice_inbox WHERE consumer = 'Orders'
+//!   ON CONFLICT (consumer, message_id) DO NOTHING;
+//! DELETE FROM twice_inbox WHERE consumer = 'Orders';
+//! ```
+//!
 //! # Settlement off the call
 //!
 //! A call (one of [`max_concurrent_calls`](ProcessorOptions::max_concurrent_calls)) is held

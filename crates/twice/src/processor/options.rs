@@ -33,8 +33,10 @@ macro_rules! shared_options {
             self.$concurrency
         }
 
-        /// The consumer name, the scope of the inbox key (default: the entity path, which
-        /// differs between the subscriptions of a topic, which share message ids).
+        /// The consumer name, the scope of the inbox key (default: the transport's
+        /// [`claim_scope`](crate::Transport::claim_scope), the entity's path normalised as its
+        /// broker names entities; it differs between the subscriptions of a topic, which
+        /// share message ids). See [Claim scope](crate::processor#claim-scope).
         #[must_use]
         pub fn consumer(mut self, consumer: impl Into<String>) -> Self {
             self.consumer = Some(consumer.into());
