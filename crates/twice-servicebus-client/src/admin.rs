@@ -19,6 +19,7 @@ use tokio::net::TcpStream;
 use twice::EntityInfo;
 
 use crate::client::Inner;
+use crate::endpoint::AdminEndpoint;
 use crate::error::Error;
 use crate::token::TokenType;
 
@@ -28,71 +29,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_RESPONSE: usize = 1 << 20;
 /// Service Bus writes "no time to live" as `TimeSpan.MaxValue`.
 const FOREVER_DAYS: u64 = 10_675_199;
-
-/// Where a namespace's administration API is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AdminEndpoint {
-    https: bool,
-    host: String,
-    port: u16,
-}
-
-impl AdminEndpoint {
-    /// `https://host:port`.
-    pub fn https(host: impl Into<String>, port: u16) -> Self {
-        Self { https: true, host: host.into(), port }
-    }
-
-    /// `http://host:port` (the emulator, `twice serve` without a certificate).
-    pub fn http(host: impl Into<String>, port: u16) -> Self {
-        Self { https: false, host: host.into(), port }
-    }
-
-    /// Reads `http://HOST[:PORT]` or `https://HOST[:PORT]` (80 and 443 by default).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Invalid`] for anything else.
-    pub fn parse(url: &str) -> Result<Self, Error> {
-        let bad = || Error::Invalid(format!("expected http(s)://HOST[:PORT], got {url:?}"));
-        let (https, rest) = match url.split_once("://") {
-            Some(("https", rest)) => (true, rest),
-            Some(("http", rest)) => (false, rest),
-            _ => return Err(bad()),
-        };
-        let authority = rest.trim_end_matches('/');
-        if authority.is_empty() || authority.contains('/') {
-            return Err(bad());
-        }
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => (h, p.parse().map_err(|_| bad())?),
-            None => (authority, if https { 443 } else { 80 }),
-        };
-        Ok(Self { https, host: host.to_owned(), port })
-    }
-
-    /// Whether the API is reached over https.
-    pub fn is_https(&self) -> bool {
-        self.https
-    }
-
-    /// The host.
-    pub fn host(&self) -> &str {
-        &self.host
-    }
-
-    /// The port.
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-}
-
-impl std::fmt::Display for AdminEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let scheme = if self.https { "https" } else { "http" };
-        write!(f, "{scheme}://{}:{}", self.host, self.port)
-    }
-}
 
 /// The entity `path` (a queue, or `topic/Subscriptions/name`; a `/$DeadLetterQueue` reads
 /// its parent's) as the administration API describes it. A subscription's time to live is the
@@ -158,9 +94,9 @@ fn ttl(entry: &str) -> Option<Duration> {
 /// The ATOM entry of `path`.
 async fn get(inner: &Inner, path: &str) -> Result<String, Error> {
     let endpoint = inner.options.get_admin_endpoint();
-    let scheme = if endpoint.https { "https" } else { "http" };
+    let scheme = if endpoint.is_https() { "https" } else { "http" };
     // A token for the namespace: it covers every entity.
-    let audience = format!("{scheme}://{}/", endpoint.host);
+    let audience = format!("{scheme}://{}/", endpoint.host());
     let token = inner.options.provider().token(&audience).await?;
     let authorization = match token.token_type() {
         TokenType::Jwt => format!("Bearer {}", token.token()),
@@ -170,7 +106,7 @@ async fn get(inner: &Inner, path: &str) -> Result<String, Error> {
         "GET /{}?api-version=2021-05 HTTP/1.1\r\nHost: {}\r\nAuthorization: {authorization}\r\n\
          Accept: application/atom+xml\r\nConnection: close\r\n\r\n",
         encode_path(path),
-        endpoint.host,
+        endpoint.host(),
     );
     let operation = format!("GET {endpoint}/{path}");
     let raw = tokio::time::timeout(REQUEST_TIMEOUT, exchange(inner, &endpoint, request.as_bytes()))
@@ -198,11 +134,11 @@ async fn exchange(
     endpoint: &AdminEndpoint,
     request: &[u8],
 ) -> Result<Vec<u8>, Error> {
-    let addr = format!("{}:{}", endpoint.host, endpoint.port);
-    let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port))
+    let addr = format!("{}:{}", endpoint.host(), endpoint.port());
+    let tcp = TcpStream::connect((endpoint.host(), endpoint.port()))
         .await
         .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
-    if !endpoint.https {
+    if !endpoint.is_https() {
         return roundtrip(tcp, request).await.map_err(|source| Error::Connect { addr, source });
     }
     let roots = inner
@@ -216,7 +152,7 @@ async fn exchange(
     .map_err(|e| Error::Tls(e.to_string()))?
     .with_root_certificates(roots)
     .with_no_client_auth();
-    let name = rustls_pki_types::ServerName::try_from(endpoint.host.clone())
+    let name = rustls_pki_types::ServerName::try_from(endpoint.host().to_owned())
         .map_err(|e| Error::Tls(e.to_string()))?;
     let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, tcp)
@@ -373,20 +309,6 @@ fn iso_duration(s: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn endpoints_parse_with_and_without_ports() {
-        assert_eq!(
-            AdminEndpoint::parse("http://127.0.0.1:5300").ok(),
-            Some(AdminEndpoint::http("127.0.0.1", 5300))
-        );
-        assert_eq!(
-            AdminEndpoint::parse("https://ns.servicebus.windows.net/").ok(),
-            Some(AdminEndpoint::https("ns.servicebus.windows.net", 443))
-        );
-        assert!(AdminEndpoint::parse("amqp://x").is_err());
-        assert!(AdminEndpoint::parse("http://x/path").is_err());
-    }
 
     #[test]
     fn durations_and_elements_read_as_service_bus_writes_them() {

@@ -13,8 +13,8 @@ use twice_amqp::codec::{Decoder, Value};
 use twice_amqp::performative::{ROLE_RECEIVER, ROLE_SENDER, desc, described_list};
 use uuid::Uuid;
 
-use crate::admin::AdminEndpoint;
 use crate::connstr::ConnectionString;
+use crate::endpoint::AdminEndpoint;
 use crate::engine::{Engine, LinkEvent, LinkSpec};
 use crate::error::Error;
 use crate::tls::TlsOptions;

@@ -71,21 +71,24 @@
 mod admin;
 mod client;
 mod connstr;
+mod endpoint;
 mod engine;
 mod error;
 mod options;
 mod receiver;
 mod sender;
+mod session;
 mod tls;
 pub mod token;
 
-pub use admin::AdminEndpoint;
 pub use client::{ClientOptions, RetryOptions, ServiceBusClient};
 pub use connstr::ConnectionString;
+pub use endpoint::AdminEndpoint;
 pub use error::{Error, condition};
 pub use options::{ReceiveMode, ReceiverOptions};
-pub use receiver::{Receiver, ServiceBusDelivery, SessionClient, SessionReceiver};
+pub use receiver::{Receiver, ServiceBusDelivery};
 pub use sender::{MAX_MESSAGE_ID_LEN, Sender, StableIdSender, stable_message_id};
+pub use session::{SessionClient, SessionReceiver};
 pub use tls::TlsOptions;
 pub use token::{AccessToken, SasKeyProvider, SasSignatureProvider, TokenProvider, TokenType};
 
