@@ -14,6 +14,7 @@ use twice_amqp::performative::{ROLE_RECEIVER, ROLE_SENDER, desc, described_list}
 use uuid::Uuid;
 
 use crate::connstr::ConnectionString;
+use crate::endpoint::AdminEndpoint;
 use crate::engine::{Engine, LinkEvent, LinkSpec};
 use crate::error::Error;
 use crate::tls::TlsOptions;
@@ -56,6 +57,7 @@ pub struct ClientOptions {
     pub(crate) clock: SharedClock,
     retry: RetryOptions,
     operation_timeout: Duration,
+    admin_endpoint: Option<AdminEndpoint>,
 }
 
 impl fmt::Debug for ClientOptions {
@@ -67,6 +69,7 @@ impl fmt::Debug for ClientOptions {
             .field("token_provider", &self.token_provider)
             .field("retry", &self.retry)
             .field("operation_timeout", &self.operation_timeout)
+            .field("admin_endpoint", &self.admin_endpoint)
             .finish()
     }
 }
@@ -83,6 +86,7 @@ impl ClientOptions {
             clock: SharedClock::system(),
             retry: RetryOptions::default(),
             operation_timeout: Duration::from_secs(60),
+            admin_endpoint: None,
         }
     }
 
@@ -136,6 +140,28 @@ impl ClientOptions {
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
         self
+    }
+
+    /// Where the namespace's administration API is, from which a receiver reads its entity's
+    /// properties (default: `https://HOST` with TLS, as Azure serves it; `http://HOST:5300`
+    /// without, the emulator's and `twice serve`'s default `--http`).
+    #[must_use]
+    pub fn admin_endpoint(mut self, endpoint: Option<AdminEndpoint>) -> Self {
+        self.admin_endpoint = endpoint;
+        self
+    }
+
+    /// Where the namespace's administration API is: the one set, or the default.
+    pub fn get_admin_endpoint(&self) -> AdminEndpoint {
+        self.admin_endpoint.clone().unwrap_or_else(|| match self.tls {
+            Some(_) => AdminEndpoint::https(self.host.clone(), 443),
+            None => AdminEndpoint::http(self.host.clone(), 5300),
+        })
+    }
+
+    /// The token provider.
+    pub(crate) fn provider(&self) -> &dyn TokenProvider {
+        self.token_provider.as_ref()
     }
 
     /// The host.

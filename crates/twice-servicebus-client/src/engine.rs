@@ -8,7 +8,8 @@
 //! receiver link's channel closes.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -80,6 +81,9 @@ pub(crate) struct Link {
     pub(crate) remote: Attach,
     /// For receivers: deliveries and the detach.
     pub(crate) events: Option<mpsc::UnboundedReceiver<LinkEvent>>,
+    /// True while the link is attached: cleared the moment either side detaches it or the
+    /// connection stops, so that what needs the link (a delivery's lock) can tell at once.
+    pub(crate) attached: Arc<AtomicBool>,
 }
 
 type Reply<T> = oneshot::Sender<Result<T, Error>>;
@@ -367,6 +371,7 @@ struct LinkState {
     attach_reply: Option<Reply<Link>>,
     events_tx: Option<mpsc::UnboundedSender<LinkEvent>>,
     events_rx: Option<mpsc::UnboundedReceiver<LinkEvent>>,
+    attached: Arc<AtomicBool>,
     delivery_count: u32,
     credit: u32,
     initial_credit: u32,
@@ -448,6 +453,9 @@ impl Actor {
                 break stop;
             }
         };
+        for l in self.links.values() {
+            l.attached.store(false, Ordering::Release);
+        }
         match stop {
             Stop::Closed => tracing::debug!("connection closed"),
             Stop::Lost(why) => tracing::debug!(%why, "connection lost"),
@@ -580,6 +588,7 @@ impl Actor {
                 attach_reply: Some(reply),
                 events_tx,
                 events_rx,
+                attached: Arc::new(AtomicBool::new(true)),
                 delivery_count: 0,
                 credit: 0,
                 initial_credit: spec.initial_credit,
@@ -640,10 +649,11 @@ impl Actor {
         }
         let events = l.events_rx.take();
         let id = l.id;
+        let attached = Arc::clone(&l.attached);
         let reply = l.attach_reply.take();
         let grant = l.role == ROLE_RECEIVER && l.credit > 0;
         if let Some(reply) = reply
-            && reply.send(Ok(Link { handle, id, remote: a, events })).is_err()
+            && reply.send(Ok(Link { handle, id, remote: a, events, attached })).is_err()
         {
             // The caller gave up waiting: close the link again.
             if let Some(l) = self.links.get_mut(&handle) {
@@ -675,6 +685,7 @@ impl Actor {
     /// Fails everything waiting on a link that is going away.
     fn fail_link(&mut self, handle: u32, error: Option<AmqpError>) {
         let Some(l) = self.links.get_mut(&handle) else { return };
+        l.attached.store(false, Ordering::Release);
         let gone = || error.as_ref().map_or_else(link_gone, Error::from_amqp);
         for p in l.queued.drain(..) {
             let _ = p.reply.send(Err(gone()));

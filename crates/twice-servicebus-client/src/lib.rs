@@ -38,8 +38,9 @@
 //!   exponential backoff and jitter ([`RetryOptions`]); receivers and senders attach again on
 //!   their next call. A message received on a link that died cannot be settled any more: its
 //!   settlement fails with lock-lost, which the processor expects (the message comes back).
-//! - Receive in peek-lock with link credit sized from `max_concurrent_calls`, or
-//!   receive-and-delete; complete, abandon with properties, dead-letter with reason and
+//! - Receive in peek-lock with credit on demand (a call for `n` messages opens credit for
+//!   `n`, so no message is locked before a handler is free to take it; see
+//!   [`ReceiverOptions`]) or a prefetch, or receive-and-delete; complete, abandon with properties, dead-letter with reason and
 //!   description, defer, receive deferred messages, renew locks through `$management`;
 //!   peek without locking (queues, subscriptions and their dead-letter queues);
 //!   sessions (accept next or named, renew the session lock, get and set state).
@@ -67,29 +68,34 @@
 //! CI: the TLS roots, Entra ID tokens and Azure's own replies are exercised only through the
 //! same code paths against `twice serve` and unit tests of the requests.
 
+mod admin;
 mod client;
 mod connstr;
+mod endpoint;
 mod engine;
 mod error;
 mod options;
 mod publish;
 mod receiver;
 mod sender;
+mod session;
 mod tls;
 pub mod token;
 
 pub use client::{ClientOptions, RetryOptions, ServiceBusClient};
 pub use connstr::ConnectionString;
+pub use endpoint::AdminEndpoint;
 pub use error::{Error, condition};
 pub use options::{ReceiveMode, ReceiverOptions};
 pub use publish::Publisher;
-pub use receiver::{Receiver, ServiceBusDelivery, SessionClient, SessionReceiver};
+pub use receiver::{Receiver, ServiceBusDelivery};
 pub use sender::{MAX_MESSAGE_ID_LEN, Sender, StableIdSender, stable_message_id};
+pub use session::{SessionClient, SessionReceiver};
 pub use tls::TlsOptions;
 pub use token::{AccessToken, SasKeyProvider, SasSignatureProvider, TokenProvider, TokenType};
 
 /// A receiver and a sender on one entity, from a connection string: what `twice demo
-/// --broker <connection string>` needs. `max_concurrent_calls` sizes the receiver's credit.
+/// --broker <connection string>` needs. `max_concurrent_calls` bounds the receiver's credit.
 pub fn connect(
     connection_string: &str,
     entity: &str,

@@ -1,10 +1,10 @@
 //! Receivers: peek-lock or receive-and-delete on a queue or subscription, and session
 //! receivers; settlement, lock renewal and deferred messages.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use twice::{
     DeadLetterReason, EntityInfo, LockToken, Properties, ReceivedMessage, SequenceNumber,
@@ -26,8 +26,8 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_millis(200);
 /// How a delivery is settled.
 #[derive(Clone, Debug)]
 enum Via {
-    /// On the link it came on, while that link lives.
-    Link { engine: Engine, handle: u32, id: u64, delivery_id: u32 },
+    /// On the link it came on, while that link lives (`attached`).
+    Link { engine: Engine, handle: u32, id: u64, delivery_id: u32, attached: Arc<AtomicBool> },
     /// Through `$management` with its lock token (deferred messages).
     Management,
     /// Received without a lock.
@@ -63,7 +63,7 @@ impl ServiceBusDelivery {
 }
 
 /// A settlement, as an AMQP outcome and as a `$management` disposition.
-enum Settle {
+pub(crate) enum Settle {
     Complete,
     Abandon(Properties),
     DeadLetter(DeadLetterReason),
@@ -136,20 +136,27 @@ fn uuid_array(tokens: &[LockToken]) -> Value {
 
 /// The link a receiver reads from.
 #[derive(Debug)]
-struct RecvLink {
-    conn: Arc<Conn>,
-    handle: u32,
-    id: u64,
+pub(crate) struct RecvLink {
+    pub(crate) conn: Arc<Conn>,
+    pub(crate) handle: u32,
+    pub(crate) id: u64,
     events: mpsc::UnboundedReceiver<LinkEvent>,
+    /// Whether the link is still attached (the engine clears it).
+    pub(crate) attached: Arc<AtomicBool>,
 }
 
 /// What the pieces of a receiver share.
 #[derive(Debug)]
-struct Shared {
-    client: Arc<Inner>,
-    entity: String,
+pub(crate) struct Shared {
+    pub(crate) client: Arc<Inner>,
+    pub(crate) entity: String,
     options: ReceiverOptions,
+    /// What the options say of the entity, or the Service Bus defaults.
     info: EntityInfo,
+    /// What was read from the namespace (or settled on without it), once read.
+    read: std::sync::OnceLock<EntityInfo>,
+    /// The inbox scope: the path in lower case, since Service Bus names are case-insensitive.
+    pub(crate) scope: String,
     mgmt: Management,
 }
 
@@ -160,7 +167,7 @@ struct Shared {
 /// lock-lost, and the service delivers them again when their lock expires).
 #[derive(Debug)]
 pub struct Receiver {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     link: tokio::sync::Mutex<Option<RecvLink>>,
 }
 
@@ -174,15 +181,12 @@ impl ServiceBusClient {
                 entity: entity.to_owned(),
                 options,
                 info,
+                read: std::sync::OnceLock::new(),
+                scope: claim_scope(entity),
                 mgmt: Management::default(),
             }),
             link: tokio::sync::Mutex::new(None),
         }
-    }
-
-    /// A receiver that locks sessions of a session-enabled `entity`.
-    pub fn session_receiver(&self, entity: &str, options: ReceiverOptions) -> SessionClient {
-        SessionClient { receiver: self.receiver(entity, options) }
     }
 }
 
@@ -204,7 +208,7 @@ fn source(address: &str, filter: Option<Value>) -> Value {
 
 /// Attaches a receiver link on `entity`, with a session filter when `session` is `Some`
 /// (`Some(None)`: the next available session, waiting up to `wait`).
-async fn attach_receiver(
+pub(crate) async fn attach_receiver(
     shared: &Shared,
     conn: &Arc<Conn>,
     session: Option<Option<&SessionId>>,
@@ -243,10 +247,65 @@ async fn attach_receiver(
         })
         .await?;
     let events = link.events.take().ok_or(Error::ConnectionLost)?;
-    Ok((RecvLink { conn: conn.clone(), handle: link.handle, id: link.id, events }, link))
+    let recv = RecvLink {
+        conn: conn.clone(),
+        handle: link.handle,
+        id: link.id,
+        events,
+        attached: Arc::clone(&link.attached),
+    };
+    Ok((recv, link))
 }
 
 impl Shared {
+    /// The entity's properties: as read, else as the options say.
+    pub(crate) fn info(&self) -> &EntityInfo {
+        self.read.get().unwrap_or(&self.info)
+    }
+
+    /// Reads the entity's properties from the administration API, unless the options gave
+    /// them; the options' time to live overrides the one read. What was read is kept.
+    async fn read_entity(&self) -> Result<EntityInfo, Error> {
+        if let Some(read) = self.read.get() {
+            return Ok(read.clone());
+        }
+        if self.options.get_entity_info().is_some() {
+            return Ok(self.read.get_or_init(|| self.info.clone()).clone());
+        }
+        let mut read = crate::admin::entity_properties(&self.client, &self.entity).await?;
+        if let Some(ttl) = self.options.get_message_time_to_live() {
+            read.message_time_to_live = Some(ttl);
+        }
+        tracing::debug!(entity = %self.entity, ?read, "entity properties read");
+        Ok(self.read.get_or_init(|| read).clone())
+    }
+
+    /// As [`Shared::read_entity`], for the processor: when the properties cannot be read (a
+    /// key without the `Manage` claim, the API unreachable or elsewhere), warns and goes on
+    /// with what the options say, or the Service Bus defaults; the AMQP link reports an
+    /// entity that does not exist.
+    pub(crate) async fn read_entity_or_defaults(&self) -> EntityInfo {
+        match self.read_entity().await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(
+                    entity = %self.entity,
+                    error = %e,
+                    admin = %self.client.options.get_admin_endpoint(),
+                    "cannot read the entity's properties from the administration API; going \
+                     on with {} (give ClientOptions::admin_endpoint and a key with the Manage \
+                     claim, or ReceiverOptions::entity_info)",
+                    if self.options.get_message_time_to_live().is_some() {
+                        "the Service Bus defaults and the time to live given"
+                    } else {
+                        "the Service Bus defaults (lock 60 s, 10 deliveries, no time to live)"
+                    }
+                );
+                self.read.get_or_init(|| self.info.clone()).clone()
+            }
+        }
+    }
+
     /// Turns a transfer into a delivery; a payload that is not a message is abandoned (it
     /// comes back, and is dead-lettered by the delivery limit) rather than dropped.
     fn delivery(&self, link: &RecvLink, d: Incoming) -> Option<ServiceBusDelivery> {
@@ -263,6 +322,7 @@ impl Shared {
                         handle: link.handle,
                         id: link.id,
                         delivery_id: d.delivery_id,
+                        attached: Arc::clone(&link.attached),
                     }
                 };
                 if d.settled {
@@ -288,12 +348,54 @@ impl Shared {
 
     /// Reads up to `max` deliveries from `link`, waiting up to `max_wait` for the first.
     /// `Err(None)` means the link is gone without an error worth reporting.
-    async fn read(
+    ///
+    /// With credit on demand, first opens credit for `max` (at most the options' maximum),
+    /// less what is already buffered, and takes back what is left when the call ends, however
+    /// it ends (answered, failed, or its future dropped): the link never holds more locked
+    /// messages than a call waiting on it asked for, and none while no call waits, so a caller
+    /// that stops asking (a processor shutting down, a receiver dropped) leaves no message
+    /// locked to a link nobody reads.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: deliveries not yet returned stay buffered for the next call.
+    pub(crate) async fn read(
         &self,
         link: &mut RecvLink,
         max: usize,
         max_wait: Duration,
     ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
+        let on_demand = self.options.prefetch == 0;
+        let mut open = 0u32;
+        if on_demand {
+            let asked = u32::try_from(max.max(1)).unwrap_or(u32::MAX);
+            let want = self.options.max_credit.map_or(asked, |cap| asked.min(cap));
+            let buffered = u32::try_from(link.events.len()).unwrap_or(u32::MAX);
+            open = want.saturating_sub(buffered);
+            if open > 0 {
+                link.conn.engine.flow(link.handle, link.id, open);
+            }
+        }
+        // Whether the call's credit was all used is not known here (what it read may have
+        // been buffered before it), so what is open is taken back in any case: one flow frame.
+        let _revoke = CreditBack {
+            engine: link.conn.engine.clone(),
+            handle: link.handle,
+            id: link.id,
+            open: open > 0,
+        };
+        self.take(link, max, max_wait).await
+    }
+
+    /// The receiving part of [`Shared::read`]. Cancel safe: it awaits only before it reads
+    /// the first delivery.
+    async fn take(
+        &self,
+        link: &mut RecvLink,
+        max: usize,
+        max_wait: Duration,
+    ) -> Result<Vec<ServiceBusDelivery>, Option<Error>> {
+        let on_demand = self.options.prefetch == 0;
         let mut out = Vec::new();
         let mut taken = 0u32;
         let first = match tokio::time::timeout(max_wait, link.events.recv()).await {
@@ -325,14 +427,14 @@ impl Shared {
                 Err(mpsc::error::TryRecvError::Disconnected) => None,
             };
         }
-        // Keep the credit where it was: one more for every message taken off the link.
-        if taken > 0 {
+        if !on_demand && taken > 0 {
+            // Keep the prefetch where it was: one more for every message taken off the link.
             link.conn.engine.flow(link.handle, link.id, taken);
         }
         Ok(out)
     }
 
-    async fn settle(
+    pub(crate) async fn settle(
         &self,
         d: &ServiceBusDelivery,
         how: Settle,
@@ -340,7 +442,7 @@ impl Shared {
     ) -> Result<(), Error> {
         match &d.via {
             Via::Unlocked => Err(Error::Invalid("the message was received without a lock".into())),
-            Via::Link { engine, handle, id, delivery_id } => {
+            Via::Link { engine, handle, id, delivery_id, .. } => {
                 if d.settled.swap(true, std::sync::atomic::Ordering::AcqRel) {
                     return Err(lost(false));
                 }
@@ -371,7 +473,7 @@ impl Shared {
         }
     }
 
-    async fn management(
+    pub(crate) async fn management(
         &self,
         session: Option<&SessionHold>,
         operation: &str,
@@ -379,7 +481,7 @@ impl Shared {
     ) -> Result<Value, Error> {
         match session {
             Some(s) => {
-                if s.conn.engine.is_closed() {
+                if s.conn.engine.is_closed() || !s.attached.load(Ordering::Acquire) {
                     return Err(lost(true));
                 }
                 body.push(("session-id", Value::string(s.session_id.as_str())));
@@ -395,9 +497,12 @@ impl Shared {
     async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, Error> {
         let lock =
             d.message.lock_token.ok_or_else(|| Error::Invalid("the message has no lock".into()))?;
-        if let Via::Link { engine, .. } = &d.via
-            && engine.is_closed()
+        if let Via::Link { engine, attached, .. } = &d.via
+            && (engine.is_closed() || !attached.load(Ordering::Acquire))
         {
+            // The lock belongs to the link, which is gone: a renewal through `$management`
+            // could still keep the message locked on the service, for a delivery that can
+            // never be settled; so the lock is lost here, at once.
             return Err(lost(false));
         }
         let body = vec![("lock-tokens", uuid_array(&[lock]))];
@@ -408,7 +513,7 @@ impl Shared {
         }
     }
 
-    async fn peek(
+    pub(crate) async fn peek(
         &self,
         session: Option<&SessionHold>,
         from: Option<SequenceNumber>,
@@ -432,7 +537,7 @@ impl Shared {
         Ok(out)
     }
 
-    async fn receive_deferred(
+    pub(crate) async fn receive_deferred(
         &self,
         session: Option<&SessionHold>,
         seqs: &[SequenceNumber],
@@ -462,7 +567,7 @@ impl Shared {
     }
 }
 
-fn lost(session: bool) -> Error {
+pub(crate) fn lost(session: bool) -> Error {
     let condition =
         if session { condition::SESSION_LOCK_LOST } else { condition::MESSAGE_LOCK_LOST };
     Error::Amqp {
@@ -475,6 +580,26 @@ impl Receiver {
     /// The entity path.
     pub fn entity_path(&self) -> &str {
         &self.shared.entity
+    }
+
+    /// The entity's properties (lock duration, MaxDeliveryCount, time to live, sessions,
+    /// duplicate detection), read once from the namespace's administration API
+    /// ([`ClientOptions::admin_endpoint`](crate::ClientOptions::admin_endpoint)) unless
+    /// [`ReceiverOptions::entity_info`] gave them; [`ReceiverOptions::message_time_to_live`]
+    /// overrides the time to live read. Reading needs the `Manage` claim. The processor reads
+    /// them as it starts ([`twice::Transport::read_entity`]); when it cannot, the receiver
+    /// warns and goes on with what the options say, or the Service Bus defaults.
+    ///
+    /// # Errors
+    ///
+    /// When the API cannot be reached, refuses the key, or has no such entity
+    /// ([`Error::is_not_found`], [`Error::is_unauthorized`]).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn entity_properties(&self) -> Result<EntityInfo, Error> {
+        self.shared.read_entity().await
     }
 
     /// Receives up to `max_messages`, waiting up to `max_wait` for the first. Connects and
@@ -651,7 +776,15 @@ impl twice::Receive for Receiver {
 
 impl twice::Transport for Receiver {
     fn entity(&self) -> &EntityInfo {
-        &self.shared.info
+        self.shared.info()
+    }
+
+    fn claim_scope(&self) -> &str {
+        &self.shared.scope
+    }
+
+    async fn read_entity(&self) -> Result<EntityInfo, TransportError> {
+        Ok(self.shared.read_entity_or_defaults().await)
     }
 
     fn system(&self) -> &'static str {
@@ -667,325 +800,34 @@ impl twice::Transport for Receiver {
     }
 }
 
-/// The connection and id of a locked session.
-#[derive(Debug)]
-struct SessionHold {
-    conn: Arc<Conn>,
-    session_id: SessionId,
+/// Takes back a link's credit when dropped, if `open`.
+struct CreditBack {
+    engine: Engine,
+    handle: u32,
+    id: u64,
+    open: bool,
 }
 
-/// Accepts sessions of a session-enabled entity; implements [`twice::SessionTransport`].
-#[derive(Debug)]
-pub struct SessionClient {
-    receiver: Receiver,
-}
-
-/// A locked session: its messages in order, its state and its lock. The lock belongs to the
-/// link and the connection it came on; after a connection loss every call fails with
-/// session-lock-lost and the session must be accepted again.
-#[derive(Debug)]
-pub struct SessionReceiver {
-    shared: Arc<Shared>,
-    hold: SessionHold,
-    link: tokio::sync::Mutex<RecvLink>,
-    locked_until: Mutex<Timestamp>,
-}
-
-/// `com.microsoft:locked-until-utc` is .NET ticks (100 ns since 0001-01-01).
-fn ticks_to_timestamp(ticks: i64) -> Timestamp {
-    Timestamp::from_millis(ticks.saturating_sub(621_355_968_000_000_000) / 10_000)
-}
-
-impl SessionClient {
-    /// The entity path.
-    pub fn entity_path(&self) -> &str {
-        &self.receiver.shared.entity
-    }
-
-    async fn accept(
-        &self,
-        sid: Option<&SessionId>,
-        wait: Option<Duration>,
-    ) -> Result<Option<SessionReceiver>, Error> {
-        let shared = &self.receiver.shared;
-        let conn = shared.client.connection().await?;
-        let (link, remote) = match attach_receiver(shared, &conn, Some(sid), wait).await {
-            Ok(l) => l,
-            Err(e) if sid.is_none() && e.is_timeout() => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let filter =
-            twice_amqp::performative::Terminus::parse(remote.remote.source.as_ref(), true).filter;
-        let granted = filter
-            .as_ref()
-            .and_then(|f| f.get("com.microsoft:session-filter"))
-            .and_then(|v| v.undescribed().as_str().map(SessionId::new))
-            .or_else(|| sid.cloned())
-            .ok_or_else(|| Error::Invalid("the service named no session".into()))?;
-        let locked_until = remote
-            .remote
-            .properties
-            .as_ref()
-            .and_then(|p| p.get("com.microsoft:locked-until-utc"))
-            .and_then(|v| match v {
-                Value::Timestamp(t) => Some(Timestamp::from_millis(*t)),
-                other => other.as_i64().map(ticks_to_timestamp),
-            })
-            .unwrap_or_else(|| shared.client.options.clock.now());
-        Ok(Some(SessionReceiver {
-            shared: shared.clone(),
-            hold: SessionHold { conn, session_id: granted },
-            link: tokio::sync::Mutex::new(link),
-            locked_until: Mutex::new(locked_until),
-        }))
-    }
-
-    /// Locks the next session with messages, waiting up to `max_wait`; `None` if none came.
-    ///
-    /// # Cancel safety
-    ///
-    /// Not cancel safe: a session locked after the future is dropped stays locked until its
-    /// lock expires.
-    pub async fn accept_next_session(
-        &self,
-        max_wait: Duration,
-    ) -> Result<Option<SessionReceiver>, Error> {
-        self.accept(None, Some(max_wait)).await
-    }
-
-    /// Locks the named session; fails with `com.microsoft:session-cannot-be-locked` if another
-    /// receiver holds it.
-    ///
-    /// # Cancel safety
-    ///
-    /// Not cancel safe, as [`SessionClient::accept_next_session`].
-    pub async fn accept_session(&self, session_id: &SessionId) -> Result<SessionReceiver, Error> {
-        self.accept(Some(session_id), None)
-            .await?
-            .ok_or_else(|| Error::Invalid("the session was not granted".into()))
-    }
-}
-
-impl SessionReceiver {
-    /// The session id.
-    pub fn session_id(&self) -> &SessionId {
-        &self.hold.session_id
-    }
-
-    /// Until when the session lock holds, as of the accept or the last renewal.
-    pub fn session_locked_until(&self) -> Timestamp {
-        *self.locked_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Receives up to `max_messages` of the session's messages, in order.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: messages not yet returned stay buffered.
-    pub async fn receive_messages(
-        &self,
-        max_messages: usize,
-        max_wait: Duration,
-    ) -> Result<Vec<ServiceBusDelivery>, Error> {
-        let mut link = self.link.lock().await;
-        match self.shared.read(&mut link, max_messages, max_wait).await {
-            Ok(v) => Ok(v),
-            Err(Some(e)) => Err(e),
-            Err(None) => Err(lost(true)),
+impl Drop for CreditBack {
+    fn drop(&mut self) {
+        if self.open {
+            self.engine.stop_credit(self.handle, self.id);
         }
     }
-
-    async fn settle(&self, d: &ServiceBusDelivery, how: Settle) -> Result<(), Error> {
-        self.shared.settle(d, how, Some(&self.hold)).await.map_err(|e| {
-            // A message of a session whose link died has lost its session lock.
-            if e.is_lock_lost() && self.hold.conn.engine.is_closed() { lost(true) } else { e }
-        })
-    }
-
-    /// Renews the session lock; returns the new locked-until time.
-    pub async fn renew_lock(&self) -> Result<Timestamp, Error> {
-        let reply = self
-            .shared
-            .management(Some(&self.hold), "com.microsoft:renew-session-lock", vec![])
-            .await?;
-        let Some(Value::Timestamp(t)) = reply.get("expiration") else {
-            return Err(Error::Invalid("renew-session-lock reply without an expiration".into()));
-        };
-        let until = Timestamp::from_millis(*t);
-        *self.locked_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = until;
-        Ok(until)
-    }
-
-    /// The session state.
-    pub async fn session_state(&self) -> Result<Option<Bytes>, Error> {
-        let reply = self
-            .shared
-            .management(Some(&self.hold), "com.microsoft:get-session-state", vec![])
-            .await?;
-        Ok(reply.get("session-state").and_then(Value::as_binary).cloned())
-    }
-
-    /// Sets (or with `None` clears) the session state.
-    pub async fn set_session_state(&self, state: Option<Bytes>) -> Result<(), Error> {
-        let body = vec![("session-state", state.map_or(Value::Null, Value::Binary))];
-        self.shared
-            .management(Some(&self.hold), "com.microsoft:set-session-state", body)
-            .await
-            .map(|_| ())
-    }
-
-    /// Receives deferred messages of this session by sequence number.
-    pub async fn receive_deferred_messages(
-        &self,
-        seqs: &[SequenceNumber],
-    ) -> Result<Vec<ServiceBusDelivery>, Error> {
-        self.shared.receive_deferred(Some(&self.hold), seqs).await
-    }
-
-    /// Completes a message of this session.
-    pub async fn complete_message(&self, d: &ServiceBusDelivery) -> Result<(), Error> {
-        self.settle(d, Settle::Complete).await
-    }
-
-    /// Releases the session: detaches its link, so its lock ends and unsettled messages come
-    /// back.
-    pub async fn close_session(&self) {
-        let l = self.link.lock().await;
-        l.conn.engine.detach(l.handle, l.id);
-    }
 }
 
-impl twice::SessionTransport for SessionClient {
-    type Session = SessionReceiver;
-
-    async fn accept_next_session(
-        &self,
-        max_wait: Duration,
-    ) -> Result<Option<SessionReceiver>, TransportError> {
-        Ok(SessionClient::accept_next_session(self, max_wait).await?)
-    }
-
-    async fn accept_session(
-        &self,
-        session_id: &SessionId,
-    ) -> Result<SessionReceiver, TransportError> {
-        Ok(SessionClient::accept_session(self, session_id).await?)
-    }
+/// The claim scope of an entity path: Service Bus compares entity names (and the
+/// `$DeadLetterQueue` sub-queue's) without case, so every spelling of one entity is one scope;
+/// a dead-letter queue keeps its suffix and is a scope of its own.
+fn claim_scope(path: &str) -> String {
+    path.trim_matches('/').to_ascii_lowercase()
 }
 
-impl twice::Receive for SessionClient {
-    type Delivery = ServiceBusDelivery;
-
-    async fn receive(
-        &self,
-        _max: usize,
-        _wait: Duration,
-    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
-        Err(TransportError::Unsupported("receive without a session on a session entity"))
-    }
-
-    // Settling through the entity (not the session) is what the receiver does; a message of a
-    // session is settled through its `SessionReceiver`.
-    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        twice::Receive::complete(&self.receiver, d).await
-    }
-
-    async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
-        twice::Receive::abandon(&self.receiver, d, p).await
-    }
-
-    async fn dead_letter(
-        &self,
-        d: &ServiceBusDelivery,
-        r: DeadLetterReason,
-    ) -> Result<(), TransportError> {
-        twice::Receive::dead_letter(&self.receiver, d, r).await
-    }
-
-    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        twice::Receive::defer(&self.receiver, d).await
-    }
-}
-
-impl twice::Transport for SessionClient {
-    fn entity(&self) -> &EntityInfo {
-        &self.receiver.shared.info
-    }
-
-    fn system(&self) -> &'static str {
-        "servicebus"
-    }
-
-    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        twice::Transport::release(&self.receiver, d).await
-    }
-
-    async fn renew_lock(&self, _d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
-        Err(TransportError::Unsupported(
-            "renew a message lock of a session (renew the session lock)",
-        ))
-    }
-}
-
-impl twice::Receive for SessionReceiver {
-    type Delivery = ServiceBusDelivery;
-
-    async fn receive(
-        &self,
-        max_messages: usize,
-        max_wait: Duration,
-    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
-        Ok(self.receive_messages(max_messages, max_wait).await?)
-    }
-
-    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::Complete).await?)
-    }
-
-    async fn abandon(
-        &self,
-        d: &ServiceBusDelivery,
-        properties: Properties,
-    ) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::Abandon(properties)).await?)
-    }
-
-    async fn dead_letter(
-        &self,
-        d: &ServiceBusDelivery,
-        reason: DeadLetterReason,
-    ) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::DeadLetter(reason)).await?)
-    }
-
-    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::Defer).await?)
-    }
-}
-
-impl twice::SessionReceiver for SessionReceiver {
-    fn session_id(&self) -> &SessionId {
-        &self.hold.session_id
-    }
-
-    fn locked_until(&self) -> Timestamp {
-        self.session_locked_until()
-    }
-
-    async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {
-        Ok(self.renew_lock().await?)
-    }
-
-    async fn get_state(&self) -> Result<Option<Bytes>, TransportError> {
-        Ok(self.session_state().await?)
-    }
-
-    async fn set_state(&self, state: Option<Bytes>) -> Result<(), TransportError> {
-        Ok(self.set_session_state(state).await?)
-    }
-
-    async fn close(self) -> Result<(), TransportError> {
-        self.close_session().await;
-        Ok(())
-    }
+/// The connection and id of a locked session.
+#[derive(Debug)]
+pub(crate) struct SessionHold {
+    pub(crate) conn: Arc<Conn>,
+    pub(crate) session_id: SessionId,
+    /// Whether the session's link is still attached: the session lock is the link's.
+    pub(crate) attached: Arc<AtomicBool>,
 }

@@ -13,7 +13,7 @@
 //!
 //! | column            | meaning                                                        |
 //! |-------------------|----------------------------------------------------------------|
-//! | `consumer`        | the processor's consumer name (topic subscriptions share ids)  |
+//! | `consumer`        | the processor's consumer name, by default its transport's claim scope (topic subscriptions share ids) |
 //! | `message_id`      | the message id                                                 |
 //! | `processed_at_ms` | when the claim was made (the processor's clock), ms since the Unix epoch |
 //! | `purge_after_ms`  | when the row may be purged (the database's clock), indexed; NULL: never |
@@ -84,9 +84,18 @@
 //!   gives up midway never leaves a transaction open on a pooled connection.
 //! - **Transient errors.** [`twice::Inbox::classify`] calls transient: PostgreSQL SQLSTATE
 //!   classes 40 (serialization failure, deadlock), 08 (connection), 53 (resources), 57P
-//!   (shutdown) and 55P03 (lock not available); MariaDB 1205 (lock wait timeout), 1213
-//!   (deadlock) and 1317 (interrupted); SQLite 5, 6 and 517 (busy, locked); and on every store
+//!   (shutdown) and 58 (system, I/O), 55P03 (lock not available), 25006 (a read-only
+//!   transaction: a primary demoted in a failover, a hot standby) and 25P03 (idle in
+//!   transaction too long); MariaDB 1205 (lock wait timeout), 1213 (deadlock), 1317
+//!   (interrupted), 1020 (a write conflict under `innodb_snapshot_isolation`), 1040 (too many
+//!   connections), 1053 (shutdown), 1180 (error during commit), 1290 (`--read-only`), 1637
+//!   (too many transactions), 1792 (a read-only transaction), 1836 (read-only mode), 1927
+//!   (connection killed) and 4031 (idle timeout); SQLite by primary code 5 and 6 (busy,
+//!   locked), 8 (read-only), 10 (I/O), 13 (full) and 15 (lock protocol); and on every store
 //!   I/O errors, pool timeouts and lost connections. The processor retries those in process.
+//!   It retries any failed claim in process whatever its class, since the claim is its own
+//!   insert; the classification matters there only for an error the store calls permanent,
+//!   [`StoreError::KeyTooLong`] (an id longer than the key), which abandons the message.
 //! - **Dedup-only records.** `record` inserts `(consumer, message_id)` with state 0 and the
 //!   attempt's owner token and commits at once; a conflicting row is read back: done → a
 //!   duplicate, claimed by the same owner → claimed, by another → in progress. `finish` is an

@@ -27,6 +27,22 @@ mod errno {
     pub(super) const LOCK_WAIT_TIMEOUT: u16 = 1205;
     pub(super) const LOCK_DEADLOCK: u16 = 1213;
     pub(super) const QUERY_INTERRUPTED: u16 = 1317;
+    /// "Record has changed since last read": a write conflict under
+    /// `innodb_snapshot_isolation`; the retry reads afresh.
+    pub(super) const CHECKREAD: u16 = 1020;
+    pub(super) const TOO_MANY_CONNECTIONS: u16 = 1040;
+    pub(super) const SERVER_SHUTDOWN: u16 = 1053;
+    pub(super) const ERROR_DURING_COMMIT: u16 = 1180;
+    /// The server runs with `--read-only` (a replica, or a primary demoted in a failover).
+    pub(super) const OPTION_PREVENTS_STATEMENT: u16 = 1290;
+    pub(super) const TOO_MANY_CONCURRENT_TRANSACTIONS: u16 = 1637;
+    /// A write in a `READ ONLY` transaction.
+    pub(super) const READ_ONLY_TRANSACTION: u16 = 1792;
+    /// MySQL's read-only mode.
+    pub(super) const READ_ONLY_MODE: u16 = 1836;
+    pub(super) const CONNECTION_KILLED: u16 = 1927;
+    /// MySQL 8: the server closed a connection that was idle too long.
+    pub(super) const CLIENT_INTERACTION_TIMEOUT: u16 = 4031;
     pub(super) const DATA_TOO_LONG: u16 = 1406;
     pub(super) const TRUNCATED_WRONG_VALUE: u16 = 1292;
     pub(super) const BAD_NULL: u16 = 1048;
@@ -191,9 +207,19 @@ impl crate::store::Dialect for MySql {
                     None => ErrorClass::Unknown,
                 }
             }
-            errno::LOCK_WAIT_TIMEOUT | errno::LOCK_DEADLOCK | errno::QUERY_INTERRUPTED => {
-                ErrorClass::Transient
-            }
+            errno::LOCK_WAIT_TIMEOUT
+            | errno::LOCK_DEADLOCK
+            | errno::QUERY_INTERRUPTED
+            | errno::CHECKREAD
+            | errno::TOO_MANY_CONNECTIONS
+            | errno::SERVER_SHUTDOWN
+            | errno::ERROR_DURING_COMMIT
+            | errno::OPTION_PREVENTS_STATEMENT
+            | errno::TOO_MANY_CONCURRENT_TRANSACTIONS
+            | errno::READ_ONLY_TRANSACTION
+            | errno::READ_ONLY_MODE
+            | errno::CONNECTION_KILLED
+            | errno::CLIENT_INTERACTION_TIMEOUT => ErrorClass::Transient,
             errno::DATA_TOO_LONG
             | errno::TRUNCATED_WRONG_VALUE
             | errno::BAD_NULL

@@ -177,12 +177,17 @@ impl crate::store::Dialect for Postgres {
                 }
             }
             // Serialization failure, deadlock, connection trouble, insufficient resources,
-            // shutdown, lock not available.
+            // shutdown, lock not available, a read-only transaction (a primary demoted in a
+            // failover, or a hot standby the connection reached), a session ended for idling
+            // in its transaction, and system errors (I/O) of the server.
             c if c.starts_with("40")
                 || c.starts_with("08")
                 || c.starts_with("53")
                 || c.starts_with("57P")
-                || c == "55P03" =>
+                || c.starts_with("58")
+                || c == "55P03"
+                || c == "25006"
+                || c == "25P03" =>
             {
                 ErrorClass::Transient
             }

@@ -23,9 +23,6 @@ pub type SqliteInbox = SqlxInbox<Sqlite>;
 
 /// SQLite extended result codes the store looks at.
 mod code {
-    pub(super) const BUSY: &str = "5";
-    pub(super) const LOCKED: &str = "6";
-    pub(super) const BUSY_SNAPSHOT: &str = "517";
     pub(super) const CONSTRAINT_UNIQUE: &str = "2067";
     pub(super) const CONSTRAINT_PRIMARYKEY: &str = "1555";
     pub(super) const CONSTRAINT_NOTNULL: &str = "1299";
@@ -187,9 +184,13 @@ impl crate::store::Dialect for Sqlite {
                     None => ErrorClass::Unknown,
                 }
             }
-            code::BUSY | code::LOCKED | code::BUSY_SNAPSHOT => ErrorClass::Transient,
             code::CONSTRAINT_NOTNULL | code::CONSTRAINT_CHECK => ErrorClass::Permanent,
-            _ => ErrorClass::Unknown,
+            other => match other.parse::<i32>().map(|extended| extended & 0xff) {
+                // The primary code of an extended one: busy, locked, read-only (the file, or
+                // `query_only`), I/O error, disk full, the lock protocol.
+                Ok(5 | 6 | 8 | 10 | 13 | 15) => ErrorClass::Transient,
+                _ => ErrorClass::Unknown,
+            },
         }
     }
 }

@@ -370,6 +370,10 @@ where
     }
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        if let Some(StoreError::KeyTooLong { .. }) = error.downcast_ref::<StoreError>() {
+            // The message id can never be claimed: the message's fault, not the store's.
+            return ErrorClass::Permanent;
+        }
         let Some(e) = find_sqlx_error(error) else { return ErrorClass::Unknown };
         match e {
             sqlx::Error::Database(db) => DB::classify_database(self, db.as_ref()),

@@ -17,8 +17,9 @@
 //! | `twice_processor_abandoned_total` | counter | messages abandoned |
 //! | `twice_processor_dead_lettered_total` | counter | messages dead-lettered by the processor |
 //! | `twice_processor_deferred_total` | counter | messages deferred |
-//! | `twice_processor_released_total` | counter | prefetched messages released at shutdown |
+//! | `twice_processor_released_total` | counter | messages released uncounted: prefetched ones at shutdown, and those whose begin or claim failed through every retry |
 //! | `twice_processor_lock_lost_total` | counter | messages whose lock was lost while processed |
+//! | `twice_processor_expired_in_buffer_total` | counter | received messages whose lock ran out before a handler took them |
 //! | `twice_processor_lock_renewals_total` | counter | lock renewals |
 //! | `twice_processor_handler_errors_total` | counter | handler errors |
 //! | `twice_processor_handler_panics_total` | counter | handler panics |
@@ -45,6 +46,7 @@ pub struct Counters {
     deferred: AtomicU64,
     released: AtomicU64,
     lock_lost: AtomicU64,
+    expired_in_buffer: AtomicU64,
     renewals: AtomicU64,
     handler_errors: AtomicU64,
     handler_panics: AtomicU64,
@@ -74,6 +76,7 @@ pub(crate) enum Counter {
     Deferred,
     Released,
     LockLost,
+    ExpiredInBuffer,
     Renewals,
     HandlerErrors,
     HandlerPanics,
@@ -97,6 +100,7 @@ impl Counters {
             Counter::Deferred => &self.deferred,
             Counter::Released => &self.released,
             Counter::LockLost => &self.lock_lost,
+            Counter::ExpiredInBuffer => &self.expired_in_buffer,
             Counter::Renewals => &self.renewals,
             Counter::HandlerErrors => &self.handler_errors,
             Counter::HandlerPanics => &self.handler_panics,
@@ -145,6 +149,7 @@ impl Counters {
             Counter::Deferred => ("twice_processor_deferred_total", None),
             Counter::Released => ("twice_processor_released_total", None),
             Counter::LockLost => ("twice_processor_lock_lost_total", None),
+            Counter::ExpiredInBuffer => ("twice_processor_expired_in_buffer_total", None),
             Counter::Renewals => ("twice_processor_lock_renewals_total", None),
             Counter::HandlerErrors => ("twice_processor_handler_errors_total", None),
             Counter::HandlerPanics => ("twice_processor_handler_panics_total", None),
@@ -211,6 +216,7 @@ impl Counters {
             deferred: get(&self.deferred),
             released: get(&self.released),
             lock_lost: get(&self.lock_lost),
+            expired_in_buffer: get(&self.expired_in_buffer),
             renewals: get(&self.renewals),
             handler_errors: get(&self.handler_errors),
             handler_panics: get(&self.handler_panics),
@@ -270,11 +276,17 @@ pub struct CounterSnapshot {
     pub dead_lettered: u64,
     /// Messages deferred.
     pub deferred: u64,
-    /// Prefetched messages released unprocessed at shutdown.
+    /// Messages released without a delivery counted: prefetched messages no handler took at
+    /// shutdown, and messages whose transaction could not begin or whose claim failed in every
+    /// attempt until the infrastructure retries were used up.
     pub released: u64,
     /// Messages whose lock was lost while they were processed: the work was rolled back and the
     /// message left to the broker.
     pub lock_lost: u64,
+    /// Messages received whose lock had run out before a handler took them (they waited in a
+    /// prefetch buffer): skipped, since the broker delivers them again, with a delivery
+    /// counted. A rising count means the prefetch is too deep for the handlers' pace.
+    pub expired_in_buffer: u64,
     /// Successful lock renewals (message or session).
     pub renewals: u64,
     /// Errors returned by handlers (business-key duplicates excluded).

@@ -7,9 +7,11 @@
 //!   serialization failure, a commit whose outcome is unknown. The processor retries the whole
 //!   attempt (begin, claim, handler, commit) in process, after an exponential backoff with
 //!   jitter, while it keeps renewing the message lock; no delivery is counted. A commit that
-//!   did happen is then found by the claim, and the message completes as a duplicate. Only
-//!   after [`RetryPolicy::infrastructure_retries`] failed attempts in a row is the message
-//!   abandoned.
+//!   did happen is then found by the claim, and the message completes as a duplicate. A claim
+//!   that fails is always such a failure (the claim is the processor's own insert), unless the
+//!   store calls its error permanent. Only after [`RetryPolicy::infrastructure_retries`]
+//!   failed attempts in a row does the processor give the message up: it releases it (no
+//!   delivery counted) when no handler ran in any attempt, and abandons it otherwise.
 //! - **Handler errors** (transient or unclassified errors a handler returns, panics, a
 //!   transaction the database aborted under the handler): first
 //!   [`RetryPolicy::immediate_retries`] more attempts at once, in process; then, if
@@ -63,7 +65,8 @@ impl RetryPolicy {
     }
 
     /// How many times in a row an attempt that failed for the infrastructure is retried in
-    /// process before the message is abandoned (0 abandons at once).
+    /// process before the message is given up (0 gives it up at once): released when no
+    /// handler ran, abandoned otherwise.
     #[must_use]
     pub fn infrastructure_retries(mut self, n: u32) -> Self {
         self.infrastructure_retries = n;

@@ -4,11 +4,17 @@
 //! Sessions remove the race between messages of one entity (say, one order) but do not replace
 //! the claim: a redelivered message still comes back through the same session.
 //!
-//! The session lock is renewed in the background until
-//! [`max_auto_lock_renewal_duration`](SessionProcessorOptions::max_auto_lock_renewal_duration);
-//! when it is lost, the message in flight is rolled back and the session given up. A session
-//! that brings no message for [`session_idle_timeout`](SessionProcessorOptions::session_idle_timeout)
-//! is closed so another can be accepted.
+//! The session lock is renewed in the background for as long as the session is held: while the
+//! session waits for its next message, and while a message is processed, for up to
+//! [`max_auto_lock_renewal_duration`](SessionProcessorOptions::max_auto_lock_renewal_duration)
+//! from that message's receipt (so a handler that hangs still loses the lock in the end); when
+//! it is lost, the message in flight is rolled back and the session given up. A session that
+//! brings no message for
+//! [`session_idle_timeout`](SessionProcessorOptions::session_idle_timeout) is closed so another
+//! can be accepted, and one held for
+//! [`max_session_hold_duration`](SessionProcessorOptions::max_session_hold_duration) (if set)
+//! is closed after its message in flight, so that a busy session does not keep its receiver
+//! from the others.
 //!
 //! A message is settled in line, before the session's next message is received: unlike the
 //! [`Processor`](crate::Processor), which settles in the background once the transaction has
@@ -44,6 +50,7 @@ pub struct SessionProcessorOptions {
     max_concurrent_sessions: usize,
     max_auto_lock_renewal_duration: Duration,
     session_idle_timeout: Duration,
+    max_session_hold_duration: Option<Duration>,
     max_wait: Duration,
     mode: Mode,
     retry: RetryPolicy,
@@ -57,6 +64,7 @@ impl Default for SessionProcessorOptions {
             max_concurrent_sessions: 8,
             max_auto_lock_renewal_duration: Duration::from_secs(300),
             session_idle_timeout: Duration::from_secs(60),
+            max_session_hold_duration: None,
             max_wait: Duration::from_secs(60),
             mode: Mode::Claim,
             retry: RetryPolicy::default(),
@@ -66,8 +74,10 @@ impl Default for SessionProcessorOptions {
 }
 
 impl SessionProcessorOptions {
-    /// The defaults: consumer = entity path, MaxConcurrentSessions 8, session lock renewal for
-    /// up to 5 minutes, session idle timeout 60 s, [`Mode::Claim`], the system clock.
+    /// The defaults: consumer = entity path, MaxConcurrentSessions 8, the session lock renewed
+    /// for as long as the session is held (up to 5 minutes from the receipt of the message in
+    /// flight), session idle timeout 60 s, no limit on how long a session is held,
+    /// [`Mode::Claim`], the system clock.
     pub fn new() -> Self {
         Self::default()
     }
@@ -75,8 +85,11 @@ impl SessionProcessorOptions {
     shared_options! {
         max_concurrent_sessions / get_max_concurrent_sessions ("MaxConcurrentSessions"):
             "How many sessions are processed at once (default 8; at least 1).",
-        max_auto_lock_renewal_duration: "How long after it is accepted a session's lock is \
-            renewed (default 5 minutes).",
+        max_auto_lock_renewal_duration: "How long after the receipt of a message the session's \
+            lock is renewed while that message is processed (default 5 minutes; zero: not \
+            while a message is processed). Between messages the lock is renewed while the \
+            session waits for its next one, so a session whose messages keep coming is held \
+            as long as they do; see [`Self::max_session_hold_duration`] to bound that.",
         max_wait: "How long one accept call waits for a session (default 60 s).",
         retry: "How failed attempts are retried (default [`RetryPolicy::new`]). Delayed \
             redelivery does not apply to sessions, whose messages keep their order: a handler \
@@ -95,6 +108,20 @@ impl SessionProcessorOptions {
     pub fn get_session_idle_timeout(&self) -> Duration {
         self.session_idle_timeout
     }
+
+    /// The longest a session is held (default `None`: as long as its messages keep coming):
+    /// once it has been held this long, it is closed after the message in flight, and its
+    /// remaining messages wait for the next accept (by this receiver or another).
+    #[must_use]
+    pub fn max_session_hold_duration(mut self, d: Option<Duration>) -> Self {
+        self.max_session_hold_duration = d;
+        self
+    }
+
+    /// The longest a session is held, if bounded.
+    pub fn get_max_session_hold_duration(&self) -> Option<Duration> {
+        self.max_session_hold_duration
+    }
 }
 
 /// Settles through a session receiver.
@@ -111,6 +138,7 @@ impl<R: SessionReceiver> Settler for SessionSettler<'_, R> {
         match how {
             Settlement::Complete => self.0.complete(delivery).await,
             Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
+            Settlement::Release => self.0.release(delivery).await,
             Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
             Settlement::Defer => self.0.defer(delivery).await,
             // A session's messages keep their order: one cannot come back later than the next.
@@ -137,6 +165,17 @@ processor_type! {
     ///
     /// Refuses to start when [`SessionProcessor::check`] fails; stops with
     /// [`ProcessorError::Transport`] when the transport closes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Resolve `shutdown` to stop: `run` then lets each session finish its message in flight
+    /// (and settle it) and closes the sessions before it returns. Dropping the future instead
+    /// stops everything where it is: the handlers in flight are dropped and their
+    /// transactions roll back, a settlement not yet handed to the transport is never sent, and
+    /// the sessions are not closed, so their locks run out (counting a delivery for a message
+    /// still locked). As with [`Processor::run`](crate::Processor::run), nothing is done
+    /// twice: a committed message whose completion did not go out meets its claim when it
+    /// comes back.
     fn run;
 }
 
@@ -241,16 +280,24 @@ async fn run_session<T, I, H>(
     let lock = LockState::new(Some(session.locked_until()));
     let (lost_tx, lost_rx) = watch::channel(false);
     let margin = renewal_margin(transport.entity().lock_duration);
-    let renew_until = accepted_at + options.max_auto_lock_renewal_duration;
+    // The session lock is renewed for as long as the session is held: without a limit while
+    // the session waits for its next message (a wait `session_idle_timeout` bounds), and for
+    // `max_auto_lock_renewal_duration` from the receipt of each message while it is processed.
+    let (limit_tx, limit) = watch::channel(Timestamp::MAX);
     let keeper = async {
-        keep_lock(&core, &lock, renew_until, margin, None, || session.renew_session_lock()).await;
+        keep_lock(&core, &lock, limit, margin, None, || session.renew_session_lock()).await;
         let _ = lost_tx.send(true);
         std::future::pending::<()>().await;
     };
     let settler = SessionSettler(&session);
+    let held_until = options.max_session_hold_duration.map(|d| accepted_at + d);
     let work = async {
         loop {
             if *stop.borrow() || !lock.held(clock.now()) {
+                return;
+            }
+            if held_until.is_some_and(|end| clock.now() >= end) {
+                // Held long enough: let it go, so that other sessions get their turn.
                 return;
             }
             let received = tokio::select! {
@@ -264,6 +311,7 @@ async fn run_session<T, I, H>(
                 Ok(deliveries) => {
                     for delivery in deliveries {
                         let received_at: Timestamp = clock.now();
+                        limit_tx.send_replace(received_at + options.max_auto_lock_renewal_duration);
                         let span = core.span(delivery.message());
                         core.process(
                             &settler,
@@ -274,6 +322,7 @@ async fn run_session<T, I, H>(
                         )
                         .instrument(span)
                         .await;
+                        limit_tx.send_replace(Timestamp::MAX);
                     }
                 }
                 Err(e) if e.is_lock_lost() => return,

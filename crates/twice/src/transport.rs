@@ -190,6 +190,38 @@ pub trait Transport: Receive {
     /// The entity this transport receives from.
     fn entity(&self) -> &EntityInfo;
 
+    /// The scope of the inbox keys of a processor on this entity that is given no consumer
+    /// name ([`ProcessorOptions::consumer`](crate::ProcessorOptions::consumer)): one name per
+    /// entity, the same however the entity is spelled and from whichever receiver, and
+    /// different for every other entity whose messages may share the inbox table. The default
+    /// is the entity path exactly as [`Transport::entity`] gives it, for brokers whose names
+    /// are case-sensitive and global; a transport whose broker folds case or has more than one
+    /// namespace for names overrides it: see
+    /// [Claim scope](crate::processor#claim-scope) for each transport's rule.
+    fn claim_scope(&self) -> &str {
+        &self.entity().path
+    }
+
+    /// Reads the entity's properties from the broker where the transport can (lock duration,
+    /// MaxDeliveryCount, time to live, sessions, duplicate detection), so that the processor's
+    /// checks and its lock renewal rest on what the broker does rather than on defaults. The
+    /// processor calls it once as it starts, before its checks; afterwards
+    /// [`Transport::entity`] answers with what it read. The default returns
+    /// [`Transport::entity`] as it is.
+    ///
+    /// # Errors
+    ///
+    /// [`TransportError::EntityNotFound`] when the broker has no such entity; a transport that
+    /// cannot read the properties (no right to, no way to) goes on with what it has and says
+    /// so in a log line, rather than fail.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    fn read_entity(&self) -> impl Future<Output = Result<EntityInfo, TransportError>> + Send {
+        async { Ok(self.entity().clone()) }
+    }
+
     /// The messaging system, as the OpenTelemetry semantic conventions name it in
     /// `messaging.system` (`servicebus`, `rabbitmq`, `nats`, ...): recorded on the span of
     /// every message. The default is `unknown`.
@@ -270,6 +302,17 @@ pub trait SessionReceiver: Receive {
 
     /// Renews the session lock; returns the new locked-until time.
     fn renew_session_lock(&self) -> impl Future<Output = Result<Timestamp, TransportError>> + Send;
+
+    /// Releases one of the session's messages without counting a delivery (no handler saw
+    /// it): it stays first in the session, for this receiver. The default returns
+    /// [`TransportError::Unsupported`], and the processor abandons the message instead.
+    fn release(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        let _ = delivery;
+        async { Err(TransportError::Unsupported("release a message of a session")) }
+    }
 
     /// The session state, if any was set.
     fn get_state(

@@ -694,28 +694,69 @@ async fn purge(ctx: &Ctx, entity: &str, yes: bool) -> anyhow::Result<()> {
             return Ok(());
         }
     }
-    let credit = u32::try_from(count).unwrap_or(u32::MAX).min(PEEK_PAGE);
-    let receiver = client.receiver(
-        &path,
-        ReceiverOptions::new().mode(ReceiveMode::ReceiveAndDelete).prefetch(credit),
-    );
+    // Credit only while a receive waits: a message that arrives after the last one is not
+    // deleted unseen and uncounted.
+    let receiver =
+        client.receiver(&path, ReceiverOptions::new().mode(ReceiveMode::ReceiveAndDelete));
     let bar = progress(Some(u64::try_from(count).unwrap_or(0)), "deleting");
+    let drained = drain(ctx, &receiver, &peeker, &path, count, &bar).await;
+    bar.finish_and_clear();
+    receiver.close().await;
+    let (deleted, left) = drained?;
+    println!("deleted {deleted} message(s) from {path}");
+    if left {
+        eprintln!(
+            "warning: {path} still holds messages that could not be received (another receiver \
+             holds them locked?): purge again once their locks have run out"
+        );
+    }
+    Ok(())
+}
+
+/// How many receives in a row may come back empty while a peek still shows messages, before
+/// a purge gives up on them.
+const PURGE_PATIENCE: u32 = 10;
+
+/// Deletes (receive-and-delete) until the `peeked` messages are gone and a receive on the
+/// attached link finds nothing more, or a peek finds the queue empty. An empty receive alone
+/// proves nothing: its wait may have gone on connecting and attaching the link (seconds on a
+/// loaded machine), or another receiver may hold the messages locked. Returns how many were
+/// deleted, and whether messages were left that could not be received.
+async fn drain(
+    ctx: &Ctx,
+    receiver: &Receiver,
+    peeker: &Receiver,
+    path: &str,
+    peeked: usize,
+    bar: &ProgressBar,
+) -> anyhow::Result<(usize, bool)> {
     let mut deleted = 0usize;
+    let mut empty = 0u32;
     loop {
         let batch = receiver
             .receive_messages(usize::try_from(PEEK_PAGE).unwrap_or(100), DRAIN_WAIT)
             .await
-            .map_err(|e| explain(e, &path, ctx))?;
-        if batch.is_empty() {
-            break;
+            .map_err(|e| explain(e, path, ctx))?;
+        if !batch.is_empty() {
+            deleted += batch.len();
+            empty = 0;
+            bar.inc(u64::try_from(batch.len()).unwrap_or(0));
+            continue;
         }
-        deleted += batch.len();
-        bar.inc(u64::try_from(batch.len()).unwrap_or(0));
+        if deleted >= peeked {
+            // What was counted is gone, and the link, attached since it delivered, stayed
+            // empty for a whole wait.
+            return Ok((deleted, false));
+        }
+        let left = peeker.peek_messages(None, 1).await.map_err(|e| explain(e, path, ctx))?;
+        if left.is_empty() {
+            return Ok((deleted, false));
+        }
+        empty += 1;
+        if empty >= PURGE_PATIENCE {
+            return Ok((deleted, true));
+        }
     }
-    bar.finish_and_clear();
-    receiver.close().await;
-    println!("deleted {deleted} message(s) from {path}");
-    Ok(())
 }
 
 async fn export(ctx: &Ctx, entity: &str, output: Option<&std::path::Path>) -> anyhow::Result<()> {

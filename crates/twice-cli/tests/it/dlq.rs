@@ -19,7 +19,8 @@ const CONFIG: &str = r#"{
         { "Name": "orders", "Properties": { "LockDuration": "PT30S", "MaxDeliveryCount": 5 } },
         { "Name": "payments", "Properties": { "RequiresDuplicateDetection": true,
           "DuplicateDetectionHistoryTimeWindow": "PT10M" } },
-        { "Name": "carts", "Properties": { "RequiresSession": true } }
+        { "Name": "carts", "Properties": { "RequiresSession": true } },
+        { "Name": "held", "Properties": { "LockDuration": "PT5S" } }
       ],
       "Topics": [{ "Name": "events", "Properties": {},
         "Subscriptions": [{ "Name": "billing", "Properties": {}, "Rules": [] }] }]
@@ -266,7 +267,7 @@ async fn list_json_has_one_object_per_entity_for_scripts() {
     client.sender("orders").send_message(Message::new("live")).await.unwrap();
     let listed = json_lines(&ok(&s.dlq(&["list", "--json"])));
     let paths: Vec<&str> = listed.iter().map(|e| e["entity"].as_str().unwrap()).collect();
-    assert_eq!(paths, ["orders", "payments", "carts", "events/Subscriptions/billing"]);
+    assert_eq!(paths, ["orders", "payments", "carts", "held", "events/Subscriptions/billing"]);
     let orders = &listed[0];
     assert_eq!(orders["active"], 1);
     assert_eq!(orders["dead_lettered"], 2);
@@ -518,4 +519,24 @@ async fn dlq_trusts_a_private_ca_given_with_ca_file() {
     assert!(err.contains("missing.pem"), "{err}");
     let err = failed(&s.dlq(&["list", "--ca-file", &path("key.pem")]));
     assert!(err.contains("key.pem") && err.contains("certificate"), "{err}");
+}
+
+/// A purge counts the dead-letter queue's messages with a peek, then deletes them. Its first
+/// receive can come back empty while messages are there: its wait may go on attaching the
+/// link (on a loaded machine), or, as here, another receiver holds the one message locked
+/// (for 5 s, longer than one receive waits). The purge goes on until what it counted is
+/// deleted or a peek finds the queue empty; it never reports "deleted 0" for a queue that
+/// holds messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_what_it_counted_even_when_its_first_receive_finds_nothing() {
+    let s = Serve::start();
+    let client = s.client();
+    dead_letter(&client, "held", &[("x", "Poison")]).await;
+    let holder = client.receiver("held/$DeadLetterQueue", ReceiverOptions::new());
+    let held = holder.receive_messages(1, WAIT).await.unwrap();
+    assert_eq!(held.len(), 1, "the dead-lettered message, locked by another receiver");
+
+    let out = ok(&s.dlq(&["purge", "held", "--yes"]));
+    assert!(out.contains("deleted 1 message"), "{out}");
+    assert_eq!(s.counts("held"), [0, 0, 0, 0]);
 }

@@ -8,11 +8,13 @@ use twice::{Clock, ManualClock, SharedClock, SystemClock};
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions};
 use twice_servicebus::{Server, ServerOptions};
-use twice_servicebus_client::{ClientOptions, ServiceBusClient};
+use twice_servicebus_client::{AdminEndpoint, ClientOptions, ServiceBusClient};
 
 /// A running server; stops when dropped.
 pub(crate) struct Serve {
     pub(crate) addr: SocketAddr,
+    /// The administration API's address, when the server serves one.
+    pub(crate) http: Option<SocketAddr>,
     pub(crate) connection_string: String,
     pub(crate) broker: Broker,
     pub(crate) clock: ManualClock,
@@ -29,6 +31,16 @@ impl Serve {
     }
 
     pub(crate) async fn start_with(options: ServerOptions) -> Self {
+        Self::start_serving(options.http_addr(None)).await
+    }
+
+    /// As [`Serve::start`], with the HTTP port (the administration API) on a free port.
+    pub(crate) async fn start_with_admin() -> Self {
+        let http = SocketAddr::from(([127, 0, 0, 1], 0));
+        Self::start_serving(ServerOptions::new().http_addr(Some(http))).await
+    }
+
+    async fn start_serving(options: ServerOptions) -> Self {
         let clock = ManualClock::new(SystemClock.now());
         let shared = SharedClock::from(clock.clone());
         let broker =
@@ -44,9 +56,10 @@ impl Serve {
         let mut sess = q;
         sess.requires_session = true;
         broker.create_queue("sess", sess).await.expect("queue");
-        let options = options.amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0))).http_addr(None);
+        let options = options.amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)));
         let mut s = Self {
             addr: options.get_amqp_addr(),
+            http: None,
             connection_string: String::new(),
             broker,
             clock,
@@ -63,6 +76,7 @@ impl Serve {
             self.options.clone().amqp_addr(self.addr).clock(SharedClock::from(self.clock.clone()));
         let server = Server::bind(options, self.broker.clone()).await.expect("bind");
         self.addr = server.amqp_addr();
+        self.http = server.http_addr();
         self.connection_string = server.connection_string();
         let (stop, stopped) = oneshot::channel::<()>();
         self.stop = Some(stop);
@@ -107,7 +121,8 @@ impl Serve {
     pub(crate) fn client(&self) -> ServiceBusClient {
         let options = ClientOptions::from_connection_string(&self.connection_string)
             .expect("connection string")
-            .operation_timeout(Duration::from_secs(10));
+            .operation_timeout(Duration::from_secs(10))
+            .admin_endpoint(self.http.map(|a| AdminEndpoint::http(a.ip().to_string(), a.port())));
         ServiceBusClient::new(options)
     }
 }

@@ -7,10 +7,13 @@
 mod support;
 
 mod business_keys;
+mod classify;
 mod crash;
 mod dedup;
 mod edges;
+mod failover;
 mod isolation;
 mod outbox;
 mod processor;
+mod sessions;
 mod store;

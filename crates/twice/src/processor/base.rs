@@ -33,7 +33,7 @@ pub(crate) struct Hooks {
 
 /// What the shared parts read from a processor's options.
 pub(crate) struct Settings<'a> {
-    /// The consumer name set, if any (default: the entity path).
+    /// The consumer name set, if any (default: the transport's claim scope).
     pub(crate) consumer: Option<&'a str>,
     /// How many messages are in flight at once, and the option that says so.
     pub(crate) concurrency: (usize, &'static str),
@@ -90,9 +90,10 @@ impl<T: Transport, I: Inbox, H> Base<T, I, H> {
             .finish_non_exhaustive()
     }
 
-    /// The consumer name the inbox keys are scoped to: the one set, else the entity path.
+    /// The consumer name the inbox keys are scoped to: the one set, else the transport's
+    /// claim scope.
     pub(crate) fn consumer<'a>(&'a self, settings: &Settings<'a>) -> &'a str {
-        settings.consumer.unwrap_or(&self.transport.entity().path)
+        settings.consumer.unwrap_or_else(|| self.transport.claim_scope())
     }
 
     /// Checks that the inbox has a connection for every message in flight and, unless the
@@ -241,7 +242,8 @@ macro_rules! processor_type {
                 self.base.health_handle(&self.options.settings())
             }
 
-            /// The consumer name the inbox keys are scoped to.
+            /// The consumer name the inbox keys are scoped to: the one set, else the
+            /// transport's [claim scope](crate::processor#claim-scope).
             pub fn consumer(&self) -> &str {
                 self.base.consumer(&self.options.settings())
             }
@@ -267,6 +269,10 @@ macro_rules! processor_type {
                 self,
                 shutdown: impl std::future::Future<Output = ()> + Send,
             ) -> Result<(), $crate::ProcessorError> {
+                // The entity's properties as the broker has them, for the checks and the locks.
+                $crate::Transport::read_entity(&*self.base.transport)
+                    .await
+                    .map_err($crate::ProcessorError::Transport)?;
                 self.check()?;
                 let _running = self.base.activity.start();
                 let core = self.base.core(&self.options.settings());

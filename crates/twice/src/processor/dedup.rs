@@ -44,16 +44,14 @@ where
                     message_id = %id,
                     "another attempt recorded this id and has not finished; waiting for its outcome"
                 );
+                // Its work may be under way: after the retries the message is abandoned, so a
+                // record left by a crash ends in the dead-letter queue, never run twice.
                 return Attempt::InfrastructureFailed;
             }
             Err(e) => {
-                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
+                let attempt = self.claim_failed(&e);
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return if transient {
-                    Attempt::InfrastructureFailed
-                } else {
-                    Attempt::Done(Verdict::Abandon)
-                };
+                return attempt;
             }
         }
         let attempt = self.dedup_work(msg, lock, lock_lost, owner).await;
@@ -89,7 +87,7 @@ where
             Ok(tx) => tx,
             Err(e) => {
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return (Attempt::InfrastructureFailed, FORGET);
+                return (Attempt::NotStarted, FORGET);
             }
         };
         let outgoing = self.outgoing(msg);

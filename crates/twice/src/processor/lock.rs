@@ -43,12 +43,45 @@ pub(crate) fn renewal_margin(lock_duration: Duration) -> Duration {
     (lock_duration / 2).min(Duration::from_secs(10))
 }
 
+/// How far a lock may be renewed: a moment that can move, as a session's limit moves with
+/// each of its messages. A processor's limit for one message never moves.
+pub(crate) type RenewLimit = tokio::sync::watch::Receiver<Timestamp>;
+
+/// A limit that never moves.
+pub(crate) fn fixed_limit(until: Timestamp) -> RenewLimit {
+    // The receiver keeps the value after the sender is gone; `limit_moved` then never fires.
+    tokio::sync::watch::channel(until).1
+}
+
+/// Resolves when the limit moves; never, once it cannot move any more.
+///
+/// # Cancel safety
+///
+/// Cancel safe.
+async fn limit_moved(limit: &mut RenewLimit) {
+    if limit.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Renews a lock until the renewal limit; resolves when the lock is lost (a renewal is refused,
 /// or the lock runs out).
+///
+/// A renewal is due `margin` before the lock runs out, but never sooner than half the time the
+/// lock has left, so that a renewal which extends the lock by less than the margin (a lock
+/// shorter than the entity's properties said) is not followed at once by the next. A renewal
+/// that does not extend the lock at all (the broker's own limit is reached, as RabbitMQ's
+/// `consumer_timeout`) ends the renewing: the keeper then waits for the lock to run out
+/// instead of asking again in a loop.
+///
+/// # Cancel safety
+///
+/// Cancel safe: dropped, it stops renewing; a renewal in flight may still be applied by the
+/// broker.
 pub(crate) async fn keep_lock<I, H, F, Fut>(
     core: &Core<I, H>,
     lock: &LockState,
-    renew_until: Timestamp,
+    mut limit: RenewLimit,
     margin: Duration,
     id: Option<&crate::ids::MessageId>,
     mut renew: F,
@@ -61,19 +94,40 @@ pub(crate) async fn keep_lock<I, H, F, Fut>(
         return std::future::pending().await;
     }
     let clock = &core.clock;
+    // Whether a renewal can still extend the lock.
+    let mut extendable = true;
     loop {
         let until = lock.locked_until();
-        let renew_at = until - margin;
-        if renew_at >= renew_until {
-            clock.sleep_until(until).await;
+        let now = clock.now();
+        if until <= now {
             lock.set_lost();
             return;
+        }
+        let renew_at = (until - margin).max(now + until.duration_since(now) / 2);
+        if !extendable || renew_at >= *limit.borrow_and_update() {
+            // Nothing more to renew: wait for the lock to run out, unless the limit moves.
+            tokio::select! {
+                biased;
+                () = clock.sleep_until(until) => {
+                    lock.set_lost();
+                    return;
+                }
+                () = limit_moved(&mut limit), if extendable => continue,
+            }
         }
         clock.sleep_until(renew_at).await;
         match renew().await {
             Ok(new_until) => {
-                lock.set(new_until);
                 core.counters.inc(Counter::Renewals);
+                if new_until <= until {
+                    tracing::debug!(
+                        message_id = ?id,
+                        locked_until = %new_until,
+                        "the renewal did not extend the lock; no more renewals"
+                    );
+                    extendable = false;
+                }
+                lock.set(new_until);
             }
             Err(e) if e.is_lock_lost() => {
                 lock.set_lost();

@@ -24,6 +24,7 @@
 //! | `Ok(Complete)`                                  | commit      | complete                   |
 //! | `Ok(Complete)`, but the database aborted the transaction | roll back | as a handler error |
 //! | error the store calls transient (deadlock, lock wait timeout, serialization failure, lost connection) | roll back | retried in process (see below) |
+//! | the begin or the claim failed, whatever the error (unless the store calls it permanent) | roll back | retried in process; released when the retries are used up |
 //! | transient or unclassified error, panic          | roll back   | handler retry policy, then abandon |
 //! | `Ok(Abandon)`                                   | roll back   | abandon                    |
 //! | violation of a registered business key          | roll back   | complete (duplicate)       |
@@ -36,6 +37,43 @@
 //! transaction and the handler are raced against the loss of the lock: when it is lost (a
 //! renewal fails, or the lock runs out) the handler's future is dropped and the transaction
 //! rolled back, instead of committing work whose message another receiver may already hold.
+//!
+//! # Claim scope
+//!
+//! The inbox key is `(consumer, message id)`. The consumer is the name set with
+//! [`ProcessorOptions::consumer`], or else the transport's
+//! [`claim_scope`](crate::Transport::claim_scope): the entity, named so that every receiver of
+//! the same entity claims in the same scope however the entity is spelled, and no two
+//! entities whose messages may share an inbox table do. Message ids are the sender's, so two
+//! entities can carry the same id for different messages (the subscriptions of one topic
+//! always do), and one entity reached under two spellings must not have its messages handled
+//! once per spelling. Each transport's rule:
+//!
+//! | transport | claim scope |
+//! |---|---|
+//! | Service Bus client | the path in lower case (entity names are case-insensitive): `orders`, `events/subscriptions/billing`; a dead-letter queue is its own scope, `orders/$deadletterqueue` |
+//! | embedded broker (`twice-broker`) | the path as the entity was created, whatever spelling the receiver was asked for (the broker resolves every spelling to it); a dead-letter queue is its own scope, `Orders/$DeadLetterQueue` |
+//! | RabbitMQ, NATS JetStream | what the transport's `claim_scope` says (its crate documents it); by default the entity path as given |
+//! | any other | the entity path as given (the default) |
+//!
+//! A dead-letter queue is scoped apart from its entity: a message reaches it uncompleted, so
+//! whatever its entity's processor claimed for it was rolled back, except a dedup-only record
+//! left in progress by a crash, which must not hold up the dead-letter queue's processor.
+//!
+//! *Migration.* Before these rules the scope was the path exactly as configured. A processor
+//! whose path has upper-case letters (`Orders`) now claims under `orders`, so a message
+//! claimed before the upgrade and delivered again after it would be handled again. Either
+//! keep the old scope with `.consumer("Orders")`, or move the rows once, while no processor
+//! of that entity runs (PostgreSQL and SQLite; on MariaDB `INSERT IGNORE` for the first
+//! statement):
+//!
+//! ```sql
+//! INSERT INTO twice_inbox (consumer, message_id, processed_at_ms, purge_after_ms, state, owner)
+//!   SELECT 'orders', message_id, processed_at_ms, purge_after_ms, state, owner
+//!   FROM twice_inbox WHERE consumer = 'Orders'
+//!   ON CONFLICT (consumer, message_id) DO NOTHING;
+//! DELETE FROM twice_inbox WHERE consumer = 'Orders';
+//! ```
 //!
 //! # Settlement off the call
 //!
@@ -61,6 +99,16 @@
 //! errors get the configurable policy: immediate retries, then delayed redelivery
 //! ([`Transport::redeliver_later`]), then abandon.
 //!
+//! The claim is the processor's own insert, so a claim that fails is never the message's
+//! fault, whatever the store makes of the error: a read-only transaction after a failover, a
+//! full disk, a dropped table are retried like a lost connection. When the retries are used up
+//! and no handler has run in any attempt (the begin or the claim failed every time), the
+//! message is released ([`Transport::release`]) rather than abandoned, so that it comes back
+//! with its delivery count unchanged: a database down for longer than MaxDeliveryCount
+//! attempts never dead-letters a message unrun. Only an error the store calls permanent (a
+//! message id the inbox key cannot hold) abandons the message, which then reaches the
+//! dead-letter queue by MaxDeliveryCount. A transport without release abandons instead.
+//!
 //! # The seeds' rules at the edges
 //!
 //! What twice does where a handler, a database or a sender misbehaves:
@@ -74,7 +122,10 @@
 //!   connection.
 //! - *The database is briefly unavailable.* In-process retries with backoff; no delivery is
 //!   spent. After [`RetryPolicy::infrastructure_retries`] failures in a row the message is
-//!   abandoned.
+//!   released if no handler ran (it comes back uncounted), abandoned if one did.
+//! - *A failover: the database refuses writes for a while.* The claims fail (PostgreSQL 25006,
+//!   MariaDB 1290/1792, SQLite 8); each is retried as above, so the messages wait out the
+//!   window without spending deliveries, and each handler runs once afterwards.
 //! - *Fewer pooled connections than concurrent calls.* Refused at start
 //!   ([`Processor::check`]): the surplus calls would only wait for a connection and time out.
 //! - *A message without an id.* Dead-lettered with [`MISSING_MESSAGE_ID`]; never merged with

@@ -33,8 +33,10 @@ macro_rules! shared_options {
             self.$concurrency
         }
 
-        /// The consumer name, the scope of the inbox key (default: the entity path, which
-        /// differs between the subscriptions of a topic, which share message ids).
+        /// The consumer name, the scope of the inbox key (default: the transport's
+        /// [`claim_scope`](crate::Transport::claim_scope), the entity's path normalised as its
+        /// broker names entities; it differs between the subscriptions of a topic, which
+        /// share message ids). See [Claim scope](crate::processor#claim-scope).
         #[must_use]
         pub fn consumer(mut self, consumer: impl Into<String>) -> Self {
             self.consumer = Some(consumer.into());
@@ -172,7 +174,10 @@ impl ProcessorOptions {
 
     /// How many messages to receive ahead of the handlers (default 0). Prefetched messages are
     /// locked; their locks are not renewed until a handler takes them, and those still waiting
-    /// at shutdown are released.
+    /// at shutdown are released. One whose lock runs out while it waits is skipped (the broker
+    /// delivers it again, with a delivery counted) and counted in
+    /// [`CounterSnapshot::expired_in_buffer`](crate::CounterSnapshot::expired_in_buffer):
+    /// keep the prefetch small enough for the handlers to take each message within its lock.
     #[must_use]
     pub fn prefetch_count(mut self, n: usize) -> Self {
         self.prefetch_count = n;

@@ -26,7 +26,12 @@ use crate::transport::{DeadLetterReason, Delivery};
 #[derive(Debug)]
 pub(super) enum Attempt {
     Done(Verdict),
-    /// Not the message's fault: try again after a backoff.
+    /// Not the message's fault, and no handler ran: the transaction did not begin, or the
+    /// claim (the processor's own insert) failed. Try again after a backoff; when the retries
+    /// are used up the message is released, so that no delivery is spent on it.
+    NotStarted,
+    /// Not the message's fault, after the handler ran (a deadlock victim, a lost connection, a
+    /// commit of unknown outcome): try again after a backoff.
     InfrastructureFailed,
     /// The handler failed in a way a retry may cure.
     HandlerFailed,
@@ -92,6 +97,8 @@ where
     ) -> Verdict {
         let mut infrastructure_failures = 0;
         let mut handler_failures = 0;
+        // Whether a handler ran in any attempt: until one has, the message is not at fault.
+        let mut handler_ran = false;
         // Dedup-only: the owner of this processing's record, kept across its retries.
         let owner = (self.mode == Mode::DedupOnly)
             .then(|| format!("{:016x}{:016x}", random_u64(), random_u64()));
@@ -104,10 +111,13 @@ where
             };
             match attempt {
                 Attempt::Done(verdict) => return verdict,
-                Attempt::InfrastructureFailed => {
+                attempt @ (Attempt::NotStarted | Attempt::InfrastructureFailed) => {
+                    handler_ran |= matches!(attempt, Attempt::InfrastructureFailed);
                     infrastructure_failures += 1;
                     if infrastructure_failures > self.retry.get_infrastructure_retries() {
-                        return Verdict::Abandon;
+                        // A message no handler has seen goes back without a delivery spent:
+                        // the database's trouble must not dead-letter it unrun.
+                        return if handler_ran { Verdict::Abandon } else { Verdict::Release };
                     }
                     self.counters.inc(Counter::InfrastructureRetries);
                     // The lock is renewed while the processor waits: the keeper is polled here.
@@ -119,6 +129,7 @@ where
                     }
                 }
                 Attempt::HandlerFailed => {
+                    handler_ran = true;
                     infrastructure_failures = 0;
                     handler_failures += 1;
                     if handler_failures > self.retry.get_immediate_retries() {
@@ -151,7 +162,7 @@ where
             Err(e) => {
                 // No connection, or none in time: never the message's fault.
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
-                return Attempt::InfrastructureFailed;
+                return Attempt::NotStarted;
             }
         };
         let claim = self.mode == Mode::Claim;
@@ -171,14 +182,10 @@ where
         };
         match step {
             Step::ClaimFailed(e) => {
-                let transient = self.inbox.classify(&e) == ErrorClass::Transient;
+                let attempt = self.claim_failed(&e);
                 self.report(ProcessError::new(ErrorSource::Claim, Some(id), e));
                 self.rollback(tx, id).await;
-                if transient {
-                    Attempt::InfrastructureFailed
-                } else {
-                    Attempt::Done(Verdict::Abandon)
-                }
+                attempt
             }
             Step::Duplicate(claimed_at) => {
                 self.rollback(tx, id).await;
@@ -187,7 +194,7 @@ where
             Step::InProgress => {
                 // Only a dedup-only record answers so; wait for its outcome.
                 self.rollback(tx, id).await;
-                Attempt::InfrastructureFailed
+                Attempt::NotStarted
             }
             Step::Handled(Ok(Outcome::Complete)) => {
                 if !lock.held(self.clock.now()) {
@@ -233,6 +240,20 @@ where
                 ));
                 Attempt::HandlerFailed
             }
+        }
+    }
+
+    /// What a failed claim (or dedup-only record) makes of the attempt. The claim is the
+    /// processor's own insert, so its failure is the infrastructure's whatever the store
+    /// calls it: transient (a deadlock, a lost connection), or unknown (a read-only
+    /// transaction after a failover, a full disk, a missing table): retried in process
+    /// without spending a delivery. Only an error the store calls permanent (a message id the
+    /// inbox key cannot hold) is the message's: it is abandoned, and the broker's
+    /// MaxDeliveryCount dead-letters it.
+    pub(super) fn claim_failed(&self, e: &I::Error) -> Attempt {
+        match self.inbox.classify(e) {
+            ErrorClass::Permanent => Attempt::Done(Verdict::Abandon),
+            _ => Attempt::NotStarted,
         }
     }
 

@@ -10,7 +10,7 @@ use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
 use super::base::{processor_type, report_join};
-use super::lock::{LockState, keep_lock, renewal_margin};
+use super::lock::{LockState, fixed_limit, keep_lock, renewal_margin};
 use super::options::ProcessorOptions;
 use super::settle::TransportSettler;
 use super::shared::Core;
@@ -41,6 +41,18 @@ processor_type! {
     ///
     /// Refuses to start when [`Processor::check`] fails; stops with
     /// [`ProcessorError::Transport`] when the transport closes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Resolve `shutdown` to stop: `run` then finishes what is in flight and every pending
+    /// settlement before it returns. Dropping the future instead (a `select!` branch that
+    /// loses, an aborted task, a runtime shut down) stops everything where it is, without
+    /// waiting: the handlers in flight are dropped and their transactions roll back; a
+    /// settlement already handed to the transport may still reach the broker, one not yet
+    /// handed over never does. Nothing is done twice and nothing is lost: a message whose
+    /// work committed but whose completion did not go out comes back when its lock runs out,
+    /// meets its claim and completes as a duplicate; a message rolled back, or received and
+    /// not yet taken, comes back when its lock runs out, with a delivery counted for it.
     fn run;
 }
 
@@ -107,9 +119,17 @@ where
                 }
             }
             let Some((delivery, received_at)) = buffer.pop_front() else { continue };
-            if delivery.message().locked_until.is_some_and(|until| until <= clock.now()) {
+            if let Some(until) = delivery.message().locked_until.filter(|u| *u <= clock.now()) {
                 // Its lock ran out while it waited in the prefetch buffer: the broker delivers
-                // it again, so it must not be processed here.
+                // it again (with a delivery counted), so it must not be processed here. Counted,
+                // since a prefetch too deep for the handlers' pace burns deliveries this way.
+                core.counters.inc(Counter::ExpiredInBuffer);
+                tracing::debug!(
+                    message_id = %delivery.message().message_id(),
+                    locked_until = %until,
+                    delivery_count = delivery.message().delivery_count,
+                    "the lock of a received message ran out before a handler took it; skipped"
+                );
                 continue;
             }
             let span = core.span(delivery.message());
@@ -170,10 +190,10 @@ async fn process_one<T, I, H>(
     let lock = LockState::new(delivery.message().locked_until);
     let id = delivery.message().message_id().clone();
     let margin = renewal_margin(transport.entity().lock_duration);
-    let renew_until = received_at + max_renewal;
+    let limit = fixed_limit(received_at + max_renewal);
     let settler = TransportSettler(Arc::clone(&transport));
     let keeper =
-        keep_lock(&core, &lock, renew_until, margin, Some(&id), || transport.renew_lock(&delivery));
+        keep_lock(&core, &lock, limit, margin, Some(&id), || transport.renew_lock(&delivery));
     let mut keeper = std::pin::pin!(keeper);
     let verdict = core.verdict(delivery.message(), received_at, &lock, keeper.as_mut()).await;
     if !verdict.settles() {

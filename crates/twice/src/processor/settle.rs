@@ -16,6 +16,9 @@ pub(crate) enum Verdict {
     /// Complete; the counter says why (work done, or which kind of duplicate).
     Complete(Option<Counter>),
     Abandon,
+    /// No handler ran (the infrastructure failed before it, every time): hand the message
+    /// back without counting a delivery ([`Transport::release`]).
+    Release,
     /// The handler failed and its immediate retries are used up: redeliver later if the
     /// policy says so, else abandon.
     Retry,
@@ -37,6 +40,8 @@ impl Verdict {
 pub(crate) enum Settlement {
     Complete,
     Abandon,
+    /// Unlock without counting a delivery; a transport that cannot abandons instead.
+    Release,
     DeadLetter(DeadLetterReason),
     Defer,
     /// Bring the message back after `delay`, with `properties` merged in
@@ -72,6 +77,7 @@ impl<T: Transport> Settler for TransportSettler<T> {
         match how {
             Settlement::Complete => self.0.complete(delivery).await,
             Settlement::Abandon => self.0.abandon(delivery, Properties::new()).await,
+            Settlement::Release => self.0.release(delivery).await,
             Settlement::DeadLetter(reason) => self.0.dead_letter(delivery, reason).await,
             Settlement::Defer => self.0.defer(delivery).await,
             Settlement::RedeliverLater { delay, properties } => {
@@ -105,6 +111,14 @@ impl<I, H> Core<I, H> {
                 (Settlement::Complete, Counter::Completed)
             }
             Verdict::Abandon => (Settlement::Abandon, Counter::Abandoned),
+            Verdict::Release => {
+                tracing::info!(
+                    message_id = %id,
+                    "the inbox failed every attempt before the handler ran; released without \
+                     counting a delivery"
+                );
+                (Settlement::Release, Counter::Released)
+            }
             Verdict::Retry => match self.retry.next_redelivery(delivery.message()) {
                 Some((delay, properties)) => {
                     (Settlement::RedeliverLater { delay, properties }, Counter::DelayedRedeliveries)
@@ -116,9 +130,11 @@ impl<I, H> Core<I, H> {
         };
         let completing = matches!(how, Settlement::Complete);
         let settled = match settler.settle(delivery, how).await {
-            Err(TransportError::Unsupported(_)) if counter == Counter::DelayedRedeliveries => {
-                // The transport cannot bring the message back later: the broker's own
-                // redelivery (and MaxDeliveryCount) takes over.
+            Err(TransportError::Unsupported(_))
+                if matches!(counter, Counter::DelayedRedeliveries | Counter::Released) =>
+            {
+                // The transport cannot bring the message back later, or release it: the
+                // broker's own redelivery (and MaxDeliveryCount) takes over.
                 settler.settle(delivery, Settlement::Abandon).await.map(|()| Counter::Abandoned)
             }
             other => other.map(|()| counter),
@@ -154,6 +170,7 @@ fn outcome(counter: Counter, duplicate: bool) -> &'static str {
         Counter::Completed if duplicate => "duplicate",
         Counter::Completed => "completed",
         Counter::Abandoned => "abandoned",
+        Counter::Released => "released",
         Counter::DeadLettered => "dead_lettered",
         Counter::Deferred => "deferred",
         Counter::DelayedRedeliveries => "redelivered_later",

@@ -5,6 +5,7 @@
 #![allow(missing_docs, unreachable_pub)] // reason: test code, not an API
 
 mod health;
+mod locks;
 mod memory;
 #[cfg(feature = "metrics")]
 mod metrics;

@@ -47,6 +47,9 @@ pub struct Faults {
     /// The next this many commits commit and then report a lost connection (the outcome is
     /// unknown to the caller).
     pub commits_lost_after: AtomicUsize,
+    /// The next this many claims fail as a read-only database refuses a write (an error the
+    /// store cannot classify).
+    pub claim_failures: AtomicUsize,
 }
 
 /// The inbox's errors.
@@ -58,6 +61,9 @@ pub enum MemoryError {
     /// The transaction was aborted by the store.
     #[error("the transaction was aborted")]
     Aborted,
+    /// The store refused the write, for a reason it does not classify.
+    #[error("cannot execute INSERT in a read-only transaction")]
+    ReadOnly,
 }
 
 #[derive(Debug, Default)]
@@ -144,6 +150,9 @@ impl Inbox for MemoryInbox {
         id: &'a MessageId,
         now: Timestamp,
     ) -> Result<Claim, MemoryError> {
+        if take_one(&self.faults.claim_failures) {
+            return Err(MemoryError::ReadOnly);
+        }
         let key = (consumer.to_owned(), id.clone());
         loop {
             let ended = self.shared.ended.notified();
@@ -285,6 +294,8 @@ impl Inbox for MemoryInbox {
 pub enum Settled {
     Complete,
     Abandon,
+    /// Unlocked without counting a delivery.
+    Release,
     DeadLetter(DeadLetterReason),
     Defer,
     RedeliverLater(Duration),
@@ -306,6 +317,12 @@ pub struct MemoryTransport {
     completions_started: AtomicUsize,
     /// The next this many completions fail because the lock was lost (after the hold).
     pub completions_lock_lost: AtomicUsize,
+    /// When set, a renewal returns this locked-until (a lock the broker will not extend past
+    /// it) instead of extending the lock without end.
+    pub renew_cap: Mutex<Option<Timestamp>>,
+    /// Renewals asked for. Past 10,000 a renewal fails with lock-lost, so that a keeper that
+    /// renews in a loop ends.
+    pub renew_calls: AtomicUsize,
 }
 
 impl MemoryTransport {
@@ -320,6 +337,8 @@ impl MemoryTransport {
             hold_completions: tokio::sync::watch::Sender::new(false),
             completions_started: AtomicUsize::new(0),
             completions_lock_lost: AtomicUsize::new(0),
+            renew_cap: Mutex::new(None),
+            renew_calls: AtomicUsize::new(0),
         }
     }
 
@@ -429,12 +448,17 @@ impl Transport for MemoryTransport {
     }
 
     async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        self.record(d, Settled::Release);
         self.push(d.clone());
         Ok(())
     }
 
     async fn renew_lock(&self, _: &ReceivedMessage) -> Result<Timestamp, TransportError> {
-        Ok(Timestamp::MAX)
+        if self.renew_calls.fetch_add(1, Ordering::SeqCst) >= 10_000 {
+            return Err(TransportError::LockLost);
+        }
+        let cap = *self.renew_cap.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(cap.unwrap_or(Timestamp::MAX))
     }
 
     async fn redeliver_later(

@@ -97,7 +97,15 @@ async fn the_processor_records_its_counts_latencies_and_in_flight_gauge() {
     INSTALL.call_once(|| metrics::set_global_recorder(Memory).expect("the only recorder"));
     let transport = Arc::new(MemoryTransport::new());
     let inbox = Arc::new(MemoryInbox::default());
-    // a, then a copy of a (a duplicate), b (dead-lettered), c (fails once, then completes).
+    // One whose lock ran out while it waited (skipped), then a, a copy of a (a duplicate), b
+    // (dead-lettered), c (fails once, then completes).
+    let mut expired = twice::ReceivedMessage::new(
+        Message::new("{}").with_message_id("expired"),
+        twice::SequenceNumber::new(100),
+        twice::Timestamp::from_millis(0),
+    );
+    expired.locked_until = Some(twice::Timestamp::from_millis(1));
+    transport.push(expired);
     for id in ["a", "a", "b", "c"] {
         transport.send(Message::new("{}").with_message_id(id));
     }
@@ -146,6 +154,7 @@ async fn the_processor_records_its_counts_latencies_and_in_flight_gauge() {
     assert_eq!(value("twice_processor_retries_total", &format!("{labels},kind=immediate")), 1.0);
     assert_eq!(count("twice_processor_abandoned_total"), 0.0);
     assert_eq!(count("twice_processor_lock_lost_total"), 0.0);
+    assert_eq!(count("twice_processor_expired_in_buffer_total"), 1.0);
     // Five claims (the copy of a claims too, and c claims again on its retry) and four
     // handler runs (c twice; the copy of a runs none).
     assert_eq!(count("twice_processor_claim_duration_seconds"), 5.0);

@@ -19,6 +19,8 @@ enum Act {
     Fail,
     /// Play a failed statement that aborts the transaction, then return `Complete`.
     AbortAndComplete,
+    /// Return the store's transient error (a lost connection) with `?`.
+    Unavailable,
 }
 
 struct Run {
@@ -63,6 +65,7 @@ impl Run {
                         tx.aborted = true;
                         Ok(Outcome::Complete)
                     }
+                    Act::Unavailable => Err(crate::memory::MemoryError::Unavailable.into()),
                 }
             }) as BoxFuture<'_, _>
         });
@@ -140,8 +143,10 @@ async fn infrastructure_failures_are_retried_in_process_without_a_delivery() {
     assert_eq!(run.inbox.work(), ["order-2"]);
 }
 
+/// The retries are used up before any handler ran (no transaction could begin): the message
+/// is released, not abandoned, so it comes back with its delivery count unchanged.
 #[tokio::test]
-async fn infrastructure_retries_used_up_abandon_the_message() {
+async fn infrastructure_retries_used_up_before_the_handler_release_the_message() {
     let inbox = MemoryInbox::default();
     inbox.faults.begin_failures.store(3, Ordering::SeqCst);
     let run = Run::new(inbox);
@@ -149,8 +154,58 @@ async fn infrastructure_retries_used_up_abandon_the_message() {
     let retry = fast_backoff().infrastructure_retries(2);
     let s = run.until_settled(&[], ProcessorOptions::new().retry(retry), 2).await;
     let how: Vec<_> = run.transport.settled().into_iter().map(|(_, n, how)| (n, how)).collect();
+    assert_eq!(how, [(1, Settled::Release), (1, Settled::Complete)]);
+    assert_eq!((s.infrastructure_retries, s.abandoned, s.released), (2, 0, 1), "{s:?}");
+}
+
+/// A claim the store refuses with an error it does not classify (a read-only database after a
+/// failover) is never the message's fault: retried in process, then released, never
+/// abandoned; the handler runs once, when the store takes the claim.
+#[tokio::test]
+async fn a_claim_error_is_retried_and_never_spends_a_delivery() {
+    let inbox = MemoryInbox::default();
+    inbox.faults.claim_failures.store(6, Ordering::SeqCst);
+    let run = Run::new(inbox);
+    run.transport.send(order("order-5"));
+    let retry = fast_backoff().infrastructure_retries(2);
+    let s = run.until_settled(&[], ProcessorOptions::new().retry(retry), 3).await;
+    let how: Vec<_> = run.transport.settled().into_iter().map(|(_, n, how)| (n, how)).collect();
+    assert_eq!(how, [(1, Settled::Release), (1, Settled::Release), (1, Settled::Complete)]);
+    assert_eq!((s.abandoned, s.released, s.committed), (0, 2, 1), "{s:?}");
+    assert_eq!(run.calls.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
+/// The retries are used up after the handler ran (its statements met a lost connection each
+/// time): the message is abandoned, as a handler that cannot get through is.
+#[tokio::test]
+async fn infrastructure_retries_used_up_after_the_handler_abandon_the_message() {
+    let run = Run::new(MemoryInbox::default());
+    run.transport.send(order("order-6"));
+    let retry = fast_backoff().infrastructure_retries(2);
+    let script = &[Act::Unavailable, Act::Unavailable, Act::Unavailable];
+    let s = run.until_settled(script, ProcessorOptions::new().retry(retry), 2).await;
+    let how: Vec<_> = run.transport.settled().into_iter().map(|(_, n, how)| (n, how)).collect();
     assert_eq!(how, [(1, Settled::Abandon), (2, Settled::Complete)]);
     assert_eq!((s.infrastructure_retries, s.abandoned), (2, 1), "{s:?}");
+}
+
+/// A received message whose lock ran out before a handler took it (it waited behind others in
+/// a prefetch buffer) is not handled, since the broker delivers it again; it is counted.
+#[tokio::test]
+async fn a_message_whose_lock_ran_out_before_a_handler_took_it_is_counted_not_handled() {
+    let run = Run::new(MemoryInbox::default());
+    let mut stale = twice::ReceivedMessage::new(
+        order("order-stale"),
+        twice::SequenceNumber::new(1),
+        twice::Timestamp::from_millis(0),
+    );
+    stale.locked_until = Some(twice::Timestamp::from_millis(1));
+    run.transport.push(stale);
+    run.transport.send(order("order-7"));
+    let s = run.until_settled(&[], ProcessorOptions::new(), 1).await;
+    assert_eq!(run.transport.settled(), [(Some(MessageId::new("order-7")), 1, Settled::Complete)]);
+    assert_eq!((s.expired_in_buffer, s.received), (1, 1), "{s:?}");
+    assert_eq!(run.inbox.work(), ["order-7"]);
 }
 
 /// A commit whose outcome the processor cannot know (the connection broke after the server

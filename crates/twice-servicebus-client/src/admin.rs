@@ -1,0 +1,331 @@
+//! An entity's properties from the namespace's administration API (ATOM over HTTP(S)): the
+//! lock duration, MaxDeliveryCount, time to live, sessions and duplicate detection a
+//! processor's decisions rest on. AMQP does not carry them, and `$management` has no operation
+//! that reads them.
+//!
+//! Azure serves the API on `https://<namespace>` (443); the emulator and `twice serve` on a
+//! port of their own, `http://<host>:5300` by default. Reading an entity needs the `Manage`
+//! claim, which a processor's `Listen` key lacks: the receiver then says so in a warning and
+//! goes on with the Service Bus defaults, or with what `ReceiverOptions::entity_info` gives.
+//!
+//! One `GET` per connection (`Connection: close`), rustls for https with the roots the AMQP
+//! connection trusts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use twice::EntityInfo;
+
+use crate::client::Inner;
+use crate::endpoint::AdminEndpoint;
+use crate::error::Error;
+use crate::token::TokenType;
+
+/// How long one request may take, connection included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// The largest response read.
+const MAX_RESPONSE: usize = 1 << 20;
+/// Service Bus writes "no time to live" as `TimeSpan.MaxValue`.
+const FOREVER_DAYS: u64 = 10_675_199;
+
+/// The entity `path` (a queue, or `topic/Subscriptions/name`; a `/$DeadLetterQueue` reads
+/// its parent's) as the administration API describes it. A subscription's time to live is the
+/// shorter of its own and its topic's, and its duplicate detection its topic's. A dead-letter
+/// queue has its parent's lock, and no delivery limit, sessions or time to live (as the
+/// embedded broker reports it).
+pub(crate) async fn entity_properties(inner: &Inner, path: &str) -> Result<EntityInfo, Error> {
+    let parent = strip_dead_letter(path);
+    let dead_letter = parent.len() < path.len();
+    let entry = get(inner, parent).await?;
+    let mut info = EntityInfo::new(path);
+    if let Some(d) = element(&entry, "LockDuration").and_then(|v| iso_duration(&v)) {
+        info.lock_duration = d;
+    }
+    info.max_delivery_count = element(&entry, "MaxDeliveryCount").and_then(|v| v.parse().ok());
+    info.requires_session = element(&entry, "RequiresSession").is_some_and(|v| v == "true");
+    info.message_time_to_live = ttl(&entry);
+    let dedup_of = match parent.split_once("/Subscriptions/") {
+        Some((topic, _)) => {
+            let topic = get(inner, topic).await?;
+            info.message_time_to_live = match (info.message_time_to_live, ttl(&topic)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            topic
+        }
+        None => entry,
+    };
+    info.duplicate_detection_window = (element(&dedup_of, "RequiresDuplicateDetection")
+        .is_some_and(|v| v == "true"))
+    .then(|| {
+        element(&dedup_of, "DuplicateDetectionHistoryTimeWindow")
+            .and_then(|v| iso_duration(&v))
+            .unwrap_or(Duration::from_secs(600))
+    });
+    if dead_letter {
+        // A dead-letter queue never dead-letters again, has no sessions and keeps its
+        // messages until they are received.
+        info.max_delivery_count = None;
+        info.requires_session = false;
+        info.message_time_to_live = None;
+    }
+    Ok(info)
+}
+
+/// The path without its `/$DeadLetterQueue` (any case).
+fn strip_dead_letter(path: &str) -> &str {
+    const SUFFIX: &str = "/$deadletterqueue";
+    let n = path.len().saturating_sub(SUFFIX.len());
+    match path.get(n..) {
+        Some(tail) if tail.eq_ignore_ascii_case(SUFFIX) => &path[..n],
+        _ => path,
+    }
+}
+
+/// The entity's time to live; `None` when it has none.
+fn ttl(entry: &str) -> Option<Duration> {
+    element(entry, "DefaultMessageTimeToLive")
+        .and_then(|v| iso_duration(&v))
+        .filter(|d| d.as_secs() / 86_400 < FOREVER_DAYS)
+}
+
+/// The ATOM entry of `path`.
+async fn get(inner: &Inner, path: &str) -> Result<String, Error> {
+    let endpoint = inner.options.get_admin_endpoint();
+    let scheme = if endpoint.is_https() { "https" } else { "http" };
+    // A token for the namespace: it covers every entity.
+    let audience = format!("{scheme}://{}/", endpoint.host());
+    let token = inner.options.provider().token(&audience).await?;
+    let authorization = match token.token_type() {
+        TokenType::Jwt => format!("Bearer {}", token.token()),
+        _ => token.token().to_owned(),
+    };
+    let request = format!(
+        "GET /{}?api-version=2021-05 HTTP/1.1\r\nHost: {}\r\nAuthorization: {authorization}\r\n\
+         Accept: application/atom+xml\r\nConnection: close\r\n\r\n",
+        encode_path(path),
+        endpoint.host(),
+    );
+    let operation = format!("GET {endpoint}/{path}");
+    let raw = tokio::time::timeout(REQUEST_TIMEOUT, exchange(inner, &endpoint, request.as_bytes()))
+        .await
+        .map_err(|_| Error::Timeout)??;
+    let (status, body) = parse_response(&raw).map_err(|e| {
+        Error::Invalid(format!("{operation}: the administration API did not answer HTTP: {e}"))
+    })?;
+    let failed = |status: u16, description: String| Error::Management {
+        operation: operation.clone(),
+        status: i32::from(status),
+        condition: None,
+        description,
+    };
+    match status {
+        // An unknown path is answered with an empty feed, not an entry.
+        200..=299 if body.contains("<entry") => Ok(body),
+        200..=299 => Err(failed(404, format!("no entity {path:?} in the namespace"))),
+        _ => Err(failed(status, element(&body, "Detail").unwrap_or(body))),
+    }
+}
+
+async fn exchange(
+    inner: &Inner,
+    endpoint: &AdminEndpoint,
+    request: &[u8],
+) -> Result<Vec<u8>, Error> {
+    let addr = format!("{}:{}", endpoint.host(), endpoint.port());
+    let tcp = TcpStream::connect((endpoint.host(), endpoint.port()))
+        .await
+        .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
+    if !endpoint.is_https() {
+        return roundtrip(tcp, request).await.map_err(|source| Error::Connect { addr, source });
+    }
+    let roots = inner
+        .options
+        .get_tls()
+        .map_or_else(|| crate::TlsOptions::webpki_roots().root_store(), |t| t.root_store());
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| Error::Tls(e.to_string()))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from(endpoint.host().to_owned())
+        .map_err(|e| Error::Tls(e.to_string()))?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| Error::Tls(e.to_string()))?;
+    roundtrip(tls, request).await.map_err(|source| Error::Connect { addr, source })
+}
+
+async fn roundtrip<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    request: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    s.write_all(request).await?;
+    s.flush().await?;
+    let mut out = Vec::new();
+    let mut limited = (&mut s).take(u64::try_from(MAX_RESPONSE).unwrap_or(u64::MAX));
+    match limited.read_to_end(&mut out).await {
+        Ok(_) => Ok(out),
+        // A TLS peer that closes without close_notify after a whole response.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(out),
+        Err(e) => Err(e),
+    }
+}
+
+/// Percent-encodes what a path may not hold as is (`$` and `/` stay).
+fn encode_path(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for b in path.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' | b'$' => {
+                out.push(char::from(b));
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+/// The status and body of an HTTP/1.1 response read to its end.
+fn parse_response(raw: &[u8]) -> Result<(u16, String), String> {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| "the response has no end of headers".to_owned())?;
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let body = &raw[split + 4..];
+    let mut lines = head.lines();
+    let status_line = lines.next().unwrap_or_default();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .filter(|_| status_line.starts_with("HTTP/1."))
+        .ok_or_else(|| format!("not an HTTP status line: {status_line:?}"))?;
+    let mut chunked = false;
+    let mut length = None;
+    for line in lines {
+        let Some((k, v)) = line.split_once(':') else { continue };
+        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+        if k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked") {
+            chunked = true;
+        } else if k == "content-length" {
+            length = v.parse::<usize>().ok();
+        }
+    }
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        match length {
+            Some(n) if n <= body.len() => body[..n].to_vec(),
+            Some(_) => return Err("the response ended before its Content-Length".into()),
+            None => body.to_vec(),
+        }
+    };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or_else(|| "a chunk size without its line end".to_owned())?;
+        let size_text = String::from_utf8_lossy(&b[..eol]);
+        let size_text = size_text.split(';').next().unwrap_or_default().trim().to_owned();
+        let size = usize::from_str_radix(&size_text, 16)
+            .map_err(|_| format!("a bad chunk size {size_text:?}"))?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        let chunk = b.get(..size).ok_or_else(|| "a chunk cut short".to_owned())?;
+        out.extend_from_slice(chunk);
+        b = b.get(size + 2..).unwrap_or_default();
+    }
+}
+
+/// The text of the first element `name` (with or without a namespace prefix), unescaped.
+fn element(xml: &str, name: &str) -> Option<String> {
+    let mut from = 0;
+    while let Some(at) = xml[from..].find('<').map(|i| i + from) {
+        let rest = &xml[at + 1..];
+        let end = rest.find(['>', ' ', '/'])?;
+        let tag = &rest[..end];
+        let local = tag.rsplit(':').next().unwrap_or(tag);
+        if local == name && !tag.starts_with('/') {
+            let open_end = at + 1 + rest.find('>')?;
+            if xml[..open_end].ends_with('/') {
+                return Some(String::new());
+            }
+            let body = &xml[open_end + 1..];
+            let close = body.find("</")?;
+            return Some(unescape(&body[..close]));
+        }
+        from = at + 1;
+    }
+    None
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&amp;", "&")
+}
+
+/// An ISO-8601 duration as Service Bus writes them (`PT30S`, `P14D`, `PT1M30.5S`).
+fn iso_duration(s: &str) -> Option<Duration> {
+    let rest = s.trim().strip_prefix('P')?;
+    let (date, time) = rest.split_once('T').unwrap_or((rest, ""));
+    let mut secs = 0f64;
+    for (part, units) in
+        [(date, &[('D', 86_400.0)][..]), (time, &[('H', 3600.0), ('M', 60.0), ('S', 1.0)][..])]
+    {
+        let mut number = String::new();
+        for c in part.chars() {
+            if c.is_ascii_digit() || c == '.' {
+                number.push(c);
+                continue;
+            }
+            let unit = units.iter().find(|(u, _)| *u == c)?.1;
+            secs += number.parse::<f64>().ok()? * unit;
+            number.clear();
+        }
+        if !number.is_empty() {
+            return None;
+        }
+    }
+    Duration::try_from_secs_f64(secs).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_elements_read_as_service_bus_writes_them() {
+        assert_eq!(iso_duration("PT30S"), Some(Duration::from_secs(30)));
+        assert_eq!(iso_duration("PT1M30.5S"), Some(Duration::from_millis(90_500)));
+        assert_eq!(iso_duration("P14D"), Some(Duration::from_secs(14 * 86_400)));
+        assert_eq!(iso_duration("P1DT2H"), Some(Duration::from_secs(86_400 + 7200)));
+        assert_eq!(iso_duration("30S"), None);
+        let entry = "<entry><content><QueueDescription xmlns=\"x\"><LockDuration>PT45S</LockDuration>\
+                     <d2p1:MaxDeliveryCount>3</d2p1:MaxDeliveryCount>\
+                     <DefaultMessageTimeToLive>P10675199DT2H48M5.4775807S</DefaultMessageTimeToLive>\
+                     </QueueDescription></content></entry>";
+        assert_eq!(element(entry, "LockDuration").as_deref(), Some("PT45S"));
+        assert_eq!(element(entry, "MaxDeliveryCount").as_deref(), Some("3"));
+        assert_eq!(ttl(entry), None, "TimeSpan.MaxValue is no time to live");
+        assert_eq!(strip_dead_letter("q/$DeadLetterQueue"), "q");
+        assert_eq!(strip_dead_letter("t/Subscriptions/s/$deadletterqueue"), "t/Subscriptions/s");
+        assert_eq!(strip_dead_letter("q"), "q");
+    }
+}
