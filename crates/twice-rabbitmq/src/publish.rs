@@ -1,5 +1,6 @@
 //! The RabbitMQ transport as a [`Publish`]: what an outbox relay sends on.
 
+use twice::outbox::BatchError;
 use twice::{Message, Publish, TransportError};
 
 use crate::{RabbitMqTransport, convert};
@@ -19,5 +20,20 @@ impl Publish for RabbitMqTransport {
     async fn publish(&self, destination: &str, message: Message) -> Result<(), TransportError> {
         let properties = convert::to_amqp(&message, self.inner.options.clock.now(), &[])?;
         self.publish_to(destination, &message.body, properties).await
+    }
+
+    /// Publishes every message in order, then waits for the confirms.
+    async fn publish_batch(
+        &self,
+        destination: &str,
+        messages: Vec<Message>,
+    ) -> Result<(), BatchError> {
+        let now = self.inner.options.clock.now();
+        let mut framed = Vec::with_capacity(messages.len());
+        for m in &messages {
+            framed
+                .push((m.body.to_vec(), convert::to_amqp(m, now, &[]).map_err(BatchError::none)?));
+        }
+        self.publish_all(destination, framed).await
     }
 }

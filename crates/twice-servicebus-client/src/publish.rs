@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use twice::outbox::BatchError;
 use twice::{Message, Publish, TransportError};
 
 use crate::client::ServiceBusClient;
@@ -50,10 +51,17 @@ impl Publish for Publisher {
     /// client refuses. Every other failure, missing rights included (an operator fixes those
     /// and the rows then go out), is retried.
     async fn publish(&self, destination: &str, message: Message) -> Result<(), TransportError> {
-        match self.sender(destination).send_message(message).await {
-            Ok(()) => Ok(()),
-            Err(e) => Err(classify(e)),
-        }
+        self.sender(destination).send_message(message).await.map_err(classify)
+    }
+
+    /// One batch message (all or nothing), as the SDKs send a batch.
+    async fn publish_batch(
+        &self,
+        destination: &str,
+        messages: Vec<Message>,
+    ) -> Result<(), BatchError> {
+        let sent = self.sender(destination).send_batch(messages).await;
+        sent.map_err(|e| BatchError::none(classify(e)))
     }
 }
 

@@ -148,11 +148,20 @@ impl crate::store::Dialect for Postgres {
     ) -> Result<(), StoreError> {
         match sqlx::query("SELECT 1").execute(&mut **tx).await {
             Ok(_) => Ok(()),
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25P02") => {
-                Err(StoreError::TransactionAborted)
+            Err(e) => {
+                let e = StoreError::from(e);
+                Err(if Self::aborted(&e) { StoreError::TransactionAborted } else { e })
             }
-            Err(e) => Err(e.into()),
         }
+    }
+
+    /// Every statement in an aborted transaction fails with 25P02: the outbox's insert checks
+    /// as well as `SELECT 1` does.
+    const WRITE_PROVES_COMMITTABLE: bool = true;
+
+    fn aborted(error: &StoreError) -> bool {
+        matches!(error, StoreError::Database(sqlx::Error::Database(db))
+            if db.code().as_deref() == Some("25P02"))
     }
 
     fn classify_database(

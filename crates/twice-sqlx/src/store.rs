@@ -59,6 +59,18 @@ pub trait Dialect: Database {
         tx: &mut sqlx::Transaction<'static, Self>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Whether a statement that succeeded inside `tx` proves that it can still commit, so that
+    /// writing the outbox rows makes [`Dialect::check_committable`] needless (and a failed
+    /// write is classified by [`Dialect::aborted`]).
+    const WRITE_PROVES_COMMITTABLE: bool = false;
+
+    /// Whether `error`, raised by a statement inside a transaction, says that the transaction
+    /// was aborted before it.
+    fn aborted(error: &StoreError) -> bool {
+        let _ = error;
+        false
+    }
+
     /// Classifies an error the database raised, by its code.
     fn classify_database(
         inbox: &SqlxInbox<Self>,
@@ -257,7 +269,9 @@ where
     }
 
     /// One multi-row `INSERT` into the outbox table (per 100 messages), in the handler's
-    /// transaction.
+    /// transaction; then the check that the transaction can commit, unless the database
+    /// refuses every statement of an aborted transaction (PostgreSQL), where the insert was
+    /// that check.
     async fn stage<'a>(
         &'a self,
         tx: &'a mut Self::Tx,
@@ -266,7 +280,13 @@ where
         let Some(outbox) = &self.outbox else {
             return Err(StoreError::Outgoing(twice::OutboxError::NotConfigured));
         };
-        crate::outbox::write_rows::<DB>(tx, outbox.options().get_table(), messages).await
+        let written = crate::outbox::write_rows::<DB>(tx, outbox.options().get_table(), messages);
+        match written.await {
+            Err(e) if DB::aborted(&e) => Err(StoreError::TransactionAborted),
+            Err(e) => Err(e),
+            Ok(()) if DB::WRITE_PROVES_COMMITTABLE => Ok(()),
+            Ok(()) => DB::check_committable(self, tx).await,
+        }
     }
 
     fn outbox_committed(&self) {

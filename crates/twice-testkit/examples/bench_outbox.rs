@@ -92,7 +92,8 @@ async fn process(
     };
     let relay = outbox.map(|o| {
         let relay = Relay::new(o, broker.clone(), RelayOptions::new());
-        tokio::spawn(relay.run(wait(stopped.clone())))
+        let counters = relay.counters();
+        (tokio::spawn(relay.run(wait(stopped.clone()))), counters)
     });
     let watch = Stopwatch::start();
     let task = tokio::spawn(processor.run(wait(stopped.clone())));
@@ -102,8 +103,10 @@ async fn process(
     let r = rate(n, &watch);
     let _ = stop.send(true);
     task.await??;
-    if let Some(relay) = relay {
+    if let Some((relay, counters)) = relay {
         relay.await?;
+        let s = counters.snapshot();
+        eprintln!("relay: {} sent in {} leases", s.sent, s.leases);
     }
     Ok(r)
 }

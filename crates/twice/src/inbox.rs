@@ -129,7 +129,9 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
     /// handler returned [`Outcome::Complete`](crate::Outcome::Complete) and before the commit,
     /// so that they commit with its work or not at all. Called only with messages, and only
     /// when [`Inbox::has_outbox`] says yes: a store that says yes must implement it (the
-    /// default writes nothing).
+    /// default writes nothing). After a stage that wrote rows the processor does not call
+    /// [`Inbox::check_committable`]: the stage makes the same check (with the write itself
+    /// where the database refuses every statement of an aborted transaction).
     ///
     /// # Cancel safety
     ///

@@ -33,6 +33,9 @@ struct Announce<F> {
     session: Option<&'static str>,
     fail_times: Arc<AtomicUsize>,
     dead_letter: bool,
+    /// While true, the handler runs a statement that fails after sending, once, ignores the
+    /// error and returns `Complete` (a handler that logs and carries on).
+    swallow_error_once: Arc<AtomicBool>,
     runs: Arc<AtomicUsize>,
     _store: PhantomData<fn() -> F>,
 }
@@ -45,6 +48,7 @@ impl<F> Announce<F> {
             session: None,
             fail_times: Arc::default(),
             dead_letter: false,
+            swallow_error_once: Arc::default(),
             runs: Arc::default(),
             _store: PhantomData,
         }
@@ -67,6 +71,10 @@ impl<F: Fixture> JsonHandler<OrderPlaced, Transaction<'static, F::DB>> for Annou
                 message = message.with_session_id(session);
             }
             ctx.send(self.destination, message)?;
+        }
+        if self.swallow_error_once.swap(false, Ordering::SeqCst) {
+            let failed = F::try_exec(tx, "INSERT INTO no_such_table (x) VALUES (1)").await;
+            assert!(failed.is_err(), "the statement must fail");
         }
         let fail = self
             .fail_times
@@ -217,6 +225,42 @@ where
     assert_eq!(&shipped[1].body()[..], br#"{"order_id":1,"n":1}"#);
 }
 on_all_stores!(rollback_leaves_no_message_commit_always_has_its_rows);
+
+/// A handler that sends, then swallows a failed statement and returns `Complete`: on
+/// PostgreSQL the failure aborted the transaction, and the outbox's insert (the only check
+/// before the commit once rows are staged) finds it, so the attempt is the handler's failure
+/// and the second attempt commits the work with its rows. (On MariaDB and SQLite a failed
+/// statement leaves the transaction usable, and the first attempt commits.) Either way the
+/// rows are exactly the committed run's.
+async fn an_aborted_transaction_stages_nothing_and_is_retried<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let outbox = f.outbox(OutboxOptions::new().table("outbox_ab")).await.expect("outbox");
+    let inbox = f.inbox(InboxOptions::new().table("inbox_ab")).await.with_outbox(outbox.clone());
+    let broker = broker().await;
+    let shutdown = Shutdown::default();
+    let handler = Announce::<F>::new("shipped", 2);
+    handler.swallow_error_once.store(true, Ordering::SeqCst);
+    let runs = handler.runs.clone();
+    let p = processor::<F>(&broker, Arc::new(inbox), handler).await;
+    let counters = p.counters();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    broker.send("orders", order("order-5-placed", 5)).await.expect("send");
+    until("order 5 committed", || counters.snapshot().completed == 1).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    let expected_runs = if F::NAME == "postgres" { 2 } else { 1 };
+    assert_eq!(runs.load(Ordering::SeqCst), expected_runs, "{}: {s:?}", F::NAME);
+    assert_eq!(s.handler_errors, u64::try_from(expected_runs - 1).unwrap_or(0), "{s:?}");
+    assert_eq!(s.committed, 1, "{}: {s:?}", F::NAME);
+    assert_eq!(shipments(&f).await, 1, "{}: the completed message has its work", F::NAME);
+    assert_eq!(outbox_rows(&f, "outbox_ab").await, 2, "{}: and its two rows", F::NAME);
+}
+on_all_stores!(an_aborted_transaction_stages_nothing_and_is_retried);
 
 /// A process that committed and stopped before any relay ran (no relay in it at all) leaves
 /// its rows; a relay started later, elsewhere, sends them once.

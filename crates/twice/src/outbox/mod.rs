@@ -367,6 +367,64 @@ pub trait Publish: Send + Sync + fmt::Debug + 'static {
         destination: &str,
         message: Message,
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
+
+    /// Sends `messages` to `destination`, stored in this order; returns once the broker has
+    /// them all. The relay sends rows that go to one destination this way, in batches of at
+    /// most [`RelayOptions::max_batch_bytes`] of bodies.
+    ///
+    /// On an error, [`BatchError::stored`] says how many of the first messages the broker
+    /// surely has (the relay marks them sent); any of the others may have been stored too (the
+    /// relay sends them again, with the same ids). A permanent error with more than one
+    /// message not surely stored may be any one's, and the relay then sends those one by one
+    /// to find which. The default sends them one by one with [`Publish::publish`] and stops
+    /// at the first error.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Publish::publish`].
+    fn publish_batch(
+        &self,
+        destination: &str,
+        messages: Vec<Message>,
+    ) -> impl Future<Output = Result<(), BatchError>> + Send {
+        async move {
+            for (stored, message) in messages.into_iter().enumerate() {
+                self.publish(destination, message)
+                    .await
+                    .map_err(|error| BatchError { stored, error })?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A batch that [`Publish::publish_batch`] could not send whole.
+#[derive(Debug)]
+pub struct BatchError {
+    /// How many of the batch's first messages the broker surely has (0 for a broker that
+    /// takes a batch all or nothing).
+    pub stored: usize,
+    /// Why the rest did not go.
+    pub error: TransportError,
+}
+
+impl BatchError {
+    /// None of the batch is surely stored.
+    pub fn none(error: TransportError) -> Self {
+        Self { stored: 0, error }
+    }
+}
+
+impl fmt::Display for BatchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (the first {} of the batch were stored)", self.error, self.stored)
+    }
+}
+
+impl std::error::Error for BatchError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
 }
 
 impl<P: Publish> Publish for Arc<P> {
@@ -384,6 +442,14 @@ impl<P: Publish> Publish for Arc<P> {
         message: Message,
     ) -> impl Future<Output = Result<(), TransportError>> + Send {
         (**self).publish(destination, message)
+    }
+
+    fn publish_batch(
+        &self,
+        destination: &str,
+        messages: Vec<Message>,
+    ) -> impl Future<Output = Result<(), BatchError>> + Send {
+        (**self).publish_batch(destination, messages)
     }
 }
 

@@ -11,11 +11,12 @@ use futures::StreamExt as _;
 use tracing::Instrument as _;
 
 use super::store::{LeasedMessage, OutboxStats, OutboxStore};
-use super::{Publish, is_permanent};
+use super::{BatchError, Publish, is_permanent};
 use crate::clock::{SharedClock, Timestamp};
 use crate::ids::MessageId;
 use crate::retry::random_u64;
 use crate::trace_context;
+use crate::transport::TransportError;
 
 /// Options of a [`Relay`].
 #[derive(Clone, Debug)]
@@ -24,6 +25,7 @@ pub struct RelayOptions {
     lease_duration: Duration,
     poll_interval: Duration,
     max_concurrent_sends: usize,
+    max_batch_bytes: usize,
     initial_backoff: Duration,
     max_backoff: Duration,
     stats_interval: Duration,
@@ -38,6 +40,7 @@ impl Default for RelayOptions {
             lease_duration: Duration::from_secs(30),
             poll_interval: Duration::from_secs(1),
             max_concurrent_sends: 16,
+            max_batch_bytes: 192 * 1024,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(60),
             stats_interval: Duration::from_secs(10),
@@ -49,8 +52,8 @@ impl Default for RelayOptions {
 
 impl RelayOptions {
     /// The defaults: batches of 100 rows, leases of 30 s, a poll every second, 16 sends at
-    /// once, backoff from 100 ms to 60 s, stats every 10 s, a random owner name, the system
-    /// clock.
+    /// once, broker batches of at most 192 KiB of bodies, backoff from 100 ms to 60 s, stats
+    /// every 10 s, a random owner name, the system clock.
     pub fn new() -> Self {
         Self::default()
     }
@@ -103,6 +106,20 @@ impl RelayOptions {
     /// How many ordering keys are sent at once.
     pub fn get_max_concurrent_sends(&self) -> usize {
         self.max_concurrent_sends
+    }
+
+    /// How many bytes of bodies one batch to the broker ([`Publish::publish_batch`]) holds at
+    /// most (a message larger than that goes alone). Keep it under the broker's largest
+    /// message: Service Bus counts a batch as one message (256 KiB on the Standard tier).
+    #[must_use]
+    pub fn max_batch_bytes(mut self, bytes: usize) -> Self {
+        self.max_batch_bytes = bytes.max(1);
+        self
+    }
+
+    /// How many bytes of bodies one batch to the broker holds at most.
+    pub fn get_max_batch_bytes(&self) -> usize {
+        self.max_batch_bytes
     }
 
     /// The wait after a row's first failed send, doubling per failure up to `max`.
@@ -275,6 +292,13 @@ impl RelayCounters {
 }
 
 type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
+
+/// What one concurrent send of a turn does: a destination's rows in batches, or one key's rows
+/// one by one.
+enum Work {
+    Destination((String, Vec<LeasedMessage>)),
+    Key(Vec<LeasedMessage>),
+}
 type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
 /// The relay: sends an outbox's committed rows on a broker, in order per ordering key.
@@ -449,10 +473,40 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
             });
             groups[i].push(row);
         }
+        // The keys whose rows all go to one destination, none held here for a schedule, are
+        // sent in batches per destination (a batch keeps each key's rows in order); a key that
+        // spans destinations is sent row by row, in order.
+        let mut by_destination: Vec<(String, Vec<LeasedMessage>)> = Vec::new();
+        let mut row_by_row: Vec<Vec<LeasedMessage>> = Vec::new();
+        for group in groups {
+            let destination = group[0].destination.clone();
+            let batchable = group.iter().all(|r| {
+                r.destination == destination
+                    && (r.message.scheduled_enqueue_time.is_none() || self.publisher.schedules())
+            });
+            if !batchable {
+                row_by_row.push(group);
+            } else if let Some((_, rows)) =
+                by_destination.iter_mut().find(|(d, _)| *d == destination)
+            {
+                rows.extend(group);
+            } else {
+                by_destination.push((destination, group));
+            }
+        }
         let sent = Mutex::new(Vec::new());
-        futures::stream::iter(groups)
-            .for_each_concurrent(self.options.max_concurrent_sends, |group| {
-                self.send_group(group, &sent)
+        let work = by_destination
+            .into_iter()
+            .map(Work::Destination)
+            .chain(row_by_row.into_iter().map(Work::Key));
+        futures::stream::iter(work)
+            .for_each_concurrent(self.options.max_concurrent_sends, |work| async {
+                match work {
+                    Work::Destination((destination, rows)) => {
+                        self.send_destination(&destination, rows, &sent).await;
+                    }
+                    Work::Key(group) => self.send_group(group, &sent).await,
+                }
             })
             .await;
         let sent = sent.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -486,75 +540,168 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         ControlFlow::Continue(())
     }
 
-    /// Sends one ordering key's rows in order; stops at the first transient failure.
+    /// Sends the rows for one destination in batches, in order; a key whose batch failed for
+    /// now waits (its first row behind a backoff, the rest released), and a batch refused for
+    /// good is sent again row by row to find the message at fault.
+    async fn send_destination(
+        &self,
+        destination: &str,
+        rows: Vec<LeasedMessage>,
+        sent: &Mutex<Vec<Sent>>,
+    ) {
+        let mut failed: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut rest = rows.into_iter().peekable();
+        while rest.peek().is_some() {
+            let mut chunk = Vec::new();
+            let mut bytes = 0;
+            while let Some(row) = rest.next_if(|r| {
+                chunk.is_empty() || bytes + r.message.body.len() <= self.options.max_batch_bytes
+            }) {
+                bytes += row.message.body.len();
+                chunk.push(row);
+            }
+            let (waiting, chunk): (Vec<_>, Vec<_>) =
+                chunk.into_iter().partition(|r| failed.contains(&r.ordering_key));
+            if !waiting.is_empty() {
+                let seqs: Vec<i64> = waiting.iter().map(|r| r.seq).collect();
+                self.store_call(self.store.release(&self.owner, &seqs)).await;
+            }
+            if chunk.is_empty() {
+                continue;
+            }
+            let spans: Vec<tracing::Span> = chunk
+                .iter()
+                .map(|r| {
+                    let id = r.message.message_id.clone().unwrap_or_else(|| MessageId::new(""));
+                    self.span(destination, &id, &r.message)
+                })
+                .collect();
+            let messages: Vec<crate::Message> = chunk.iter().map(|r| r.message.clone()).collect();
+            let published = self.publisher.publish_batch(destination, messages).await;
+            drop(spans);
+            let BatchError { stored, error: e } = match published {
+                Ok(()) => {
+                    for row in chunk {
+                        self.record(row, sent);
+                    }
+                    continue;
+                }
+                Err(e) => e,
+            };
+            let mut chunk = chunk.into_iter();
+            for row in chunk.by_ref().take(stored) {
+                self.record(row, sent);
+            }
+            let unsure: Vec<LeasedMessage> = chunk.collect();
+            if unsure.is_empty() {
+                continue;
+            }
+            if is_permanent(&e) && unsure.len() > 1 {
+                // One of them is at fault: each on its own, in order.
+                for row in unsure {
+                    if failed.contains(&row.ordering_key) {
+                        self.store_call(self.store.release(&self.owner, &[row.seq])).await;
+                    } else if !self.send_one(row.clone(), sent).await {
+                        failed.insert(row.ordering_key);
+                    }
+                }
+            } else if is_permanent(&e) {
+                let row = unsure.into_iter().next().unwrap_or_else(|| unreachable!());
+                self.park(row, &e).await;
+            } else {
+                self.counters.record_failure();
+                let error = e.to_string();
+                tracing::info!(
+                    destination = %destination,
+                    rows = unsure.len(),
+                    "sending a batch of outbox messages failed; their ordering keys wait: {e}"
+                );
+                for row in unsure {
+                    if failed.insert(row.ordering_key.clone()) {
+                        let delay = self.backoff(row.attempts.saturating_add(1));
+                        let later =
+                            self.store.retry_later(&self.owner, row.seq, delay, &error, true);
+                        self.store_call(later).await;
+                    } else {
+                        self.store_call(self.store.release(&self.owner, &[row.seq])).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts a row the broker acknowledged and keeps it for the deletion.
+    fn record(&self, row: LeasedMessage, sent: &Mutex<Vec<Sent>>) {
+        let lag = self.options.clock.now().duration_since(row.created_at);
+        let id = row.message.message_id.unwrap_or_else(|| MessageId::new(""));
+        let s = Sent { seq: row.seq, message_id: id, destination: row.destination, lag };
+        self.counters.record_sent(&s);
+        sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s);
+    }
+
+    /// Parks a row the broker refused for good.
+    async fn park(&self, row: LeasedMessage, e: &TransportError) {
+        tracing::warn!(
+            seq = row.seq,
+            message_id = %row.message.message_id.as_ref().map_or("", |id| id.as_str()),
+            destination = %row.destination,
+            "the broker refused an outbox message for good; it is parked: {e}"
+        );
+        self.store_call(self.store.park(&self.owner, row.seq, &e.to_string())).await;
+        self.counters.record_parked();
+    }
+
+    /// Sends one row; returns false when it failed for now (it then waits behind a backoff).
+    async fn send_one(&self, row: LeasedMessage, sent: &Mutex<Vec<Sent>>) -> bool {
+        let id = row.message.message_id.clone().unwrap_or_else(|| MessageId::new(""));
+        let span = self.span(&row.destination, &id, &row.message);
+        let published =
+            self.publisher.publish(&row.destination, row.message.clone()).instrument(span).await;
+        match published {
+            Ok(()) => {
+                self.record(row, sent);
+                true
+            }
+            Err(e) if is_permanent(&e) => {
+                self.park(row, &e).await;
+                true
+            }
+            Err(e) => {
+                self.counters.record_failure();
+                let delay = self.backoff(row.attempts.saturating_add(1));
+                let error = e.to_string();
+                self.store_call(self.store.retry_later(&self.owner, row.seq, delay, &error, true))
+                    .await;
+                false
+            }
+        }
+    }
+
+    /// Sends one ordering key's rows in order, one by one; stops at the first transient
+    /// failure (the rest of the key waits for it).
     async fn send_group(&self, group: Vec<LeasedMessage>, sent: &Mutex<Vec<Sent>>) {
         let mut rows = group.into_iter();
-        while let Some(row) = rows.next() {
+        while let Some(mut row) = rows.next() {
             let now = self.options.clock.now();
-            let mut message = row.message;
-            if let Some(at) = message.scheduled_enqueue_time
+            if let Some(at) = row.message.scheduled_enqueue_time
                 && !self.publisher.schedules()
             {
                 if at > now {
                     // Held here until due, since this broker cannot hold it.
                     let delay = at.duration_since(now);
-                    self.store_call(self.store.retry_later(
-                        &self.owner,
-                        row.seq,
-                        delay,
-                        "scheduled",
-                        false,
-                    ))
-                    .await;
+                    let held =
+                        self.store.retry_later(&self.owner, row.seq, delay, "scheduled", false);
+                    self.store_call(held).await;
                     continue;
                 }
-                message.scheduled_enqueue_time = None;
+                row.message.scheduled_enqueue_time = None;
             }
-            let id = message.message_id.clone().unwrap_or_else(|| MessageId::new(""));
-            let span = self.span(&row.destination, &id, &message);
-            match self.publisher.publish(&row.destination, message).instrument(span).await {
-                Ok(()) => {
-                    let lag = self.options.clock.now().duration_since(row.created_at);
-                    let s =
-                        Sent { seq: row.seq, message_id: id, destination: row.destination, lag };
-                    self.counters.record_sent(&s);
-                    sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s);
+            if !self.send_one(row, sent).await {
+                let rest: Vec<i64> = rows.map(|r| r.seq).collect();
+                if !rest.is_empty() {
+                    self.store_call(self.store.release(&self.owner, &rest)).await;
                 }
-                Err(e) if is_permanent(&e) => {
-                    tracing::warn!(
-                        seq = row.seq,
-                        message_id = %id,
-                        destination = %row.destination,
-                        "the broker refused an outbox message for good; it is parked: {e}"
-                    );
-                    self.store_call(self.store.park(&self.owner, row.seq, &e.to_string())).await;
-                    self.counters.record_parked();
-                }
-                Err(e) => {
-                    self.counters.record_failure();
-                    let delay = self.backoff(row.attempts.saturating_add(1));
-                    tracing::info!(
-                        seq = row.seq,
-                        message_id = %id,
-                        destination = %row.destination,
-                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                        "sending an outbox message failed; it and the rest of its ordering key wait: {e}"
-                    );
-                    let error = e.to_string();
-                    self.store_call(self.store.retry_later(
-                        &self.owner,
-                        row.seq,
-                        delay,
-                        &error,
-                        true,
-                    ))
-                    .await;
-                    let rest: Vec<i64> = rows.map(|r| r.seq).collect();
-                    if !rest.is_empty() {
-                        self.store_call(self.store.release(&self.owner, &rest)).await;
-                    }
-                    return;
-                }
+                return;
             }
         }
     }

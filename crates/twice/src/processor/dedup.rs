@@ -133,7 +133,8 @@ where
                         return (failed, FORGET);
                     }
                 };
-                if let Err(failed) = self.check_committable(&mut tx, id).await {
+                // A stage that wrote rows checked that the transaction can commit.
+                if !staged && let Err(failed) = self.check_committable(&mut tx, id).await {
                     self.rollback(tx, id).await;
                     return (failed, FORGET);
                 }
