@@ -12,7 +12,9 @@
 //!    own transactions (a producer outside a handler): p50, p99 and the maximum, on the durable
 //!    embedded broker and over AMQP to `twice serve` (the Service Bus client).
 //!
-//! Needs PostgreSQL on its usual port. Prints numbers; nothing passes or fails.
+//! With `TWICE_BENCH_NO_RELAY=1` no relay runs in part 1 (the rows stay in the table): what
+//! the rows' writes alone cost. Needs PostgreSQL on its usual port. Prints numbers; nothing
+//! passes or fails.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -51,6 +53,34 @@ async fn fill(broker: &Broker, queue: &str, n: usize, round: usize) -> anyhow::R
     Ok(())
 }
 
+/// CPU seconds used so far (user + system) by this process and by every `postgres` process.
+fn cpu_seconds() -> (f64, f64) {
+    fn ticks(stat: &str) -> Option<(String, u64)> {
+        // pid (comm) state ppid … utime stime: fields 14 and 15, counted after the comm.
+        let (head, rest) = stat.rsplit_once(')')?;
+        let comm = head.split_once('(')?.1.to_owned();
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        Some((comm, utime + stime))
+    }
+    const HZ: f64 = 100.0; // USER_HZ on Linux
+    let own = std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| ticks(&s));
+    let mut postgres = 0;
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            if let Some((comm, t)) = ticks(&stat)
+                && comm.starts_with("postgres")
+            {
+                postgres += t;
+            }
+        }
+    }
+    #[allow(clippy::cast_precision_loss)] // reason: tick counts far below 2^52
+    (own.map_or(0.0, |(_, t)| t as f64 / HZ), postgres as f64 / HZ)
+}
+
 fn rate(n: usize, watch: &Stopwatch) -> f64 {
     #[allow(clippy::cast_precision_loss)] // reason: a count far below 2^52
     let n = n as f64;
@@ -65,7 +95,7 @@ async fn process(
     n: usize,
     pool: sqlx::PgPool,
     outbox: Option<SqlxOutbox<sqlx::Postgres>>,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Run> {
     let inbox = SqlxInbox::<sqlx::Postgres>::new(pool, InboxOptions::new()).await?;
     let inbox = match &outbox {
         Some(o) => inbox.with_outbox(o.clone()),
@@ -90,25 +120,38 @@ async fn process(
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let relay = outbox.map(|o| {
+    let relay = outbox.filter(|_| std::env::var_os("TWICE_BENCH_NO_RELAY").is_none()).map(|o| {
         let relay = Relay::new(o, broker.clone(), RelayOptions::new());
         let counters = relay.counters();
         (tokio::spawn(relay.run(wait(stopped.clone()))), counters)
     });
+    let cpu = cpu_seconds();
     let watch = Stopwatch::start();
     let task = tokio::spawn(processor.run(wait(stopped.clone())));
     while counters.snapshot().completed < n as u64 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let r = rate(n, &watch);
+    let after = cpu_seconds();
+    #[allow(clippy::cast_precision_loss)] // reason: a count far below 2^52
+    let per = |a: f64, b: f64| (b - a) * 1e6 / n as f64;
+    let run = Run { rate: r, own_us: per(cpu.0, after.0), postgres_us: per(cpu.1, after.1) };
     let _ = stop.send(true);
     task.await??;
     if let Some((relay, counters)) = relay {
         relay.await?;
         let s = counters.snapshot();
-        eprintln!("relay: {} sent in {} leases", s.sent, s.leases);
+        eprintln!("  (the relay sent {} rows in {} leases)", s.sent, s.leases);
     }
-    Ok(r)
+    Ok(run)
+}
+
+/// One processor run: messages per second, and CPU µs per message of this process (the
+/// processor, the broker, the relay) and of PostgreSQL.
+struct Run {
+    rate: f64,
+    own_us: f64,
+    postgres_us: f64,
 }
 
 /// The lags the relay saw, sorted.
@@ -189,8 +232,10 @@ async fn main() -> anyhow::Result<()> {
         "1. the processor, PostgreSQL inbox, {CONCURRENCY} concurrent calls, durable embedded broker, \
          {n} messages of 256 bytes per run, {rounds} rounds, which runs first alternating"
     );
-    println!("| round | no outbox, msg/s | one message through the outbox, msg/s | ratio |");
-    println!("|---|---|---|---|");
+    println!(
+        "| round | no outbox, msg/s | one message through the outbox, msg/s | ratio | CPU µs/msg without: twice / PostgreSQL | with: twice / PostgreSQL |"
+    );
+    println!("|---|---|---|---|---|---|");
     let (mut without, mut with) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let db = PgDatabase::create("twice_bench").await?;
@@ -209,14 +254,24 @@ async fn main() -> anyhow::Result<()> {
             let b = process(&broker, &sending, n, pool.clone(), Some(outbox)).await?;
             (process(&broker, &plain, n, pool.clone(), None).await?, b)
         };
-        println!("| {} | {a:.0} | {b:.0} | {:.0} % |", round + 1, 100.0 * b / a);
-        without.push(a);
-        with.push(b);
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} % | {:.0} / {:.0} | {:.0} / {:.0} |",
+            round + 1,
+            a.rate,
+            b.rate,
+            100.0 * b.rate / a.rate,
+            a.own_us,
+            a.postgres_us,
+            b.own_us,
+            b.postgres_us
+        );
+        without.push(a.rate);
+        with.push(b.rate);
     }
     #[allow(clippy::cast_precision_loss)] // reason: a handful of rounds
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     println!(
-        "| mean | {:.0} | {:.0} | {:.0} % |\n",
+        "| mean | {:.0} | {:.0} | {:.0} % | | |\n",
         mean(&without),
         mean(&with),
         100.0 * mean(&with) / mean(&without)
