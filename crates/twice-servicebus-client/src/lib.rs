@@ -69,6 +69,7 @@
 //! same code paths against `twice serve` and unit tests of the requests.
 
 mod admin;
+pub mod atom;
 mod client;
 mod connstr;
 mod endpoint;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use twice_servicebus_client::TlsOptions;
+use twice_servicebus_client::atom::{iso_duration, parse_response};
 
 /// How long one request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -416,68 +417,6 @@ fn encode_path(target: &str) -> String {
     out
 }
 
-/// The status and body of an HTTP/1.1 response read to its end.
-fn parse_response(raw: &[u8]) -> Result<(u16, String), String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| "the response has no end of headers".to_owned())?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let body = &raw[split + 4..];
-    let mut lines = head.lines();
-    let status_line = lines.next().unwrap_or_default();
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .filter(|_| status_line.starts_with("HTTP/1."))
-        .ok_or_else(|| format!("not an HTTP status line: {status_line:?}"))?;
-    let mut chunked = false;
-    let mut length = None;
-    for line in lines {
-        let Some((k, v)) = line.split_once(':') else { continue };
-        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-        if k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked") {
-            chunked = true;
-        } else if k == "content-length" {
-            length = v.parse::<usize>().ok();
-        }
-    }
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        match length {
-            Some(n) if n <= body.len() => body[..n].to_vec(),
-            Some(_) => return Err("the response ended before its Content-Length".into()),
-            None => body.to_vec(),
-        }
-    };
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or_else(|| "a chunk size without its line end".to_owned())?;
-        let size_text = String::from_utf8_lossy(&b[..eol]);
-        let size_text = size_text.split(';').next().unwrap_or_default().trim().to_owned();
-        let size = usize::from_str_radix(&size_text, 16)
-            .map_err(|_| format!("a bad chunk size {size_text:?}"))?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if b.len() < size {
-            return Err("the response ended inside a chunk".into());
-        }
-        out.extend_from_slice(&b[..size]);
-        b = b.get(size + 2..).unwrap_or_default();
-    }
-}
-
 /// The blocks `<name …>…</name>` of a document, whatever their namespace prefix.
 fn blocks(xml: &str, name: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -556,29 +495,6 @@ fn counts_of(entry: &str) -> EntityCounts {
         scheduled,
         deferred: total.saturating_sub(active + dead_letter + scheduled + transfers),
     }
-}
-
-/// An ISO 8601 duration as the API writes them (`PT10M`, `P1DT2H`, `PT0.5S`).
-fn iso_duration(s: &str) -> Option<Duration> {
-    let rest = s.strip_prefix('P')?;
-    let (date, time) = rest.split_once('T').unwrap_or((rest, ""));
-    let mut secs = 0f64;
-    let mut add = |part: &str, units: &[(char, f64)]| -> Option<()> {
-        let mut num = String::new();
-        for c in part.chars() {
-            if c.is_ascii_digit() || c == '.' {
-                num.push(c);
-            } else {
-                let unit = units.iter().find(|(u, _)| *u == c)?.1;
-                secs += num.parse::<f64>().ok()? * unit;
-                num.clear();
-            }
-        }
-        num.is_empty().then_some(())
-    };
-    add(date, &[('D', 86_400.0), ('W', 604_800.0)])?;
-    add(time, &[('H', 3600.0), ('M', 60.0), ('S', 1.0)])?;
-    Duration::try_from_secs_f64(secs).ok()
 }
 
 #[cfg(test)]
