@@ -446,28 +446,7 @@ impl RabbitMqTransport {
         body: &[u8],
         properties: lapin::BasicProperties,
     ) -> Result<(), TransportError> {
-        let link = self.link().await?;
-        let routing = declare::short(queue)?;
-        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let confirm = link
-            .publisher
-            .basic_publish("".into(), routing, options, body, properties)
-            .await
-            .map_err(|e| self.err(e))?
-            .await
-            .map_err(|e| self.err(e))?;
-        match confirm {
-            lapin::Confirmation::Ack(None) => Ok(()),
-            // A mandatory message that no queue took comes back before the confirm.
-            lapin::Confirmation::Ack(Some(_)) => {
-                Err(TransportError::EntityNotFound(queue.to_owned()))
-            }
-            _ => Err(TransportError::Other {
-                message: format!("RabbitMQ refused a message for {queue:?}"),
-                transient: true,
-                source: None,
-            }),
-        }
+        self.publish_all(queue, vec![(body, properties)]).await.map_err(|e| e.error)
     }
 
     /// Publishes every message to `queue` in order (mandatory, confirmed), then waits for the
@@ -476,7 +455,7 @@ impl RabbitMqTransport {
     pub(crate) async fn publish_all(
         &self,
         queue: &str,
-        messages: Vec<(Vec<u8>, lapin::BasicProperties)>,
+        messages: Vec<(&[u8], lapin::BasicProperties)>,
     ) -> Result<(), twice::outbox::BatchError> {
         use twice::outbox::BatchError;
         let link = self.link().await.map_err(BatchError::none)?;
@@ -486,7 +465,7 @@ impl RabbitMqTransport {
         for (body, properties) in messages {
             let confirm = link
                 .publisher
-                .basic_publish("".into(), routing.clone(), options, &body, properties)
+                .basic_publish("".into(), routing.clone(), options, body, properties)
                 .await
                 .map_err(|e| BatchError::none(self.err(e)))?;
             confirms.push(confirm);
@@ -494,6 +473,7 @@ impl RabbitMqTransport {
         for (stored, confirm) in confirms.into_iter().enumerate() {
             let error = match confirm.await {
                 Ok(lapin::Confirmation::Ack(None)) => continue,
+                // A mandatory message that no queue took comes back before the confirm.
                 Ok(lapin::Confirmation::Ack(Some(_))) => {
                     TransportError::EntityNotFound(queue.to_owned())
                 }

@@ -31,8 +31,7 @@ impl Publish for RabbitMqTransport {
         let now = self.inner.options.clock.now();
         let mut framed = Vec::with_capacity(messages.len());
         for m in &messages {
-            framed
-                .push((m.body.to_vec(), convert::to_amqp(m, now, &[]).map_err(BatchError::none)?));
+            framed.push((&m.body[..], convert::to_amqp(m, now, &[]).map_err(BatchError::none)?));
         }
         self.publish_all(destination, framed).await
     }

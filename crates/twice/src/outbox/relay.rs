@@ -1,6 +1,6 @@
 //! The relay: sends an outbox's committed rows on a broker; see [`Relay`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -292,14 +292,14 @@ impl RelayCounters {
 }
 
 type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
+type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
 /// What one concurrent send of a turn does: a destination's rows in batches, or one key's rows
 /// one by one.
 enum Work {
-    Destination((String, Vec<LeasedMessage>)),
+    Destination(String, Vec<LeasedMessage>),
     Key(Vec<LeasedMessage>),
 }
-type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
 /// The relay: sends an outbox's committed rows on a broker, in order per ordering key.
 ///
@@ -497,12 +497,12 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         let sent = Mutex::new(Vec::new());
         let work = by_destination
             .into_iter()
-            .map(Work::Destination)
+            .map(|(destination, rows)| Work::Destination(destination, rows))
             .chain(row_by_row.into_iter().map(Work::Key));
         futures::stream::iter(work)
             .for_each_concurrent(self.options.max_concurrent_sends, |work| async {
                 match work {
-                    Work::Destination((destination, rows)) => {
+                    Work::Destination(destination, rows) => {
                         self.send_destination(&destination, rows, &sent).await;
                     }
                     Work::Key(group) => self.send_group(group, &sent).await,
@@ -549,7 +549,7 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         rows: Vec<LeasedMessage>,
         sent: &Mutex<Vec<Sent>>,
     ) {
-        let mut failed: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut failed: HashSet<String> = HashSet::new();
         let mut rest = rows.into_iter().peekable();
         while rest.peek().is_some() {
             let mut chunk = Vec::new();
