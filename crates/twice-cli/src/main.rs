@@ -101,7 +101,9 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
 /// it injects on purpose are its report's business, not the log's.
 fn init_logging(command: &Command) {
     let default = match command {
-        Command::Serve(_) | Command::Data(_) | Command::Chaos(_) => "warn",
+        Command::Serve(_) | Command::Data(_) => "warn",
+        // The broker restarts it makes cut its own RabbitMQ connections, which lapin logs.
+        Command::Chaos(_) => "warn,lapin=off",
         // The watcher's warnings are what it is for.
         Command::Dlq(args) if args.is_watch() => "warn",
         // Its errors are reported on stderr, once; the client's retries are not news.

@@ -399,6 +399,23 @@ impl NatsTransport {
         Ok(s.info().await.map_err(|e| other("reading the stream", e))?.state.messages)
     }
 
+    /// How many messages the consumer has still to settle: those it has not delivered yet and
+    /// those delivered and not acknowledged, as the consumer counts them.
+    ///
+    /// This differs from [`NatsTransport::message_count`] after the server was killed
+    /// (SIGKILL): the removal of acknowledged messages from a work-queue stream may not have
+    /// reached its files, and the stream then holds messages its consumer has acknowledged and
+    /// never delivers again.
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable.
+    pub async fn unsettled_count(&self) -> Result<u64, TransportError> {
+        let mut consumer = self.consumer();
+        let info = consumer.info().await.map_err(|e| other("reading the consumer", e))?;
+        Ok(info.num_pending + info.num_ack_pending as u64)
+    }
+
     /// Reads up to `max` messages of the stream from sequence `from` on (the first one when
     /// `None`), without taking them: no delivery, no lock, no count. A dead-lettered copy
     /// shows its reason, description and source, and the id its original had (or, when that

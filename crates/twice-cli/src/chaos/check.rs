@@ -11,9 +11,12 @@ use serde::Serialize;
 /// One order the sender sent.
 #[derive(Clone, Debug)]
 pub(crate) struct Sent {
-    /// The stable message id (the same for every attempt).
+    /// The id the processors claim it by (the same for every attempt): its message id, or,
+    /// when it was sent without one, `order-<order id>` from its body.
     pub(crate) message_id: String,
     pub(crate) order_id: u64,
+    /// Sent without a message id, as a producer that is not twice sends.
+    pub(crate) without_id: bool,
     /// The handler rejects it: it must end in the dead-letter queue.
     pub(crate) poison: bool,
     /// Send attempts.
@@ -77,7 +80,22 @@ pub(crate) struct History {
     pub(crate) committed_event_ids: std::collections::HashSet<String>,
     /// Outbox rows not sent at the end, and events left in their queue; `None` when the
     /// count could not be read.
-    pub(crate) events_left: Option<u64>,
+    pub(crate) events_left: Option<EventsLeft>,
+    /// Whether an acknowledged completion means the broker will not deliver the message
+    /// again. Not on RabbitMQ: a `basic.ack` has no reply, and one lost with its connection
+    /// comes back as a redelivery. Not on NATS killed with SIGKILL: the server answers a double
+    /// ack before its consumer's state reaches its files, and a kill loses it. The inbox turns
+    /// those redeliveries away.
+    pub(crate) completions_confirmed: bool,
+}
+
+/// The events not yet handled downstream at the end of a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct EventsLeft {
+    /// Outbox rows not sent.
+    pub(crate) unsent: u64,
+    /// Events in their queue, not yet handled.
+    pub(crate) queued: u64,
 }
 
 /// What the checker found.
@@ -101,6 +119,11 @@ pub(crate) struct Verdict {
     pub(crate) idempotency_key_replays: u64,
     /// Deliveries the inbox turned away (a copy of a message already handled or in hand).
     pub(crate) duplicates_prevented: u64,
+    /// Deliveries, with a live lock, of a message whose completion the broker had
+    /// acknowledged: a violation where the broker's acknowledgement promises it is gone, and
+    /// otherwise (RabbitMQ; NATS restarted with SIGKILL) a duplicate for the inbox to turn
+    /// away.
+    pub(crate) redelivered_after_completion: u64,
     /// Aborts right after the broker acknowledged a relay's sends, before the rows' deletion.
     pub(crate) relay_aborts_after_ack: u64,
     /// Loyalty points rows: `OrderShipped` events handled downstream.
@@ -182,7 +205,11 @@ pub(crate) fn check(h: &History) -> Verdict {
             || failed
                 .get(&(o.processor, message_id.as_str()))
                 .is_some_and(|ts| ts.iter().any(|&t| t >= o.at_millis));
-        if !stale {
+        if stale {
+            continue;
+        }
+        v.redelivered_after_completion += 1;
+        if h.completions_confirmed {
             v.violate(
                 "delivered after its completion was acknowledged",
                 format!(
@@ -250,10 +277,10 @@ pub(crate) fn check(h: &History) -> Verdict {
         None => v.violate("messages left in the queue", "the count could not be read".into()),
     }
     match h.events_left {
-        Some(0) => {}
-        Some(n) => v.violate(
+        Some(EventsLeft { unsent: 0, queued: 0 }) => {}
+        Some(EventsLeft { unsent, queued }) => v.violate(
             "events left unsent or unhandled",
-            format!("{n} outbox rows or event queue messages at the end"),
+            format!("{unsent} outbox rows not sent and {queued} events in their queue at the end"),
         ),
         None => v.violate("events left unsent or unhandled", "the count could not be read".into()),
     }
@@ -270,13 +297,15 @@ mod tests {
             message_id: format!("order-{n}"),
             order_id: n,
             poison,
+            without_id: false,
             invoked: 1,
             acknowledged: true,
         };
         let mut h = History {
             sent: vec![sent(1, false), sent(2, false), sent(3, true)],
             left_in_queue: Some(0),
-            events_left: Some(0),
+            events_left: Some(EventsLeft::default()),
+            completions_confirmed: true,
             ..History::default()
         };
         for n in [1, 2] {
@@ -359,6 +388,29 @@ mod tests {
     }
 
     #[test]
+    fn a_redelivery_after_an_unconfirmed_completion_is_no_violation() {
+        // RabbitMQ: the ack has no reply; one lost with its connection comes back, and the
+        // inbox turns the copy away.
+        let mut h = clean();
+        h.completions_confirmed = false;
+        h.events.push(Observed {
+            processor: 2,
+            at_millis: 1_000,
+            event: Event::Delivered {
+                message_id: "order-1".into(),
+                delivery_count: 2,
+                locked_until: 6_000,
+            },
+        });
+        let v = check(&h);
+        assert_eq!(v.violation_count(), 0, "{v:?}");
+        assert_eq!((v.duplicates_prevented, v.redelivered_after_completion), (1, 1));
+        // Its effects are still checked: a second charge is a violation whatever the broker.
+        h.charges.insert(1, 2);
+        assert_eq!(check(&h).violations.get("order charged more than once"), Some(&1));
+    }
+
+    #[test]
     fn a_stale_delivery_whose_completion_fails_is_no_violation() {
         // A processor stopped past its lock sees, once it goes on, a message another one has
         // completed meanwhile; its completion fails, as it must.
@@ -404,7 +456,7 @@ mod tests {
         h.points.insert(2, 2);
         h.points.insert(3, 1);
         h.event_ids.push("event-of-a-rollback".into());
-        h.events_left = Some(3);
+        h.events_left = Some(EventsLeft { unsent: 2, queued: 1 });
         let v = check(&h);
         for kind in [
             "OrderShipped never handled downstream",

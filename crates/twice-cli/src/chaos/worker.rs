@@ -1,7 +1,7 @@
-//! `twice chaos-worker`: one processor process of a chaos run. It runs `twice::Processor` on
-//! the Service Bus client against `twice serve`, with the PostgreSQL inbox and the shipping
-//! handler, and prints every delivery, handler run and settlement as a line the controller
-//! records:
+//! `twice chaos-worker`: one processor process of a chaos run. It runs `twice::Processor`
+//! with the PostgreSQL inbox and the shipping handler on the run's broker (`twice serve`
+//! through the Service Bus client, RabbitMQ or NATS JetStream), and prints every delivery,
+//! handler run and settlement as a line the controller records:
 //!
 //! ```text
 //! EV <millis since the epoch> <D|H|C|F|L|A> <message id> [<delivery count> <locked until>]
@@ -10,7 +10,7 @@
 //! With `--abort-after-commit P` it calls `abort()` right after a transaction commits, before
 //! the completion, with probability P: the crash between commit and complete.
 //!
-//! The handler sends `OrderShipped` through the outbox (to the queue `shipped`), and the
+//! The handler sends `OrderShipped` through the outbox (to the events' queue), and the
 //! worker also runs a relay of that outbox and the loyalty processor that consumes the queue,
 //! so a kill of the worker kills a relay too. With `--relay-abort-after-ack P` it calls
 //! `abort()` after the broker acknowledged a relay's turn, before the relay deleted its rows,
@@ -27,23 +27,31 @@ use rand::{Rng as _, SeedableRng as _};
 use serde::Deserialize;
 use sqlx::Postgres;
 use twice::{
-    DeadLetterReason, EntityInfo, HandlerError, Message, Outcome, Processor, ProcessorOptions,
-    Properties, Receive, Relay, RelayOptions, ResultExt as _, SharedClock, Timestamp, Transport,
-    TransportError, json_fn,
+    DeadLetterReason, Delivery, EntityInfo, HandlerError, Message, Outcome, Processor,
+    ProcessorOptions, Properties, Publish, Receive, Relay, RelayOptions, ResultExt as _,
+    SharedClock, Timestamp, Transport, TransportError, json_fn,
 };
-use twice_servicebus_client::{Receiver, ReceiverOptions, ServiceBusClient, ServiceBusDelivery};
+use twice_nats::NatsTransport;
+use twice_rabbitmq::RabbitMqTransport;
+use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 use twice_sqlx::{InboxOptions, OutboxOptions, SqlxInbox, SqlxOutbox};
 
+use super::broker::{BrokerKind, nats_options, rabbitmq_options};
 use crate::demo::db::{DemoDb as _, Tables};
 use crate::demo::services::Client;
 
 /// Options of `twice chaos-worker` (started by `twice chaos`, not by hand).
 #[derive(Debug, clap::Args)]
 pub(crate) struct WorkerArgs {
+    /// A Service Bus connection string (`twice serve`), an `amqp://` URI or a `nats://` URL.
     #[arg(long)]
-    connection_string: String,
+    broker: String,
+    /// The orders' queue or stream.
     #[arg(long)]
     queue: String,
+    /// The events' queue or stream.
+    #[arg(long)]
+    shipped: String,
     #[arg(long)]
     store: String,
     /// The run id the table names carry.
@@ -83,25 +91,21 @@ fn emit(clock: &SharedClock, kind: char, id: &str, extra: Option<String>) {
     let _ = out.flush();
 }
 
-/// The Service Bus receiver, recording each delivery and settlement.
+/// A transport that records each delivery and settlement.
 #[derive(Debug)]
-struct Recording {
-    inner: Receiver,
+struct Recording<T> {
+    inner: T,
     clock: SharedClock,
 }
 
-fn id_of(d: &ServiceBusDelivery) -> &str {
+fn id_of(d: &impl Delivery) -> &str {
     d.message().message_id().as_str()
 }
 
-impl Receive for Recording {
-    type Delivery = ServiceBusDelivery;
+impl<T: Transport> Receive for Recording<T> {
+    type Delivery = T::Delivery;
 
-    async fn receive(
-        &self,
-        n: usize,
-        wait: Duration,
-    ) -> Result<Vec<ServiceBusDelivery>, TransportError> {
+    async fn receive(&self, n: usize, wait: Duration) -> Result<Vec<T::Delivery>, TransportError> {
         let got = self.inner.receive(n, wait).await?;
         for d in &got {
             let m = d.message();
@@ -111,19 +115,19 @@ impl Receive for Recording {
         Ok(got)
     }
 
-    async fn complete(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+    async fn complete(&self, d: &T::Delivery) -> Result<(), TransportError> {
         let r = self.inner.complete(d).await;
         emit(&self.clock, if r.is_ok() { 'C' } else { 'F' }, id_of(d), None);
         r
     }
 
-    async fn abandon(&self, d: &ServiceBusDelivery, p: Properties) -> Result<(), TransportError> {
+    async fn abandon(&self, d: &T::Delivery, p: Properties) -> Result<(), TransportError> {
         self.inner.abandon(d, p).await
     }
 
     async fn dead_letter(
         &self,
-        d: &ServiceBusDelivery,
+        d: &T::Delivery,
         r: DeadLetterReason,
     ) -> Result<(), TransportError> {
         let result = self.inner.dead_letter(d, r).await;
@@ -133,26 +137,43 @@ impl Receive for Recording {
         result
     }
 
-    async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+    async fn defer(&self, d: &T::Delivery) -> Result<(), TransportError> {
         self.inner.defer(d).await
     }
 }
 
-impl Transport for Recording {
+impl<T: Transport> Transport for Recording<T> {
     fn entity(&self) -> &EntityInfo {
         self.inner.entity()
+    }
+
+    fn claim_scope(&self) -> &str {
+        self.inner.claim_scope()
+    }
+
+    async fn read_entity(&self) -> Result<EntityInfo, TransportError> {
+        self.inner.read_entity().await
     }
 
     fn system(&self) -> &'static str {
         self.inner.system()
     }
 
-    async fn release(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
+    async fn release(&self, d: &T::Delivery) -> Result<(), TransportError> {
         self.inner.release(d).await
     }
 
-    async fn renew_lock(&self, d: &ServiceBusDelivery) -> Result<Timestamp, TransportError> {
+    async fn renew_lock(&self, d: &T::Delivery) -> Result<Timestamp, TransportError> {
         self.inner.renew_lock(d).await
+    }
+
+    async fn redeliver_later(
+        &self,
+        d: &T::Delivery,
+        delay: Duration,
+        p: Properties,
+    ) -> Result<(), TransportError> {
+        self.inner.redeliver_later(d, delay, p).await
     }
 }
 
@@ -163,9 +184,73 @@ struct Rejected(u64);
 
 /// Runs the processor until SIGTERM or a kill.
 pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
-    let clock = SharedClock::system();
     // An abort leaves no core file behind.
     let _ = rlimit::setrlimit(rlimit::Resource::CORE, 0, 0);
+    let clock = SharedClock::system();
+    let calls = args.concurrency;
+    let kind = if args.broker.to_ascii_lowercase().starts_with("endpoint=") {
+        None
+    } else {
+        Some(BrokerKind::parse(&args.broker).map_err(anyhow::Error::msg)?)
+    };
+    match kind {
+        None => {
+            let client = ServiceBusClient::from_connection_string(&args.broker)?;
+            let orders =
+                client.receiver(&args.queue, ReceiverOptions::new().max_concurrent_calls(calls));
+            let shipped =
+                client.receiver(&args.shipped, ReceiverOptions::new().max_concurrent_calls(calls));
+            let destination = args.shipped.clone();
+            run_on(&args, clock, orders, client.publisher(), shipped, destination).await
+        }
+        Some(BrokerKind::RabbitMq(url)) => {
+            // Heartbeats every 2 s: a processor held with SIGSTOP loses its connection, and
+            // RabbitMQ hands its messages to another one, as a lock that runs out would.
+            let url = format!("{url}{}heartbeat=2", if url.contains('?') { '&' } else { '?' });
+            let open = |queue: &str| {
+                let options =
+                    rabbitmq_options(&url, queue).max_concurrent_calls(calls).clock(clock.clone());
+                async move {
+                    RabbitMqTransport::connect(options).await.context("connecting to RabbitMQ")
+                }
+            };
+            let (orders, shipped) = (open(&args.queue).await?, open(&args.shipped).await?);
+            // The relay publishes to the events' queue on a connection of its own.
+            let publisher = open(&args.shipped).await?;
+            let destination = args.shipped.clone();
+            run_on(&args, clock, orders, publisher, shipped, destination).await
+        }
+        Some(BrokerKind::Nats(url)) => {
+            let open = |stream: &str| {
+                let options = nats_options(&url, stream).clock(clock.clone());
+                async move { NatsTransport::connect(options).await.context("connecting to NATS") }
+            };
+            let (orders, shipped) = (open(&args.queue).await?, open(&args.shipped).await?);
+            // The events' stream stores its name in lower case as its subject.
+            let destination = args.shipped.to_lowercase();
+            let publisher = shipped.clone();
+            run_on(&args, clock, orders, publisher, shipped, destination).await
+        }
+        Some(BrokerKind::Serve) => anyhow::bail!("a worker is given the broker's address"),
+    }
+}
+
+/// Runs the shipping processor on `orders`, the relay of its outbox on `publisher` (to
+/// `destination`) and the loyalty processor on `shipped`, until SIGTERM or a kill.
+#[allow(clippy::too_many_lines)] // reason: one linear story: stores, the three parts, run
+async fn run_on<O, P, S>(
+    args: &WorkerArgs,
+    clock: SharedClock,
+    orders: O,
+    publisher: P,
+    shipped: S,
+    destination: String,
+) -> anyhow::Result<ExitCode>
+where
+    O: Transport,
+    P: Publish,
+    S: Transport,
+{
     let pool = sqlx::pool::PoolOptions::<Postgres>::new()
         .max_connections(u32::try_from(args.concurrency).unwrap_or(8) + 2)
         .acquire_timeout(Duration::from_secs(10))
@@ -190,20 +275,17 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     .await
     .context("opening the inbox")?
     .with_outbox(outbox.clone());
-    let client = ServiceBusClient::from_connection_string(&args.connection_string)?;
-    let receiver = Recording {
-        inner: client
-            .receiver(&args.queue, ReceiverOptions::new().max_concurrent_calls(args.concurrency)),
-        clock: clock.clone(),
-    };
+    let receiver = Recording { inner: orders, clock: clock.clone() };
     let payments = Arc::new(Client::new(args.payments));
     let mail = Arc::new(Client::new(args.mail));
     let table: Arc<str> = tables.shipments.clone().into();
+    let destination: Arc<str> = destination.into();
     let handler_clock = clock.clone();
     let handler =
         json_fn(move |ctx, order: Order, tx: &mut sqlx::Transaction<'static, Postgres>| {
             let (payments, mail, table) =
                 (Arc::clone(&payments), Arc::clone(&mail), Arc::clone(&table));
+            let destination = Arc::clone(&destination);
             let clock = handler_clock.clone();
             Box::pin(async move {
                 emit(&clock, 'H', ctx.message().message_id().as_str(), None);
@@ -213,7 +295,7 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
                 let order_id = i64::try_from(order.order_id).permanent("OrderRejected")?;
                 Postgres::insert_shipment(tx, &table, order_id, order.amount_cents).await?;
                 let shipped = format!(r#"{{"order_id":{}}}"#, order.order_id);
-                ctx.send(super::SHIPPED, Message::new(shipped))?;
+                ctx.send(&destination, Message::new(shipped))?;
                 let key = format!("order-{}", order.order_id);
                 let charge = format!(
                     r#"{{"order_id":{},"amount_cents":{}}}"#,
@@ -257,14 +339,14 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         })
         .on_error(|e| eprintln!("{e}"));
 
-    // The relay of the outbox, on the same namespace.
+    // The relay of the outbox, on the same broker.
     let relay_rate = args.relay_abort_after_ack;
     let relay_rng =
         std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1)));
     let relay_clock = clock.clone();
     let relay = Relay::new(
         outbox,
-        client.publisher(),
+        publisher,
         RelayOptions::new().lease_duration(super::LOCK).clock(clock.clone()),
     )
     .on_acknowledged(move |seqs| {
@@ -298,10 +380,7 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             })
         });
     let loyalty = Processor::new(
-        client.receiver(
-            super::SHIPPED,
-            ReceiverOptions::new().max_concurrent_calls(args.concurrency),
-        ),
+        shipped,
         loyalty_inbox,
         loyalty_handler,
         ProcessorOptions::new()
