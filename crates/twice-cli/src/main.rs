@@ -10,6 +10,7 @@ mod chaos;
 mod data;
 mod demo;
 mod dlq;
+mod health;
 mod outbox;
 mod serve;
 
@@ -38,9 +39,12 @@ enum Command {
     /// Look into an outbox table: rows waiting to be sent, the oldest one's age, rows the
     /// broker refused for good (parked, with their reason); retry or discard parked rows.
     Outbox(outbox::OutboxArgs),
-    /// Run the whole system in separate processes (twice serve, processors, PostgreSQL) under
-    /// SIGKILLs, SIGSTOPs and a database restart, and check that every acknowledged order
-    /// was handled exactly once.
+    /// Ask twice serve whether it serves (`/health`): exit status 0 if so, 1 otherwise, for a
+    /// container's healthcheck.
+    Health(health::HealthArgs),
+    /// Run the whole system in separate processes (twice serve, RabbitMQ or NATS, processors,
+    /// PostgreSQL) under SIGKILLs, SIGSTOPs, broker and database restarts, and check that
+    /// every acknowledged order was handled exactly once.
     Chaos(chaos::ChaosArgs),
     /// One processor process of `twice chaos` (started by it).
     #[command(hide = true)]
@@ -66,6 +70,7 @@ fn main() -> ExitCode {
             Command::Data(args) => data::run(args),
             Command::Dlq(args) => dlq::run(args).await,
             Command::Outbox(args) => outbox::run(args).await,
+            Command::Health(args) => health::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ChaosWorker(args) => chaos::worker::run(args).await,
         }
@@ -107,7 +112,7 @@ fn init_logging(command: &Command) {
         // The watcher's warnings are what it is for.
         Command::Dlq(args) if args.is_watch() => "warn",
         // Its errors are reported on stderr, once; the client's retries are not news.
-        Command::Dlq(_) | Command::Outbox(_) => "error",
+        Command::Dlq(_) | Command::Outbox(_) | Command::Health(_) => "error",
         // A processor of a chaos run meets lost connections on purpose.
         Command::Demo(_) | Command::ChaosWorker(_) => "error",
     };

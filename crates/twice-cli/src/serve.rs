@@ -177,6 +177,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!(
             "health and metrics: {web}://{http}/health  {web}://{http}/metrics  {web}://{http}/entities"
         );
+        // `twice dlq`, `twice demo` and `twice health` find the administration API by it.
+        println!("administration API: export TWICE_ADMIN_URL={web}://{http}");
     }
     println!(
         "connections: at most {max_connections} at once, {max_pending} more in their handshake"

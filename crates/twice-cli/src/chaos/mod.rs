@@ -5,8 +5,8 @@
 //! uses RabbitMQ or NATS JetStream (`--broker`), starts N processor processes (`twice
 //! chaos-worker`, the same binary), sends orders, and meanwhile kills processors with
 //! SIGKILL, restarts the broker for real (`twice serve` killed with SIGKILL; RabbitMQ and NATS
-//! by a command), stops a processor with SIGSTOP past its lock and lets it go on, and restarts
-//! PostgreSQL once; the processors also abort themselves right after a commit, before the
+//! by a command), stops a processor with SIGSTOP past its lock and lets it go on, and, when
+//! asked (`--db-restart`), restarts PostgreSQL once; the processors also abort themselves right after a commit, before the
 //! completion, now and then. On `twice serve` every order has its stable message id; on
 //! RabbitMQ and NATS a plain client of the broker sends them, every other one without an id
 //! ([`broker`]). The payment and mail services run in this process, so they outlive every kill and
@@ -43,6 +43,9 @@ pub(crate) const LOCK: Duration = Duration::from_secs(5);
 /// The counts of a drained run: no order left, no event unsent or unhandled.
 const DRAINED: (Option<u64>, Option<EventsLeft>) =
     (Some(0), Some(EventsLeft { unsent: 0, queued: 0 }));
+/// The default restart of PostgreSQL: Debian's `pg_ctlcluster` on the machine's first cluster.
+const DB_RESTART: &str =
+    "pg_ctlcluster --skip-systemctl-redirect \"$(ls /etc/postgresql | head -n1)\" main restart";
 /// How long the end of a run may take to drain the queue.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -63,8 +66,8 @@ pub(crate) struct ChaosArgs {
     #[arg(long, value_name = "COMMAND")]
     broker_restart_command: Option<String>,
     /// How many faults the controller injects: SIGKILLs of processors, restarts of the broker,
-    /// SIGSTOPs of a processor past its lock, and one PostgreSQL restart. The processors'
-    /// own aborts after commit come on top.
+    /// SIGSTOPs of a processor past its lock, and, with `--db-restart`, one PostgreSQL
+    /// restart. The processors' own aborts after commit come on top.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     kills: u32,
     /// How many processor processes.
@@ -82,16 +85,14 @@ pub(crate) struct ChaosArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// The command that restarts PostgreSQL, run once in the middle of the run with `sh -c`.
-    #[arg(
-        long,
-        value_name = "COMMAND",
-        default_value = "pg_ctlcluster --skip-systemctl-redirect 15 main restart"
-    )]
-    db_restart_command: String,
-    /// Do not restart PostgreSQL.
+    /// Restart PostgreSQL once, half-way through the faults, with `--db-restart-command`. It
+    /// cuts every other client of that server, so it is only done when asked.
     #[arg(long)]
-    no_db_restart: bool,
+    db_restart: bool,
+    /// The command that restarts PostgreSQL (implies `--db-restart`), run with `sh -c`;
+    /// default: `pg_ctlcluster` on the machine's first cluster, as Debian's package runs it.
+    #[arg(long, value_name = "COMMAND")]
+    db_restart_command: Option<String>,
     /// The mean time between two faults, in milliseconds.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u64).range(50..=600_000))]
     interval_ms: u64,
@@ -466,7 +467,9 @@ async fn run_in(
     // The faults.
     let paused: Arc<Mutex<HashSet<usize>>> = Arc::default();
     let mut resumes = tokio::task::JoinSet::new();
-    let db_restart_at = if args.no_db_restart { None } else { Some(args.kills / 2) };
+    let db_restart_command = args.db_restart_command.as_deref().unwrap_or(DB_RESTART);
+    let db_restart = args.db_restart || args.db_restart_command.is_some();
+    let db_restart_at = db_restart.then_some(args.kills / 2);
     for k in 0..args.kills {
         let gap = interval.mul_f64(rng.random_range(0.5..1.5));
         clock.sleep(gap).await;
@@ -474,15 +477,12 @@ async fn run_in(
         workers.start()?;
         if Some(k) == db_restart_at {
             let status = Command::new("sh")
-                .args(["-c", &args.db_restart_command])
+                .args(["-c", db_restart_command])
                 .status()
                 .await
                 .context("running the PostgreSQL restart command")?;
             if !status.success() {
-                bail!(
-                    "the PostgreSQL restart command failed ({status}): {}",
-                    args.db_restart_command
-                );
+                bail!("the PostgreSQL restart command failed ({status}): {db_restart_command}");
             }
             faults.postgres_restart += 1;
             continue;

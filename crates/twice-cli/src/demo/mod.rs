@@ -79,9 +79,14 @@ pub(crate) struct DemoArgs {
     #[arg(long, value_name = "PREFIX")]
     queues: Option<String>,
     /// With a connection string: the namespace's administration API, through which missing
-    /// queues are created (default: `http://HOST:5300` for the emulator and `twice serve`,
-    /// `https://HOST` for Azure).
-    #[arg(long, value_name = "URL", value_parser = crate::dlq::admin::AdminUrl::parse)]
+    /// queues are created (default: the TWICE_ADMIN_URL variable, which `twice serve` prints,
+    /// else `http://HOST:5300` for the emulator and `twice serve`, `https://HOST` for Azure).
+    #[arg(
+        long,
+        env = crate::dlq::admin::ADMIN_URL_VAR,
+        value_name = "URL",
+        value_parser = crate::dlq::admin::AdminUrl::parse
+    )]
     admin_url: Option<crate::dlq::admin::AdminUrl>,
     /// With a connection string: trust only the CA certificates in this PEM file for TLS
     /// (amqps and the administration API over https) instead of the public roots, for a

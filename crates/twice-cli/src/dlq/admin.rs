@@ -20,11 +20,15 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most entries a list returns at once.
 const PAGE: usize = 100;
 
+/// The variable that names the administration API for `twice dlq`, `twice demo` and `twice
+/// health` when `--admin-url` (`--url`) is not given.
+pub(crate) const ADMIN_URL_VAR: &str = "TWICE_ADMIN_URL";
+
 /// An error of the administration API, one line each.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AdminError {
     #[error(
-        "cannot reach the administration API at {url}: {reason} (give --admin-url: twice serve prints it on its `health and metrics` line)"
+        "cannot reach the administration API at {url}: {reason} (give --admin-url or set TWICE_ADMIN_URL: twice serve prints it)"
     )]
     Unreachable { url: String, reason: String },
     #[error(
@@ -50,6 +54,8 @@ pub(crate) enum Auth {
     Key { name: String, key: String },
     /// A signature given as is.
     Signature(String),
+    /// No token: for `/health`, which asks none.
+    Anonymous,
 }
 
 impl std::fmt::Debug for Auth {
@@ -57,6 +63,7 @@ impl std::fmt::Debug for Auth {
         match self {
             Auth::Key { name, .. } => write!(f, "Key({name})"),
             Auth::Signature(_) => f.write_str("Signature(<redacted>)"),
+            Auth::Anonymous => f.write_str("Anonymous"),
         }
     }
 }
@@ -220,6 +227,7 @@ impl AdminClient {
     fn token(&self) -> String {
         match &self.auth {
             Auth::Signature(s) => s.clone(),
+            Auth::Anonymous => String::new(),
             Auth::Key { name, key } => {
                 // The namespace's root: the token covers every entity.
                 let scheme = if self.url.https { "https" } else { "http" };
@@ -311,6 +319,19 @@ impl AdminClient {
             max_delivery_count
         );
         self.request("PUT", name, Some(&body)).await.map(|_| ())
+    }
+
+    /// `GET /health`: the status code and the body (`twice serve` answers 200 while it serves
+    /// and 503 with the reason once it cannot).
+    pub(crate) async fn health(&self) -> Result<(u16, String), AdminError> {
+        let request = format!(
+            "GET /health HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nConnection: close\r\n\r\n",
+            self.url.host
+        );
+        let raw = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request.as_bytes()))
+            .await
+            .map_err(|_| self.unreachable("no answer within 30 s"))??;
+        parse_response(&raw).map_err(|reason| AdminError::Protocol { url: self.url.base(), reason })
     }
 
     async fn get(&self, path_and_query: &str) -> Result<String, AdminError> {

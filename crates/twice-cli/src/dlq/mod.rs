@@ -26,7 +26,7 @@ use twice_servicebus_client::{
     ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
 };
 
-use admin::{AdminClient, AdminError, AdminUrl, Ca};
+use admin::{ADMIN_URL_VAR, AdminClient, AdminError, AdminUrl, Ca};
 
 /// The variable a connection string is read from when `--connection-string` is not given.
 const CONNECTION_STRING_VAR: &str = "TWICE_CONNECTION_STRING";
@@ -47,9 +47,10 @@ pub(crate) struct DlqArgs {
     #[arg(long, visible_alias = "connection", value_name = "STRING", global = true)]
     connection_string: Option<String>,
     /// The administration API (ATOM over HTTP), for `list`, `watch` and the
-    /// duplicate-detection check of `resubmit`. Default: http://HOST:5300 (twice serve's `--http`) for an emulator
+    /// duplicate-detection check of `resubmit`. Default: the TWICE_ADMIN_URL variable (`twice
+    /// serve` prints it), else http://HOST:5300 (twice serve's `--http`) for an emulator
     /// connection string, https://HOST (port 443) otherwise, as Azure serves it.
-    #[arg(long, value_name = "URL", global = true, value_parser = AdminUrl::parse)]
+    #[arg(long, env = ADMIN_URL_VAR, value_name = "URL", global = true, value_parser = AdminUrl::parse)]
     admin_url: Option<AdminUrl>,
     /// Trust only the CA certificates in this PEM file for TLS (amqps and https) instead of the
     /// public roots: for a `twice serve --tls-cert` whose certificate a private CA signed.

@@ -292,8 +292,10 @@ fn demo_creates_its_queues_through_the_administration_api() {
     assert_eq!(json["broker"], "servicebus");
     check_orders(100, success, &json);
     // The poison messages stay in the dead-letter queue, for `twice dlq` to look at.
+    // `twice dlq` finds the administration API by the variable `twice serve` says to export.
     let out = Command::new(env!("CARGO_BIN_EXE_twice"))
-        .args(["dlq", "list", "--connection-string", &cs, "--admin-url", &admin])
+        .args(["dlq", "list", "--connection-string", &cs])
+        .env("TWICE_ADMIN_URL", &admin)
         .output()
         .expect("running twice dlq");
     let listed = String::from_utf8_lossy(&out.stdout);

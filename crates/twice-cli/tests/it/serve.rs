@@ -326,3 +326,43 @@ fn serve_backs_off_quietly_when_descriptors_run_out_and_serves_again() {
     assert_eq!(failed, 1, "one warning for the whole episode, not one per attempt:\n{err}");
     assert_eq!(err.matches("accepting connections again").count(), 1, "{err}");
 }
+
+/// `twice health` for a container's healthcheck: exit status 0 while `twice serve` serves,
+/// found by the `TWICE_ADMIN_URL` its banner says to export; 1 with one line when nothing
+/// answers.
+#[test]
+fn health_exits_zero_while_serve_serves_and_one_with_a_line_when_nothing_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let serve = start(&["--data-dir", data.to_str().unwrap()]);
+    let banner = serve.banner().join("\n");
+    let export = format!("administration API: export TWICE_ADMIN_URL={}", serve.http_url());
+    assert!(banner.contains(&export), "{banner}");
+    let health = |envs: &[(&str, &str)], args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_twice"))
+            .arg("health")
+            .args(args)
+            .env_remove("TWICE_ADMIN_URL")
+            .envs(envs.iter().copied())
+            .output()
+            .expect("running twice health")
+    };
+    let out = health(&[("TWICE_ADMIN_URL", &serve.http_url())], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.trim(), format!("healthy: {}/health", serve.http_url()));
+    let out = health(&[], &["--url", &serve.http_url(), "--quiet"]);
+    assert!(out.status.success());
+    assert!(out.stdout.is_empty());
+
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let out = health(&[("TWICE_ADMIN_URL", &format!("http://{closed}"))], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("unhealthy: cannot reach the administration API"), "{stderr}");
+    assert!(stderr.contains("TWICE_ADMIN_URL"), "{stderr}");
+    let out = health(&[], &["--url", "ftp://x"]);
+    assert_eq!(out.status.code(), Some(2), "a bad URL is a usage error");
+}

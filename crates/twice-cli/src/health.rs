@@ -1,0 +1,73 @@
+//! `twice health`: asks `twice serve` whether it serves, for a container's healthcheck (no
+//! shell, no curl): exit status 0 when `/health` answers 200, 1 otherwise, with one line saying
+//! why.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::dlq::admin::{ADMIN_URL_VAR, AdminClient, AdminUrl, Auth, Ca};
+
+/// Options of `twice health`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct HealthArgs {
+    /// `twice serve`'s HTTP port (its `--http`), as `http://HOST:PORT`, or `https://…` when it
+    /// serves TLS. Default: the TWICE_ADMIN_URL variable, else `http://127.0.0.1:5300`.
+    #[arg(
+        long,
+        env = ADMIN_URL_VAR,
+        value_name = "URL",
+        default_value = "http://127.0.0.1:5300",
+        value_parser = AdminUrl::parse
+    )]
+    url: AdminUrl,
+    /// Trust only the CA certificates in this PEM file for https.
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+    /// Print nothing when healthy.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// Exit status 0 when `/health` answers 200; otherwise 1, with the reason on stderr.
+pub(crate) async fn run(args: HealthArgs) -> anyhow::Result<ExitCode> {
+    let ca = args.ca_file.as_deref().map(Ca::load).transpose().map_err(anyhow::Error::msg)?;
+    let client = Ca::admin(ca.as_ref(), AdminClient::new(args.url.clone(), Auth::Anonymous));
+    match client.health().await {
+        Ok((200, _)) => {
+            if !args.quiet {
+                println!("healthy: {}/health", args.url);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok((status, body)) => {
+            eprintln!("unhealthy: {}/health answered {status}: {}", args.url, reason(&body));
+            Ok(ExitCode::FAILURE)
+        }
+        Err(e) => {
+            eprintln!("unhealthy: {e}");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// The `reason` of a JSON health body, else the body itself on one line.
+fn reason(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| body.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reason;
+
+    #[test]
+    fn the_reason_is_read_from_the_json_body_or_the_body_is_one_line() {
+        assert_eq!(
+            reason(r#"{"status":"unhealthy","reason":"storage failed: disk full"}"#),
+            "storage failed: disk full"
+        );
+        assert_eq!(reason("bad\ngateway "), "bad gateway");
+    }
+}
