@@ -213,6 +213,9 @@ impl Delivery for NatsDelivery {
     }
 }
 
+/// How long past its wait a pull may go unanswered before it is given up.
+const PULL_GRACE: Duration = Duration::from_secs(3);
+
 pub(crate) fn other<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     what: &str,
     e: E,
@@ -397,23 +400,6 @@ impl NatsTransport {
             .await
             .map_err(|e| other("opening the stream", e))?;
         Ok(s.info().await.map_err(|e| other("reading the stream", e))?.state.messages)
-    }
-
-    /// How many messages the consumer has still to settle: those it has not delivered yet and
-    /// those delivered and not acknowledged, as the consumer counts them.
-    ///
-    /// This differs from [`NatsTransport::message_count`] after the server was killed
-    /// (SIGKILL): the removal of acknowledged messages from a work-queue stream may not have
-    /// reached its files, and the stream then holds messages its consumer has acknowledged and
-    /// never delivers again.
-    ///
-    /// # Errors
-    ///
-    /// When the server is unreachable.
-    pub async fn unsettled_count(&self) -> Result<u64, TransportError> {
-        let mut consumer = self.consumer();
-        let info = consumer.info().await.map_err(|e| other("reading the consumer", e))?;
-        Ok(info.num_pending + info.num_ack_pending as u64)
     }
 
     /// Reads up to `max` messages of the stream from sequence `from` on (the first one when
@@ -675,19 +661,37 @@ impl NatsTransport {
                 return Err(other("pulling", e));
             }
         };
+        // A pull request the server never answers (lost with a server that was killed, or on
+        // the way to it) would leave the batch waiting for ever: a fetch has no expiry, and the
+        // client's own timer of a waiting pull comes late. The pull ends a grace period after
+        // its wait; messages that came for it after that come back at `AckWait`.
+        let clock = &self.inner.options.clock;
+        let deadline = requested + wait.unwrap_or_default() + PULL_GRACE;
         let mut out = Vec::new();
-        while let Some(m) = batch.next().await {
-            match m {
-                Ok(m) => out.push((m, requested)),
-                Err(e) => {
+        loop {
+            let left = deadline.duration_since(clock.now());
+            match tokio::time::timeout(left, batch.next()).await {
+                Ok(Some(Ok(m))) => out.push((m, requested)),
+                Ok(Some(Err(e))) => {
                     if out.is_empty() {
                         self.reattach_if_gone().await;
                     }
                     return if out.is_empty() { Err(other("pulling", e)) } else { Ok(out) };
                 }
+                Ok(None) => return Ok(out),
+                Err(_) if out.is_empty() => {
+                    return Err(TransportError::Other {
+                        message: format!(
+                            "pulling: the server did not answer a pull request within {:?}",
+                            wait.unwrap_or_default() + PULL_GRACE
+                        ),
+                        transient: true,
+                        source: None,
+                    });
+                }
+                Err(_) => return Ok(out),
             }
         }
-        Ok(out)
     }
 
     /// After a failed pull: when the consumer is gone (its stream was deleted and made again),

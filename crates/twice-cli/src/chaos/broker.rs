@@ -10,7 +10,7 @@
 //! as a producer that is not twice sends them; its retries of those are new messages to the
 //! broker, and only the processors' identity policy (the order id in the body) makes them one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -188,6 +188,15 @@ impl ServeProc {
     }
 }
 
+/// What a broker still holds of an entity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Unsettled {
+    /// Messages not settled.
+    pub(crate) left: u64,
+    /// Messages the run settled that the broker still holds (NATS after a SIGKILL).
+    pub(crate) kept: u64,
+}
+
 /// The broker of one run, with the run's two entities on it.
 pub(crate) enum ChaosBroker {
     Serve(ServeProc),
@@ -335,18 +344,45 @@ impl ChaosBroker {
     /// Messages of the orders (`events == false`) or of the events not yet settled. On
     /// RabbitMQ only the messages waiting are counted (not those a processor holds): read it
     /// with no processor running.
-    pub(crate) async fn unsettled(&self, events: bool) -> anyhow::Result<u64> {
-        Ok(match self {
+    ///
+    /// On NATS neither the stream's count nor its consumer's can be taken as they are once the
+    /// server was killed with SIGKILL: the stream was seen to keep messages its consumer had
+    /// acknowledged, and the consumer to count as pending messages it never delivered again.
+    /// So the stream is read through, and each message it holds is either one the run has not
+    /// settled (`settled` holds the orders' and events' ids the run settled) or one kept after
+    /// its settlement.
+    pub(crate) async fn unsettled(
+        &self,
+        events: bool,
+        settled: &HashSet<String>,
+    ) -> anyhow::Result<Unsettled> {
+        let left = match self {
             Self::Serve(s) => s.unsettled(if events { SHIPPED } else { QUEUE }).await?,
             Self::RabbitMq { orders, shipped, .. } => {
                 if events { shipped } else { orders }.ready_count().await?
             }
-            // The consumer's count: a stream whose server was killed may still hold messages
-            // its consumer acknowledged, and never delivers them again.
             Self::Nats { orders, shipped, .. } => {
-                if events { shipped } else { orders }.unsettled_count().await?
+                let stream = if events { shipped } else { orders };
+                let mut counted = Unsettled::default();
+                let mut from = None;
+                loop {
+                    let page = stream.peek(from, 500).await?;
+                    let Some(last) = page.last() else { break };
+                    from = Some(u64::try_from(last.sequence_number.get())?.saturating_add(1));
+                    for m in &page {
+                        let key = if events { None } else { order_key(m.body()) };
+                        let key = key.unwrap_or_else(|| m.message_id().as_str().to_owned());
+                        if settled.contains(&key) {
+                            counted.kept += 1;
+                        } else {
+                            counted.left += 1;
+                        }
+                    }
+                }
+                return Ok(counted);
             }
-        })
+        };
+        Ok(Unsettled { left, kept: 0 })
     }
 
     /// Takes everything in the orders' dead-letter queue: the reason by `order-<order id>`.

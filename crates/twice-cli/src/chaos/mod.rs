@@ -138,6 +138,9 @@ struct Report {
     orders_without_id: u64,
     /// Whether the broker's acknowledgement of a completion promises no redelivery.
     completions_confirmed: bool,
+    /// Messages the broker still held at the end although the run had settled them (NATS
+    /// killed with SIGKILL): not delivered again, not left undone.
+    kept_after_settlement: u64,
     processors: u64,
     seed: u64,
     elapsed_seconds: f64,
@@ -529,29 +532,52 @@ async fn run_in(
     // Drain: the queue must empty, and so must the outbox and the events' queue. The counts
     // are read again once the processors have stopped (RabbitMQ counts only the messages
     // waiting, not those a processor holds); a message one of them put back starts them again.
-    let outbox = Postgres::outbox(&pool_of(&args.store).await?, &tables.outbox).await?;
+    let drain_pool = pool_of(&args.store).await?;
+    let outbox = Postgres::outbox(&drain_pool, &tables.outbox).await?;
     let drain_start = clock.now();
+    let recorded = Arc::clone(&workers.events);
     let counts = async |broker: &ChaosBroker| {
-        let left = broker.unsettled(false).await.ok();
-        let events_left = match (broker.unsettled(true).await, outbox.stats().await) {
-            (Ok(queued), Ok(stats)) => Some(EventsLeft { unsent: stats.pending, queued }),
+        // What the run settled so far: orders completed or dead-lettered, events handled
+        // downstream (a broker that keeps settled messages is told them apart by these).
+        let settled_orders: HashSet<String> = recorded
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter_map(|o| match &o.event {
+                Event::Completed { message_id } | Event::DeadLettered { message_id } => {
+                    Some(message_id.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        let handled_events: HashSet<String> =
+            Postgres::texts(&drain_pool, &tables.points, "event_id", "1 = 1")
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+        let orders = broker.unsettled(false, &settled_orders).await.ok();
+        let events = broker.unsettled(true, &handled_events).await.ok();
+        let events_left = match (events, outbox.stats().await) {
+            (Some(queued), Ok(stats)) => {
+                Some(EventsLeft { unsent: stats.pending, queued: queued.left })
+            }
             _ => None,
         };
-        (left, events_left)
+        let kept = orders.map_or(0, |o| o.kept) + events.map_or(0, |e| e.kept);
+        ((orders.map(|o| o.left), events_left), kept)
     };
-    let (left, events_left) = loop {
+    let ((left, events_left), kept_after_settlement) = loop {
         let mut zero_reads = 0;
         while zero_reads < 3 && clock.now().duration_since(drain_start) < DRAIN_TIMEOUT {
             workers.start()?;
             clock.sleep(Duration::from_millis(500)).await;
-            zero_reads = if counts(broker).await == DRAINED { zero_reads + 1 } else { 0 };
+            zero_reads = if counts(broker).await.0 == DRAINED { zero_reads + 1 } else { 0 };
         }
         workers.stop().await;
-        let (left, events_left) = counts(broker).await;
-        if (left, events_left) == DRAINED
-            || clock.now().duration_since(drain_start) >= DRAIN_TIMEOUT
-        {
-            break (left, events_left);
+        let read = counts(broker).await;
+        if read.0 == DRAINED || clock.now().duration_since(drain_start) >= DRAIN_TIMEOUT {
+            break read;
         }
     };
 
@@ -610,6 +636,7 @@ async fn run_in(
         orders: args.orders,
         orders_without_id,
         completions_confirmed: broker.completions_confirmed(),
+        kept_after_settlement,
         processors: args.processors,
         seed: args.seed,
         elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
@@ -629,7 +656,7 @@ fn render(r: &Report) -> String {
         "twice chaos on {}: {} orders ({} sent without a message id), {} processors, seed {}, {:.1} s",
         r.broker, r.orders, r.orders_without_id, r.processors, r.seed, r.elapsed_seconds
     );
-    let lines: [(&str, u64); 23] = [
+    let lines: [(&str, u64); 24] = [
         ("kills: processor SIGKILL", f.processor_sigkill),
         ("kills: broker SIGKILL", f.broker_sigkill),
         ("broker restarts", f.broker_restart),
@@ -652,6 +679,7 @@ fn render(r: &Report) -> String {
         ("  of them redelivered after a completion", v.redelivered_after_completion),
         ("duplicates: stopped by keys", v.idempotency_key_replays),
         ("poison orders", r.verdict.poison_orders),
+        ("kept by the broker after their settlement", r.kept_after_settlement),
         ("violations", r.violation_count),
     ];
     for (name, n) in lines {

@@ -9,6 +9,7 @@ use futures::StreamExt as _;
 use twice::{DeadLetterReason, Delivery as _, Message, MessageIdentity, Properties, Receive as _};
 use twice_nats::{NatsOptions, NatsTransport, dead_letter_stream_name};
 use twice_testkit::nats::{NATS_URL, TestStream};
+use twice_testkit::proxy::nats::Swallow;
 use twice_testkit::proxy::{CutAfter, Proxy};
 
 use crate::handled::{Inbox, run_until};
@@ -239,4 +240,29 @@ async fn a_message_stranded_while_a_transport_is_connected_is_moved_on_the_advis
     assert_eq!(moved.message().message_id().as_str(), "m");
     assert_eq!(moved.message().dead_letter_reason.as_deref(), Some("MaxDeliveryCountExceeded"));
     dlq.complete(&moved).await.unwrap();
+}
+
+/// A pull request the server never answers (lost on the way, or with a server that was killed
+/// before it answered) must not hang `receive`: the call gives up a little after its wait, and a
+/// later call pulls again. Seen in `twice chaos --broker nats://…`, where every processor ended
+/// waiting on such a pull and the orders after it were never handled.
+#[tokio::test]
+async fn a_pull_the_server_never_answers_does_not_hang_receive() {
+    let s = TestStream::new("TWICE_NATS");
+    let swallow = Swallow::new("$JS.API.CONSUMER.MSG.NEXT.");
+    let rewrite = swallow.clone();
+    let proxy = Proxy::start_with("127.0.0.1:4222", move || Box::new(rewrite.clone())).await;
+    let Some(proxy) = twice_testkit::require_service("NATS", proxy) else { return };
+    let url = format!("nats://{}", proxy.addr());
+    let t = NatsTransport::connect(NatsOptions::new(url, s.name())).await.unwrap();
+    t.send(Message::new("x").with_message_id("m")).await.unwrap();
+    swallow.arm(true);
+    let got = tokio::time::timeout(BOUND, t.receive(1, Duration::from_millis(500))).await;
+    assert!(swallow.dropped() > 0, "the pull request was removed");
+    let got = got.expect("receive returned although the server never answered its pull");
+    assert!(got.is_err() || got.unwrap().is_empty(), "nothing can have come");
+    swallow.arm(false);
+    let d = receive_within(&t, BOUND).await.expect("the message, once pulls are answered again");
+    assert_eq!(d.message().message_id().as_str(), "m");
+    t.complete(&d).await.unwrap();
 }

@@ -1,9 +1,11 @@
 //! A TCP proxy whose connections a test can cut, to see a client lose its connection to a real
 //! server without stopping the server (which other tests share), and which can rewrite what
 //! passes through it, to show a client a server that behaves as another version would
-//! ([`amqp`]) or a connection that dies at an exact point ([`CutAfter`]).
+//! ([`amqp`]), a connection that dies at an exact point ([`CutAfter`]), or a request that never
+//! reaches the server ([`nats::Swallow`]).
 
 pub mod amqp;
+pub mod nats;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
