@@ -349,8 +349,9 @@ impl ChaosBroker {
     /// server was killed with SIGKILL: the stream was seen to keep messages its consumer had
     /// acknowledged, and the consumer to count as pending messages it never delivered again.
     /// So the stream is read through, and each message it holds is either one the run has not
-    /// settled (`settled` holds the orders' and events' ids the run settled) or one kept after
-    /// its settlement.
+    /// settled or one kept after its settlement: `settled` holds the ids of the orders whose
+    /// claim committed or that were dead-lettered (or of the events handled downstream), and
+    /// what the orders' dead-letter stream holds is settled too.
     pub(crate) async fn unsettled(
         &self,
         events: bool,
@@ -362,21 +363,24 @@ impl ChaosBroker {
                 if events { shipped } else { orders }.ready_count().await?
             }
             Self::Nats { orders, shipped, .. } => {
+                let key = |m: &twice::ReceivedMessage| {
+                    let key = if events { None } else { order_key(m.body()) };
+                    key.unwrap_or_else(|| m.message_id().as_str().to_owned())
+                };
+                let mut settled = settled.clone();
+                if !events {
+                    // What sits in the dead-letter stream is settled too (its line may have
+                    // been lost with a processor killed right after the move).
+                    let dead = orders.dead_letter_receiver().await?;
+                    settled.extend(peek_all(&dead).await?.iter().map(key));
+                }
                 let stream = if events { shipped } else { orders };
                 let mut counted = Unsettled::default();
-                let mut from = None;
-                loop {
-                    let page = stream.peek(from, 500).await?;
-                    let Some(last) = page.last() else { break };
-                    from = Some(u64::try_from(last.sequence_number.get())?.saturating_add(1));
-                    for m in &page {
-                        let key = if events { None } else { order_key(m.body()) };
-                        let key = key.unwrap_or_else(|| m.message_id().as_str().to_owned());
-                        if settled.contains(&key) {
-                            counted.kept += 1;
-                        } else {
-                            counted.left += 1;
-                        }
+                for m in peek_all(stream).await? {
+                    if settled.contains(&key(&m)) {
+                        counted.kept += 1;
+                    } else {
+                        counted.left += 1;
                     }
                 }
                 return Ok(counted);
@@ -442,6 +446,19 @@ impl ChaosBroker {
             }
         }
     }
+}
+
+/// Every message a stream holds, without taking any.
+async fn peek_all(stream: &NatsTransport) -> anyhow::Result<Vec<twice::ReceivedMessage>> {
+    let mut out = Vec::new();
+    let mut from = None;
+    loop {
+        let page = stream.peek(from, 500).await?;
+        let Some(last) = page.last() else { break };
+        from = Some(u64::try_from(last.sequence_number.get())?.saturating_add(1));
+        out.extend(page);
+    }
+    Ok(out)
 }
 
 /// Receives and completes everything in a dead-letter queue, noting each message.

@@ -537,19 +537,26 @@ async fn run_in(
     let drain_start = clock.now();
     let recorded = Arc::clone(&workers.events);
     let counts = async |broker: &ChaosBroker| {
-        // What the run settled so far: orders completed or dead-lettered, events handled
-        // downstream (a broker that keeps settled messages is told them apart by these).
-        let settled_orders: HashSet<String> = recorded
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .filter_map(|o| match &o.event {
-                Event::Completed { message_id } | Event::DeadLettered { message_id } => {
-                    Some(message_id.clone())
-                }
-                _ => None,
-            })
-            .collect();
+        // What the run settled so far: orders whose claim committed (any later copy is a
+        // duplicate) or that were dead-lettered, and events handled downstream. A broker that
+        // keeps settled messages is told them apart by these. (A completion's own line can be
+        // lost with a processor killed right after it.)
+        let mut settled_orders: HashSet<String> =
+            Postgres::texts(&drain_pool, &tables.inbox, "message_id", "consumer = 'shipping'")
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+        settled_orders.extend(
+            recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().filter_map(
+                |o| match &o.event {
+                    Event::Completed { message_id } | Event::DeadLettered { message_id } => {
+                        Some(message_id.clone())
+                    }
+                    _ => None,
+                },
+            ),
+        );
         let handled_events: HashSet<String> =
             Postgres::texts(&drain_pool, &tables.points, "event_id", "1 = 1")
                 .await
