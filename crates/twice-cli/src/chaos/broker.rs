@@ -200,8 +200,20 @@ pub(crate) struct Unsettled {
 /// The broker of one run, with the run's two entities on it.
 pub(crate) enum ChaosBroker {
     Serve(ServeProc),
-    RabbitMq { url: String, restart: String, orders: RabbitMqTransport, shipped: RabbitMqTransport },
-    Nats { url: String, restart: String, orders: NatsTransport, shipped: NatsTransport },
+    RabbitMq {
+        url: String,
+        restart: String,
+        orders: RabbitMqTransport,
+        shipped: RabbitMqTransport,
+    },
+    Nats {
+        url: String,
+        restart: String,
+        orders: NatsTransport,
+        shipped: NatsTransport,
+        /// The orders' dead-letter stream.
+        dead: NatsTransport,
+    },
 }
 
 /// What the processors need to reach the broker: `--broker`, `--queue` and `--shipped` of
@@ -268,7 +280,8 @@ impl ChaosBroker {
                     }
                 };
                 let (orders, shipped) = (open(QUEUE).await?, open(SHIPPED).await?);
-                Self::Nats { url: url.clone(), restart, orders, shipped }
+                let dead = orders.dead_letter_receiver().await?;
+                Self::Nats { url: url.clone(), restart, orders, shipped, dead }
             }
         })
     }
@@ -362,7 +375,7 @@ impl ChaosBroker {
             Self::RabbitMq { orders, shipped, .. } => {
                 if events { shipped } else { orders }.ready_count().await?
             }
-            Self::Nats { orders, shipped, .. } => {
+            Self::Nats { orders, shipped, dead, .. } => {
                 let key = |m: &twice::ReceivedMessage| {
                     let key = if events { None } else { order_key(m.body()) };
                     key.unwrap_or_else(|| m.message_id().as_str().to_owned())
@@ -371,8 +384,7 @@ impl ChaosBroker {
                 if !events {
                     // What sits in the dead-letter stream is settled too (its line may have
                     // been lost with a processor killed right after the move).
-                    let dead = orders.dead_letter_receiver().await?;
-                    settled.extend(peek_all(&dead).await?.iter().map(key));
+                    settled.extend(peek_all(dead).await?.iter().map(key));
                 }
                 let stream = if events { shipped } else { orders };
                 let mut counted = Unsettled::default();
@@ -418,9 +430,7 @@ impl ChaosBroker {
             Self::RabbitMq { orders, .. } => {
                 drain(&orders.dead_letter_receiver().await?, &mut note).await?;
             }
-            Self::Nats { orders, .. } => {
-                drain(&orders.dead_letter_receiver().await?, &mut note).await?;
-            }
+            Self::Nats { dead, .. } => drain(dead, &mut note).await?,
         }
         Ok(out)
     }
