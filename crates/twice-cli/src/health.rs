@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::dlq::admin::{ADMIN_URL_VAR, AdminClient, AdminUrl, Auth, Ca};
+use crate::dlq::admin::{ADMIN_URL_VAR, AdminClient, AdminError, AdminUrl, Auth, Ca};
 
 /// Options of `twice health`.
 #[derive(Debug, clap::Args)]
@@ -41,6 +41,14 @@ pub(crate) async fn run(args: HealthArgs) -> anyhow::Result<ExitCode> {
         }
         Ok((status, body)) => {
             eprintln!("unhealthy: {}/health answered {status}: {}", args.url, reason(&body));
+            Ok(ExitCode::FAILURE)
+        }
+        // Named with this command's own option.
+        Err(AdminError::Unreachable { url, reason }) => {
+            eprintln!(
+                "unhealthy: cannot reach the administration API at {url}: {reason} (give --url or \
+                 set TWICE_ADMIN_URL: twice serve prints it)"
+            );
             Ok(ExitCode::FAILURE)
         }
         Err(e) => {

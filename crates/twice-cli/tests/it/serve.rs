@@ -362,7 +362,7 @@ fn health_exits_zero_while_serve_serves_and_one_with_a_line_when_nothing_answers
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.starts_with("unhealthy: cannot reach the administration API"), "{stderr}");
-    assert!(stderr.contains("TWICE_ADMIN_URL"), "{stderr}");
+    assert!(stderr.contains("give --url or set TWICE_ADMIN_URL"), "{stderr}");
     let out = health(&[], &["--url", "ftp://x"]);
     assert_eq!(out.status.code(), Some(2), "a bad URL is a usage error");
 }
