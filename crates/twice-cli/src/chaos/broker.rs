@@ -18,12 +18,13 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::process::{Child, Command};
-use twice::{Delivery as _, Message, MessageIdentity};
+use twice::{Message, MessageIdentity};
 use twice_nats::{NatsOptions, NatsTransport};
 use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport};
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 
 use super::{LOCK, this_exe};
+use crate::demo::broker::drain;
 
 /// The queue of the orders on `twice serve`.
 const QUEUE: &str = "orders";
@@ -469,23 +470,6 @@ async fn peek_all(stream: &NatsTransport) -> anyhow::Result<Vec<twice::ReceivedM
         out.extend(page);
     }
     Ok(out)
-}
-
-/// Receives and completes everything in a dead-letter queue, noting each message.
-async fn drain<T: twice::Transport>(
-    t: &T,
-    note: &mut impl FnMut(&twice::ReceivedMessage),
-) -> anyhow::Result<()> {
-    loop {
-        let got = t.receive(500, Duration::from_millis(1_000)).await?;
-        if got.is_empty() {
-            return Ok(());
-        }
-        for d in &got {
-            note(d.message());
-            t.complete(d).await?;
-        }
-    }
 }
 
 /// The RabbitMQ options of the controller and of the processors: the same queue arguments.

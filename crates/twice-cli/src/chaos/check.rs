@@ -365,10 +365,9 @@ mod tests {
         assert_eq!(v.violation_count(), 3);
     }
 
-    #[test]
-    fn a_redelivery_after_an_acknowledged_completion_is_flagged() {
-        let mut h = clean();
-        h.events.push(Observed {
+    /// A second delivery of order 1, with a live lock, after its completion.
+    fn redelivery_after_completion() -> Observed {
+        Observed {
             processor: 2,
             at_millis: 1_000,
             event: Event::Delivered {
@@ -376,7 +375,13 @@ mod tests {
                 delivery_count: 2,
                 locked_until: 6_000,
             },
-        });
+        }
+    }
+
+    #[test]
+    fn a_redelivery_after_an_acknowledged_completion_is_flagged() {
+        let mut h = clean();
+        h.events.push(redelivery_after_completion());
         let v = check(&h);
         assert_eq!(
             v.violations.get("delivered after its completion was acknowledged"),
@@ -393,15 +398,7 @@ mod tests {
         // inbox turns the copy away.
         let mut h = clean();
         h.completions_confirmed = false;
-        h.events.push(Observed {
-            processor: 2,
-            at_millis: 1_000,
-            event: Event::Delivered {
-                message_id: "order-1".into(),
-                delivery_count: 2,
-                locked_until: 6_000,
-            },
-        });
+        h.events.push(redelivery_after_completion());
         let v = check(&h);
         assert_eq!(v.violation_count(), 0, "{v:?}");
         assert_eq!((v.duplicates_prevented, v.redelivered_after_completion), (1, 1));

@@ -612,7 +612,10 @@ impl DemoTransport {
 
 /// Receives and completes everything in a dead-letter queue (the run is over; the queue is
 /// deleted next), noting each message.
-async fn drain<T: Transport>(t: &T, note: &mut impl FnMut(&ReceivedMessage)) -> anyhow::Result<()> {
+pub(crate) async fn drain<T: Transport>(
+    t: &T,
+    note: &mut impl FnMut(&ReceivedMessage),
+) -> anyhow::Result<()> {
     loop {
         let got = t.receive(500, Duration::from_millis(500)).await?;
         if got.is_empty() {

@@ -7,7 +7,7 @@
 //! exactly one shipment, one charge and one email per valid order and every poison message in
 //! the dead-letter queue; the exit status says whether it did.
 
-mod broker;
+pub(crate) mod broker;
 pub(crate) mod db;
 mod downstream;
 mod faults;
