@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use twice::Stopwatch;
 use twice_broker::config::Config;
 use twice_broker::{Broker, BrokerOptions};
+use twice_servicebus::dev_tls::DevCertificate;
 use twice_servicebus::sas::{Claims, Keys};
 use twice_servicebus::{Server, ServerOptions};
 
@@ -72,6 +73,12 @@ pub(crate) struct ServeArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve plain http only on the HTTP port. Without it (and without --tls-cert), the port
+    /// also speaks https with a development certificate made on first start in the data
+    /// directory's `dev-https/` (a temporary directory with --in-memory), so that the SDKs'
+    /// administration clients, which only speak https, work once they trust its `ca.pem`.
+    #[arg(long, conflicts_with_all = ["tls_cert", "no_http"])]
+    no_dev_https: bool,
 }
 
 fn parse_key(s: &str) -> Result<(String, String, Claims), String> {
@@ -162,6 +169,31 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         _ => server_options,
     };
+    // Kept for the process's life: with --in-memory the development certificate is there.
+    let mut dev_dir = None;
+    let (server_options, dev_ca) = if args.tls_cert.is_none() && !args.no_http && !args.no_dev_https
+    {
+        let dir = if args.in_memory {
+            let tmp = tempfile::Builder::new()
+                .prefix("twice-serve-")
+                .tempdir()
+                .context("making a temporary directory for the development certificate")?;
+            dev_dir.insert(tmp).path().to_owned()
+        } else {
+            args.data_dir.join("dev-https")
+        };
+        let cert = DevCertificate::load_or_create(&dir, &dev_names(&args.hostname, args.http))
+            .context(
+                "making the HTTP port's development certificate (--no-dev-https goes without)",
+            )?;
+        let options = server_options
+            .http_tls_pem(&cert.cert_pem, &cert.key_pem)
+            .context("loading the development certificate")?;
+        let ca = std::path::absolute(&cert.ca_file).unwrap_or(cert.ca_file);
+        (options, Some(ca))
+    } else {
+        (server_options, None)
+    };
     let server = Server::bind(server_options, broker.clone()).await?;
     let storage = if args.in_memory {
         "in memory (nothing is kept)".to_owned()
@@ -179,6 +211,17 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         );
         // `twice dlq`, `twice demo` and `twice health` find the administration API by it.
         println!("administration API: export TWICE_ADMIN_URL={web}://{http}");
+        if let Some(ca) = &dev_ca {
+            let ca = ca.display();
+            println!(
+                "https on the same port for the SDKs' administration clients, with Endpoint=sb://{}:{} in the connection string: trust {ca}",
+                args.hostname,
+                http.port()
+            );
+            println!(
+                "  Python: export REQUESTS_CA_BUNDLE={ca}   Node.js: export NODE_EXTRA_CA_CERTS={ca}"
+            );
+        }
     }
     println!(
         "connections: at most {max_connections} at once, {max_pending} more in their handshake"
@@ -206,6 +249,19 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         println!("twice serve: stopped; every acknowledged message is on disk");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The names the development certificate is made for: loopback by its name and addresses, the
+/// host name clients use, and the HTTP address when it is a particular one.
+fn dev_names(hostname: &str, http: SocketAddr) -> Vec<String> {
+    let mut names: Vec<String> = ["localhost", "127.0.0.1", "::1"].map(str::to_owned).into();
+    for name in [hostname.to_owned(), http.ip().to_string()] {
+        let any = http.ip().is_unspecified() && name == http.ip().to_string();
+        if !any && !names.iter().any(|n| n.eq_ignore_ascii_case(&name)) {
+            names.push(name);
+        }
+    }
+    names
 }
 
 /// Descriptors kept apart for the broker's files, the listeners, the HTTP side port and the

@@ -19,6 +19,7 @@ use tokio::sync::Semaphore;
 use crate::admin::Admin;
 
 use crate::backend::{Backend, EntityStats};
+use crate::hint;
 use crate::metrics::EntityCounters;
 use crate::request::Request;
 use crate::shared::Shared;
@@ -137,7 +138,7 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else { return };
-        let Ok((stream, _)) = listener.accept().await else {
+        let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
@@ -145,10 +146,14 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
         let admin = admin.clone();
         tokio::spawn(async move {
             let request = async {
-                match shared.options.tls.clone() {
-                    None => http_request(stream, &shared, &admin, addr).await,
-                    Some(tls) => https_request(stream, tls, &shared, &admin, addr).await,
-                }
+                let options = &shared.options;
+                // A certificate of the server's own makes the port https only; a development
+                // certificate adds https beside plain http.
+                let (tls, https_only) = match (&options.tls, &options.http_tls) {
+                    (Some(tls), _) => (Some(tls.clone()), true),
+                    (None, dev) => (dev.clone(), false),
+                };
+                serve_connection(stream, peer, tls, https_only, &shared, &admin, addr).await
             };
             let _ = tokio::time::timeout(REQUEST_TIMEOUT, request).await;
             drop(slot);
@@ -159,10 +164,15 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
 
-/// Serves one connection of a server with a certificate: TLS, then the request.
-async fn https_request<B: Backend>(
-    mut stream: TcpStream,
-    tls: Arc<rustls::ServerConfig>,
+/// Serves one connection: TLS first when it opens with a TLS handshake and the port has a
+/// certificate, then the request. A client speaking the wrong one (TLS to a port without a
+/// certificate, plain HTTP to an https-only port) is answered or dropped with one line in the
+/// log that says what to change.
+async fn serve_connection<B: Backend>(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    https_only: bool,
     shared: &Arc<Shared<B>>,
     admin: &Admin,
     addr: SocketAddr,
@@ -171,17 +181,32 @@ async fn https_request<B: Backend>(
     if stream.peek(&mut first).await? == 0 {
         return Ok(());
     }
-    if first[0] != TLS_HANDSHAKE {
-        let host = &shared.options.hostname;
-        let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
-        return respond(&mut stream, "400 Bad Request", "text/plain", &msg).await;
-    }
-    match tokio_rustls::TlsAcceptor::from(tls).accept(stream).await {
-        Ok(stream) => http_request(stream, shared, admin, addr).await,
-        Err(e) => {
-            tracing::debug!(error = %e, "tls handshake on the http port failed");
+    match (first[0] == TLS_HANDSHAKE, tls) {
+        (true, Some(tls)) => match tokio_rustls::TlsAcceptor::from(tls).accept(stream).await {
+            Ok(stream) => http_request(stream, shared, admin, addr).await,
+            Err(e) => {
+                if hint::HTTPS_HANDSHAKE.due(shared.options.clock.now()) {
+                    tracing::warn!(%peer, error = %e, "an https client's TLS handshake on {addr} failed: does it trust the server's certificate (its CA file)?");
+                }
+                Ok(())
+            }
+        },
+        (true, None) => {
+            if hint::HTTPS_ON_PLAIN_HTTP.due(shared.options.clock.now()) {
+                tracing::warn!(%peer, "an https client reached {addr}, which serves plain http only: give the server a certificate (twice serve: --tls-cert, or keep its development certificate on) or use http://");
+            }
             Ok(())
         }
+        (false, _) if https_only => {
+            if hint::HTTP_ON_HTTPS.due(shared.options.clock.now()) {
+                tracing::warn!(%peer, "a plain http client reached {addr}, which serves https only: use https://");
+            }
+            let host = &shared.options.hostname;
+            let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
+            let mut stream = stream;
+            respond(&mut stream, "400 Bad Request", "text/plain", &msg).await
+        }
+        (false, _) => http_request(stream, shared, admin, addr).await,
     }
 }
 

@@ -27,6 +27,7 @@ pub struct ServerOptions {
     pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
     pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
+    pub(crate) http_tls: Option<Arc<rustls::ServerConfig>>,
     pub(crate) clock: SharedClock,
 }
 
@@ -49,6 +50,7 @@ impl Default for ServerOptions {
             write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
             tls: None,
+            http_tls: None,
             clock: SharedClock::system(),
         }
     }
@@ -187,23 +189,18 @@ impl ServerOptions {
     /// port 5671. The connection string then leaves out `UseDevelopmentEmulator`, so clients
     /// use TLS.
     pub fn tls_pem(mut self, cert_chain: &[u8], key: &[u8]) -> Result<Self, TlsError> {
-        use rustls_pki_types::pem::PemObject;
-        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_slice_iter(cert_chain)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| TlsError(format!("certificate: {e}")))?;
-        if certs.is_empty() {
-            return Err(TlsError("no certificate in the certificate file".into()));
-        }
-        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError(format!("key: {e}")))?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError(e.to_string()))?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .map_err(|e| TlsError(e.to_string()))?;
-        self.tls = Some(Arc::new(config));
+        self.tls = Some(server_config(cert_chain, key)?);
+        Ok(self)
+    }
+
+    /// Serves https beside plain http on the HTTP port, with this certificate chain and private
+    /// key (PEM): a connection that opens with a TLS handshake gets TLS, any other plain HTTP.
+    /// Meant for a development certificate ([`DevCertificate`](crate::dev_tls::DevCertificate)),
+    /// so that the SDKs' administration clients, which only speak https, work with
+    /// configuration alone while browsers and scripts keep plain http. Without effect with
+    /// [`tls_pem`](Self::tls_pem), whose certificate makes the port speak https only.
+    pub fn http_tls_pem(mut self, cert_chain: &[u8], key: &[u8]) -> Result<Self, TlsError> {
+        self.http_tls = Some(server_config(cert_chain, key)?);
         Ok(self)
     }
 
@@ -287,3 +284,24 @@ impl ServerOptions {
 #[derive(Debug, thiserror::Error)]
 #[error("tls: {0}")]
 pub struct TlsError(String);
+
+/// A TLS server configuration from a PEM certificate chain and private key.
+fn server_config(cert_chain: &[u8], key: &[u8]) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(cert_chain)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError(format!("certificate: {e}")))?;
+    if certs.is_empty() {
+        return Err(TlsError("no certificate in the certificate file".into()));
+    }
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| TlsError(format!("key: {e}")))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| TlsError(e.to_string()))?;
+    Ok(Arc::new(config))
+}

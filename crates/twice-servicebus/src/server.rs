@@ -165,8 +165,18 @@ impl<B: Backend> Server<B> {
                             tasks.spawn(async move {
                                 // The TLS handshake holds the pending slot and is bounded like
                                 // the AMQP handshake after it.
-                                let accept = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
                                 let limit = shared.options.handshake_timeout;
+                                let clock = shared.options.clock.clone();
+                                let accept = async move {
+                                    let mut first = [0u8; 1];
+                                    let plain = matches!(stream.peek(&mut first).await, Ok(1) if first[0] == b'A');
+                                    if plain && crate::hint::AMQP_ON_AMQPS.due(clock.now()) {
+                                        tracing::warn!(
+                                            "a plain AMQP client reached the amqps (TLS) port: remove UseDevelopmentEmulator=true from its connection string"
+                                        );
+                                    }
+                                    tokio_rustls::TlsAcceptor::from(tls).accept(stream).await
+                                };
                                 match tokio::time::timeout(limit, accept).await {
                                     Ok(Ok(tls)) => {
                                         connection::serve(tls, shared, stop, admission)

@@ -116,6 +116,15 @@ impl ServeProcess {
         self.banner.iter().find_map(|l| l.strip_prefix("connection string: "))
     }
 
+    /// The CA file of the HTTP port's development certificate, as the banner prints it for
+    /// the SDKs' administration clients (`None` without one: `--tls-cert`, `--no-dev-https`).
+    pub fn dev_ca(&self) -> Option<std::path::PathBuf> {
+        self.banner.iter().find_map(|l| {
+            let rest = l.trim_start().strip_prefix("Python: export REQUESTS_CA_BUNDLE=")?;
+            rest.split_whitespace().next().map(std::path::PathBuf::from)
+        })
+    }
+
     /// The AMQP address of the banner's first line.
     ///
     /// # Panics

@@ -1,5 +1,6 @@
 //! Tests of the `twice` binary, run as a user runs it.
 
+mod admin_sdks;
 mod data;
 mod demo;
 mod dlq;

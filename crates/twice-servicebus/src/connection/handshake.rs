@@ -48,6 +48,9 @@ pub(super) async fn refuse<B: Backend, W: AsyncWrite + Unpin>(
     .await;
 }
 
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
 /// Protocol headers and SASL. Returns the claims of the configured key SASL PLAIN
 /// authenticated with, if it did.
 pub(super) async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
@@ -105,6 +108,14 @@ pub(super) async fn handshake<B: Backend, R: AsyncRead + Unpin, W: AsyncWrite + 
         header = reader.read_protocol_header().await.map_err(|_| ())?;
     }
     if header != frame::AMQP_HEADER {
+        if header[0] == TLS_HANDSHAKE
+            && shared.options.tls.is_none()
+            && crate::hint::AMQPS_ON_PLAIN_AMQP.due(shared.options.clock.now())
+        {
+            tracing::warn!(
+                "an amqps (TLS) client reached the plain AMQP port: add UseDevelopmentEmulator=true; to its connection string, or give the server a certificate (twice serve: --tls-cert)"
+            );
+        }
         // The specification's answer to an unsupported header: ours, then close.
         let _ = wr.write_all(&frame::AMQP_HEADER).await;
         return Err(());

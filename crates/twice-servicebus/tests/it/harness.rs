@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 use twice::{Clock, ManualClock, SharedClock, SystemClock};
 use twice_broker::config::Config;
 use twice_broker::{Broker, BrokerOptions};
+use twice_servicebus::dev_tls::DevCertificate;
 use twice_servicebus::{Server, ServerOptions};
 use twice_testkit::sdk::{SdkError, Sdks};
 
@@ -50,6 +51,10 @@ pub struct TestServer {
     pub control: SocketAddr,
     pub connection_string: String,
     pub broker: Broker,
+    /// The CA of the HTTP port's development certificate (https beside http), when the server
+    /// has no certificate of its own; [`run_suite`] has the SDKs trust it.
+    pub dev_ca: Option<PathBuf>,
+    _dev_dir: Option<tempfile::TempDir>,
     /// The clock the broker and the server read; tests move it.
     pub clock: ManualClock,
     task: Option<tokio::task::JoinHandle<Result<(), twice_servicebus::ServerError>>>,
@@ -81,6 +86,17 @@ impl TestServer {
         let broker = Broker::open(broker_options.clock(shared.clone()).config(standard_config()))
             .await
             .expect("open broker");
+        // As `twice serve` does: https beside http on the HTTP port with a development
+        // certificate, unless the server has a certificate of its own.
+        let (options, dev_ca, dev_dir) = if options.is_tls() {
+            (options, None, None)
+        } else {
+            let dir = tempfile::tempdir().expect("temporary directory");
+            let names = ["localhost", "127.0.0.1", "::1"].map(str::to_owned);
+            let cert = DevCertificate::load_or_create(dir.path(), &names).expect("dev certificate");
+            let options = options.http_tls_pem(&cert.cert_pem, &cert.key_pem).expect("dev tls");
+            (options, Some(cert.ca_file), Some(dir))
+        };
         let options = options
             .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
             .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))))
@@ -100,6 +116,8 @@ impl TestServer {
             control,
             connection_string,
             broker,
+            dev_ca,
+            _dev_dir: dev_dir,
             clock,
             task: Some(task),
             stop: Some(stop),
@@ -220,6 +238,10 @@ pub async fn run_suite(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
+    if let Some(ca) = &server.dev_ca {
+        // What `twice serve` prints for the SDKs' administration clients (https only).
+        cmd.env("REQUESTS_CA_BUNDLE", ca).env("NODE_EXTRA_CA_CERTS", ca);
+    }
     let child = cmd.spawn().expect("spawn suite");
     // A second guard that needs no runtime: a thread that kills the child a little after the
     // limit, in case the runtime that drives the timeout below is stuck.

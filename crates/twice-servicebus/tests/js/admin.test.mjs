@@ -1,9 +1,8 @@
 // The administration API with the JavaScript SDK's ServiceBusAdministrationClient, configured
-// from the emulator connection string pointed at the HTTP port. The SDK's administration client
-// always speaks https (it ignores UseDevelopmentEmulator), so a pipeline policy sends its
-// requests as plain http to the same host and port (the client builds its pipeline itself, so
-// the policy is added to it rather than passed as `additionalPolicies`). A server with a
-// certificate speaks https there, and the client needs no policy (tls.test.mjs).
+// from the emulator connection string pointed at the HTTP port, and nothing else: the SDK's
+// administration client always speaks https (it ignores UseDevelopmentEmulator), and the port
+// speaks https beside http with the server's development certificate, whose CA the environment
+// trusts (NODE_EXTRA_CA_CERTS, as `twice serve` prints).
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
@@ -13,18 +12,8 @@ const httpPort = process.env.SB_HTTP.split(":").pop();
 const connStr = (key) =>
   `Endpoint=sb://localhost:${httpPort};SharedAccessKeyName=RootManageSharedAccessKey;` +
   `SharedAccessKey=${key};UseDevelopmentEmulator=true;`;
-const plainHttp = {
-  name: "plainHttp",
-  sendRequest: (request, next) => {
-    request.url = request.url.replace(/^https:/, "http:");
-    request.allowInsecureConnection = true;
-    return next(request);
-  },
-};
 function adminClient(key) {
-  const a = new ServiceBusAdministrationClient(connStr(key), { retryOptions: { maxRetries: 0 } });
-  a.pipeline.addPolicy(plainHttp, { afterPhase: "Sign" });
-  return a;
+  return new ServiceBusAdministrationClient(connStr(key), { retryOptions: { maxRetries: 0 } });
 }
 const admin = adminClient("SAS_KEY_VALUE");
 const client = new ServiceBusClient(process.env.SB_CONNECTION_STRING, {

@@ -1,9 +1,9 @@
 """The administration API with `ServiceBusAdministrationClient` (azure-servicebus 7.15).
 
-The client is configured from the emulator connection string pointed at the HTTP port. The
-SDK's administration client always speaks https (it ignores `UseDevelopmentEmulator`), so the
-transport below sends its requests as plain http to the same host and port. (A server with a
-certificate speaks https there, and the client needs no transport: `tests/python/tls`.)
+The client is configured from the emulator connection string pointed at the HTTP port, and
+nothing else: the SDK's administration client always speaks https (it ignores
+`UseDevelopmentEmulator`), and the port speaks https beside http with the server's development
+certificate, whose CA the environment trusts (`REQUESTS_CA_BUNDLE`, as `twice serve` prints).
 """
 
 import datetime
@@ -17,7 +17,6 @@ from azure.core.exceptions import (
     ResourceExistsError,
     ResourceNotFoundError,
 )
-from azure.core.pipeline.transport import RequestsTransport
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from azure.servicebus.management import (
     CorrelationRuleFilter,
@@ -25,14 +24,6 @@ from azure.servicebus.management import (
     SqlRuleAction,
     SqlRuleFilter,
 )
-
-
-class PlainHttp(RequestsTransport):
-    """Sends the SDK's https requests over plain http (the server's HTTP port has no TLS)."""
-
-    def send(self, request, **kwargs):
-        request.url = request.url.replace("https://", "http://", 1)
-        return super().send(request, **kwargs)
 
 
 def admin_conn_str(key="SAS_KEY_VALUE"):
@@ -46,7 +37,7 @@ def admin_conn_str(key="SAS_KEY_VALUE"):
 @pytest.fixture
 def admin():
     with ServiceBusAdministrationClient.from_connection_string(
-        admin_conn_str(), transport=PlainHttp(), retry_total=0
+        admin_conn_str(), retry_total=0
     ) as a:
         yield a
 
@@ -208,7 +199,7 @@ def test_sample_flow_mgmt_queue(admin):
 
 def test_a_wrong_key_is_unauthorized():
     with ServiceBusAdministrationClient.from_connection_string(
-        admin_conn_str(key="WRONG"), transport=PlainHttp(), retry_total=0
+        admin_conn_str(key="WRONG"), retry_total=0
     ) as bad:
         with pytest.raises(ClientAuthenticationError):
             bad.get_queue("q1")

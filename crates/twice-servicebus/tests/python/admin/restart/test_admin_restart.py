@@ -8,12 +8,12 @@ import os
 
 from azure.servicebus.management import ServiceBusAdministrationClient, SqlRuleFilter
 
-from test_admin import PlainHttp, admin_conn_str  # noqa: E402  (same directory's parent)
+from test_admin import admin_conn_str  # noqa: E402  (same directory's parent)
 
 
 def test_admin_entities_survive_a_restart():
     with ServiceBusAdministrationClient.from_connection_string(
-        admin_conn_str(), transport=PlainHttp(), retry_total=0
+        admin_conn_str(), retry_total=0
     ) as admin:
         if os.environ["SB_PHASE"] == "create":
             admin.create_queue("kept-q", max_delivery_count=4, lock_duration=datetime.timedelta(seconds=20))
