@@ -282,6 +282,15 @@ impl Broker {
         self.call(|reply| Command::ListEntities { reply }).await
     }
 
+    /// Empties every entity at once, for test suites: each entity is deleted with everything
+    /// it holds and made again with its definition (a topic with its subscriptions and their
+    /// rules). Active, scheduled, deferred and dead-lettered messages, locks, session states,
+    /// sequence numbers and the duplicate-detection history are gone; the entities, their
+    /// properties and rules stay. One durable commit. Returns how many entities were reset.
+    pub async fn reset(&self) -> Result<usize, Error> {
+        self.call(|reply| Command::Reset { reply }).await
+    }
+
     /// Creates the entities of a configuration that do not exist and updates those that do,
     /// all or nothing.
     pub async fn apply_config(&self, config: &Config) -> Result<(), Error> {

@@ -12,6 +12,7 @@ mod demo;
 mod dlq;
 mod health;
 mod outbox;
+mod reset;
 mod serve;
 
 /// Message handling that stays correct when the broker delivers twice.
@@ -42,6 +43,9 @@ enum Command {
     /// Ask twice serve whether it serves (`/health`): exit status 0 if so, 1 otherwise, for a
     /// container's healthcheck.
     Health(health::HealthArgs),
+    /// Empty every entity of twice serve at once (messages of every kind, locks, session
+    /// states, remembered ids), keeping the entities and their rules: for test suites.
+    Reset(reset::ResetArgs),
     /// Run the whole system in separate processes (twice serve, RabbitMQ or NATS, processors,
     /// PostgreSQL) under SIGKILLs, SIGSTOPs, broker and database restarts, and check that
     /// every acknowledged order was handled exactly once.
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
             Command::Dlq(args) => dlq::run(args).await,
             Command::Outbox(args) => outbox::run(args).await,
             Command::Health(args) => health::run(args).await,
+            Command::Reset(args) => reset::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ChaosWorker(args) => chaos::worker::run(args).await,
         }
@@ -112,7 +117,7 @@ fn init_logging(command: &Command) {
         // The watcher's warnings are what it is for.
         Command::Dlq(args) if args.is_watch() => "warn",
         // Its errors are reported on stderr, once; the client's retries are not news.
-        Command::Dlq(_) | Command::Outbox(_) | Command::Health(_) => "error",
+        Command::Dlq(_) | Command::Outbox(_) | Command::Health(_) | Command::Reset(_) => "error",
         // A processor of a chaos run meets lost connections on purpose.
         Command::Demo(_) | Command::ChaosWorker(_) => "error",
     };

@@ -358,6 +358,12 @@ pub trait Backend: Clone + Send + Sync + std::fmt::Debug + 'static {
         async { Err(BackendError::Unsupported("the administration API")) }
     }
 
+    /// Empties every entity (messages of every kind, locks, session states, remembered ids)
+    /// and keeps their definitions; returns how many entities there are.
+    fn admin_reset(&self) -> impl Future<Output = Result<usize, BackendError>> + Send {
+        async { Err(BackendError::Unsupported("the reset of every entity")) }
+    }
+
     /// Runtime counts of an entity.
     fn admin_counts(
         &self,

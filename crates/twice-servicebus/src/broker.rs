@@ -340,6 +340,10 @@ impl Backend for Broker {
         Broker::delete_entity(self, path).await.map_err(map_err)
     }
 
+    async fn admin_reset(&self) -> Result<usize, BackendError> {
+        Broker::reset(self).await.map_err(map_err)
+    }
+
     async fn admin_counts(&self, path: &str) -> Result<twice_broker::MessageCounts, BackendError> {
         Broker::counts(self, path).await.map_err(map_err)
     }

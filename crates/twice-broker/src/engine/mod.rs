@@ -510,6 +510,36 @@ impl Engine {
         Ok(())
     }
 
+    /// Empties every entity at once: each is deleted with everything it holds and made again
+    /// with its definition (a topic with its subscriptions and their rules), so active,
+    /// scheduled, deferred and dead-lettered messages, locks, session states, sequence numbers
+    /// and the duplicate-detection history are gone, and the entities and their properties
+    /// stay. One turn, so one commit. Returns how many entities there are.
+    pub(crate) fn reset(&mut self, now: Timestamp) -> Result<usize, Error> {
+        self.tick(now);
+        let entities = self.entities();
+        let mut definitions = Vec::with_capacity(entities.len());
+        for (e, _) in &entities {
+            definitions.push(self.definition(*e)?);
+        }
+        // Topics and queues first: a subscription is made after its topic.
+        definitions.sort_by_key(|d| matches!(d, EntityDefinition::Subscription { .. }));
+        for (e, _) in entities {
+            // A topic's deletion takes its subscriptions with it.
+            let top = self
+                .ent(e.slot)
+                .is_some_and(|x| x.id == e.id && !matches!(x.kind, Kind::Subscription { .. }));
+            if top {
+                self.delete_entity(now, e)?;
+            }
+        }
+        for d in &definitions {
+            let id = EntityId(self.next_entity_id);
+            self.emit_all(Record::entity_with_limits(id, d.clone(), 1))?;
+        }
+        Ok(definitions.len())
+    }
+
     /// The definition of an entity as it is now.
     pub(crate) fn definition(&self, entity: EntityRef) -> Result<EntityDefinition, Error> {
         let e = self.entity(entity)?;

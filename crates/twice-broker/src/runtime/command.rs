@@ -117,6 +117,9 @@ commands! {
         let defs = eng.entities().into_iter().filter_map(|(e, _)| eng.definition(e).ok());
         Ok(defs.collect())
     }
+    Reset {} -> usize => answer(reply) {
+        rt.engine.reset(now)
+    }
     ApplyDefinitions { definitions: Vec<EntityDefinition> } -> () => answer(reply) {
         rt.engine.apply_definitions(now, &definitions)
     }

@@ -121,3 +121,76 @@ async fn sql_rules_with_actions_give_changed_copies_that_survive_a_restart() {
     check(broker.peek("t/Subscriptions/s", SequenceNumber::new(0), 10).await.unwrap());
     broker.shutdown().await;
 }
+
+/// `reset`: every kind of message, lock, session state and remembered id is gone from every
+/// entity, in one call that a restart keeps; entities, properties and rules stay.
+#[tokio::test]
+async fn reset_empties_every_entity_and_keeps_their_definitions_across_a_restart() {
+    use std::time::Duration;
+    use twice::{DeadLetterReason, Properties};
+    use twice_broker::SendOutcome;
+
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::default();
+    let broker = open(dir.path(), &clock).await;
+    let dedup = QueueProperties::default().with_duplicate_detection(Duration::from_secs(600));
+    broker.create_queue("q", dedup).await.unwrap();
+    broker
+        .create_queue("sq", QueueProperties::default().with_requires_session(true))
+        .await
+        .unwrap();
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    let rules = vec![Rule::new("all", Filter::True)];
+    let sub = SubscriptionProperties::default();
+    broker.create_subscription_with_rules("t", "s", sub, rules.clone()).await.unwrap();
+    let before = broker.list_entities().await.unwrap();
+
+    // Active, locked, deferred, dead-lettered and scheduled messages, and a remembered id.
+    for id in ["a", "b", "c", "d", "e"] {
+        let sent = broker.send("q", Message::new(id).with_message_id(id)).await.unwrap();
+        assert!(matches!(sent, SendOutcome::Enqueued(_)));
+    }
+    let got = broker.receive("q", 3, NOW).await.unwrap();
+    broker.defer(got[0].lock_token.unwrap(), Properties::default()).await.unwrap();
+    let why = DeadLetterReason::new("test", "");
+    broker.dead_letter(got[1].lock_token.unwrap(), why, Properties::default()).await.unwrap();
+    let locked = got[2].lock_token.unwrap();
+    let later = twice::Timestamp::from_millis(i64::MAX / 2);
+    broker.schedule("q", vec![Message::new("later")], later).await.unwrap();
+    broker.send("t", Message::new("to s")).await.unwrap();
+    broker.send("sq", Message::new("x").with_session_id("s1")).await.unwrap();
+    let held = broker.accept_session("sq", &SessionId::from("s1")).await.unwrap();
+    held.set_state(Some("state".into())).await.unwrap();
+    drop(held);
+    let counts = broker.counts("q").await.unwrap();
+    assert_eq!(
+        (counts.active, counts.deferred, counts.dead_letter, counts.scheduled),
+        (3, 1, 1, 1)
+    );
+
+    assert_eq!(broker.reset().await.unwrap(), 4);
+
+    for path in ["q", "sq", "t/Subscriptions/s"] {
+        let c = broker.counts(path).await.unwrap();
+        let all = (c.active, c.locked, c.deferred, c.scheduled, c.dead_letter);
+        assert_eq!(all, (0, 0, 0, 0, 0), "{path}");
+    }
+    assert_eq!(broker.counts("t").await.unwrap().scheduled, 0);
+    assert!(broker.complete(locked).await.is_err(), "a lock from before the reset is gone");
+    assert!(broker.list_sessions("sq").await.unwrap().is_empty());
+    // The remembered id is forgotten: the same id is a new message.
+    let again = broker.send("q", Message::new("a").with_message_id("a")).await.unwrap();
+    assert!(matches!(again, SendOutcome::Enqueued(_)), "{again:?}");
+    assert_eq!(broker.get_rules("t", "s").await.unwrap(), rules);
+    assert_eq!(broker.list_entities().await.unwrap(), before);
+    broker.shutdown().await;
+
+    // A restart replays the reset.
+    let broker = open(dir.path(), &clock).await;
+    assert_eq!(broker.list_entities().await.unwrap(), before);
+    assert_eq!(broker.counts("q").await.unwrap().active, 1);
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 0);
+    let held = broker.accept_session("sq", &SessionId::from("s1")).await.unwrap();
+    assert_eq!(held.get_state().await.unwrap(), None);
+    broker.shutdown().await;
+}

@@ -321,6 +321,18 @@ impl AdminClient {
         self.request("PUT", name, Some(&body)).await.map(|_| ())
     }
 
+    /// `POST /$reset` (`twice serve`'s own): empties every entity; returns how many there are
+    /// and how long the server took.
+    pub(crate) async fn reset(&self) -> Result<(u64, f64), AdminError> {
+        let body = self.request("POST", "$reset", None).await?;
+        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
+            AdminError::Protocol { url: self.url.base(), reason: format!("reset answer: {e}") }
+        })?;
+        let entities = v.get("entities").and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let ms = v.get("elapsed_ms").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+        Ok((entities, ms))
+    }
+
     /// `GET /health`: the status code and the body (`twice serve` answers 200 while it serves
     /// and 503 with the reason once it cannot).
     pub(crate) async fn health(&self) -> Result<(u16, String), AdminError> {

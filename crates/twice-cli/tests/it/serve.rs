@@ -366,3 +366,71 @@ fn health_exits_zero_while_serve_serves_and_one_with_a_line_when_nothing_answers
     let out = health(&[], &["--url", "ftp://x"]);
     assert_eq!(out.status.code(), Some(2), "a bad URL is a usage error");
 }
+
+/// `twice reset` empties every entity of a running `twice serve` (messages, dead letters,
+/// remembered ids) and keeps the entities; a wrong key or an unreachable server is one line
+/// naming the fix, with exit status 1.
+#[test]
+fn reset_empties_every_entity_of_a_running_server() {
+    use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let serve = start(&["--in-memory", "--config", config.to_str().unwrap()]);
+    let cs = serve.connection_string().expect("connection string").to_owned();
+    let url = format!("http://{}", serve.http_addr());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = ServiceBusClient::from_connection_string(&cs).unwrap();
+    rt.block_on(async {
+        for i in 0..5 {
+            let m = twice::Message::new(format!("m{i}")).with_message_id(format!("id-{i}"));
+            client.sender("orders").send_message(m).await.unwrap();
+        }
+        client.sender("events").send_message(twice::Message::new("e")).await.unwrap();
+    });
+    let entities = serve.get("/entities");
+    assert!(entities.contains(r#""active":5"#), "{entities}");
+
+    let reset = || {
+        Command::new(env!("CARGO_BIN_EXE_twice"))
+            .arg("reset")
+            .env("TWICE_ADMIN_URL", &url)
+            .output()
+            .unwrap()
+    };
+    let out = reset();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.starts_with("reset 3 entities at "), "{stdout}");
+    let entities = serve.get("/entities");
+    assert!(
+        !entities.contains(r#""active":5"#) && !entities.contains(r#""active":1"#),
+        "{entities}"
+    );
+    for path in ["\"orders\"", "\"events\"", "events/Subscriptions/billing"] {
+        assert!(entities.contains(path), "the entities stay: {entities}");
+    }
+    // Open clients keep working, and ids sent before the reset are new again.
+    rt.block_on(async {
+        let m = twice::Message::new("again").with_message_id("id-0");
+        client.sender("orders").send_message(m).await.unwrap();
+        let receiver = client.receiver("orders", ReceiverOptions::new());
+        let got = receiver.receive_messages(10, std::time::Duration::from_secs(10)).await.unwrap();
+        let bodies: Vec<_> = got.iter().map(|d| d.message().body().to_vec()).collect();
+        assert_eq!(bodies, vec![b"again".to_vec()]);
+    });
+
+    let wrong = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["reset", "--url", &url, "--sas-key", "RootManageSharedAccessKey=wrong"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert_eq!(wrong.status.code(), Some(1), "{err}");
+    assert!(err.contains("refused the key") && err.lines().count() == 1, "{err}");
+    drop(serve);
+    let gone = reset();
+    let err = String::from_utf8_lossy(&gone.stderr);
+    assert_eq!(gone.status.code(), Some(1), "{err}");
+    assert!(err.contains("give --url or set TWICE_ADMIN_URL") && err.lines().count() == 1, "{err}");
+}

@@ -179,6 +179,8 @@ enum Target {
     Rules(String, String),
     /// `<topic>/Subscriptions/<name>/Rules/<rule>`.
     Rule(String, String, String),
+    /// `$reset`: every entity emptied (twice's own; no entity name can hold a `$`).
+    Reset,
 }
 
 impl Target {
@@ -196,6 +198,11 @@ impl Target {
                 "topics" => Some(Target::List("topics")),
                 _ => None,
             };
+        }
+        if let [only] = segments.as_slice()
+            && only.eq_ignore_ascii_case("$reset")
+        {
+            return Some(Target::Reset);
         }
         let Some(at) = segments.iter().position(|s| s.eq_ignore_ascii_case("subscriptions")) else {
             return Some(Target::Entity(segments.join("/")));
@@ -226,6 +233,8 @@ impl Target {
             Target::Subscription(t, s) => format!("{t}/subscriptions/{s}"),
             Target::Rules(t, s) => format!("{t}/subscriptions/{s}/rules"),
             Target::Rule(t, s, r) => format!("{t}/subscriptions/{s}/rules/{r}"),
+            // Only a token for the whole namespace covers it.
+            Target::Reset => "$reset".to_owned(),
         }
     }
 }
@@ -271,6 +280,7 @@ pub(crate) async fn handle<B: Backend>(
         (Target::Rule(t, s, r), "GET") => ctx.get_rule(t, s, r).await,
         (Target::Rule(t, s, r), "PUT") => ctx.put_rule(t, s, r).await,
         (Target::Rule(t, s, r), "DELETE") => ctx.delete_rule(t, s, r).await,
+        (Target::Reset, "POST") => ctx.reset().await,
         _ => Err(error(405, format!("{} is not allowed on '{}'", req.method, req.path))),
     };
     result.unwrap_or_else(|r| r)
@@ -545,6 +555,14 @@ impl<B: Backend> Ctx<'_, B> {
         self.shared.backend.admin_delete(path).await.map_err(|e| backend_error(&e))?;
         self.admin.forget(path);
         Ok(Response { status: "200 OK", content_type: ENTRY, body: String::new() })
+    }
+
+    async fn reset(&self) -> Reply {
+        let started = twice::Stopwatch::start();
+        let entities = self.shared.backend.admin_reset().await.map_err(|e| backend_error(&e))?;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let body = serde_json::json!({ "entities": entities, "elapsed_ms": elapsed_ms });
+        Ok(Response { status: "200 OK", content_type: "application/json", body: body.to_string() })
     }
 
     async fn rules(
