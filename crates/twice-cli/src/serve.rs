@@ -28,6 +28,12 @@ pub(crate) struct ServeArgs {
     /// tokens must name it in their audience (a server on loopback also takes `localhost`).
     #[arg(long, value_name = "NAME", default_value = "localhost")]
     hostname: String,
+    /// Another host name the HTTP port answers to (repeatable), besides localhost, 127.0.0.1,
+    /// ::1, --hostname and the --http address: a request naming any other in its Host header
+    /// gets 421, except /health, so a web page that rebinds its own name to this address (DNS
+    /// rebinding) reaches nothing.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    allow_hosts: Vec<String>,
     /// The HTTP address for the web console, the administration API, `/health`, `/metrics`
     /// and `/entities` (https with --tls-cert).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:5300")]
@@ -159,6 +165,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .max_frame_size(args.max_frame_size)
         .max_links_per_session(usize::try_from(args.max_links_per_session).unwrap_or(usize::MAX))
         .max_unsettled_per_link(args.max_unsettled_per_link);
+    let server_options =
+        args.allow_hosts.iter().fold(server_options, |o, name| o.allow_host(name.clone()));
     let server_options = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let read =

@@ -21,6 +21,7 @@ use crate::admin::Admin;
 use crate::backend::{Backend, EntityStats};
 use crate::hint;
 use crate::metrics::EntityCounters;
+use crate::pending::{Pending, Ticket};
 use crate::request::Request;
 use crate::shared::Shared;
 
@@ -119,44 +120,45 @@ pub(crate) async fn entities_json<B: Backend>(shared: &Shared<B>) -> String {
     serde_json::Value::Array(list).to_string()
 }
 
-/// The most HTTP connections served at once; more wait in the listen backlog.
+/// The most HTTP requests answered at once; more wait for a slot once they are received.
 pub(crate) const MAX_HTTP_CONNECTIONS: usize = 64;
+/// The most connections still sending their request (TLS handshake, head, body); past it a
+/// new connection evicts the oldest of them, so idle or slow sockets cannot lock out a real
+/// client.
+const MAX_RECEIVING: usize = 256;
 /// The largest request body accepted (an entity description is a few KiB).
 pub(crate) const MAX_BODY: usize = 1024 * 1024;
 /// The largest request head.
 const MAX_HEAD: usize = 16 * 1024;
-/// How long one connection may take, from accept to the last byte of its response.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take for each of its TLS handshake and its request.
+const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the answer may take once the request is in.
+const RESPOND_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
     let addr = listener
         .local_addr()
         .unwrap_or_else(|_| shared.options.http_addr.unwrap_or(shared.options.amqp_addr));
     let admin = Arc::new(Admin::new(shared.options.clock.now()));
-    // A connection is accepted only with a slot free: beyond the limit, clients wait in the
-    // kernel's backlog instead of each costing a task and a buffer here.
+    let receiving = Pending::new(MAX_RECEIVING);
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else { return };
         let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let shared = shared.clone();
-        let admin = admin.clone();
+        let (ticket, _) = receiving.admit();
+        let conn =
+            Conn { shared: shared.clone(), admin: admin.clone(), slots: slots.clone(), addr };
         tokio::spawn(async move {
-            let request = async {
-                let options = &shared.options;
-                // A certificate of the server's own makes the port https only; a development
-                // certificate adds https beside plain http.
-                let (tls, https_only) = match (&options.tls, &options.http_tls) {
-                    (Some(tls), _) => (Some(tls.clone()), true),
-                    (None, dev) => (dev.clone(), false),
-                };
-                serve_connection(stream, peer, tls, https_only, &shared, &admin, addr).await
+            let options = &conn.shared.options;
+            // A certificate of the server's own makes the port https only; a development
+            // certificate adds https beside plain http.
+            let (tls, https_only) = match (&options.tls, &options.http_tls) {
+                (Some(tls), _) => (Some(tls.clone()), true),
+                (None, dev) => (dev.clone(), false),
             };
-            let _ = tokio::time::timeout(REQUEST_TIMEOUT, request).await;
-            drop(slot);
+            let _ = conn.serve(stream, peer, ticket, tls, https_only).await;
         });
     }
 }
@@ -164,50 +166,216 @@ pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
 
-/// Serves one connection: TLS first when it opens with a TLS handshake and the port has a
-/// certificate, then the request. A client speaking the wrong one (TLS to a port without a
-/// certificate, plain HTTP to an https-only port) is answered or dropped with one line in the
-/// log that says what to change.
-async fn serve_connection<B: Backend>(
-    stream: TcpStream,
-    peer: SocketAddr,
-    tls: Option<Arc<rustls::ServerConfig>>,
-    https_only: bool,
-    shared: &Arc<Shared<B>>,
-    admin: &Admin,
+/// What serving one connection needs.
+struct Conn<B> {
+    shared: Arc<Shared<B>>,
+    admin: Arc<Admin>,
+    slots: Arc<Semaphore>,
     addr: SocketAddr,
-) -> std::io::Result<()> {
-    let mut first = [0u8; 1];
-    if stream.peek(&mut first).await? == 0 {
-        return Ok(());
-    }
-    match (first[0] == TLS_HANDSHAKE, tls) {
-        (true, Some(tls)) => match tokio_rustls::TlsAcceptor::from(tls).accept(stream).await {
-            Ok(stream) => http_request(stream, shared, admin, addr).await,
-            Err(e) => {
-                if hint::HTTPS_HANDSHAKE.due(shared.options.clock.now()) {
-                    tracing::warn!(%peer, error = %e, "an https client's TLS handshake on {addr} failed: does it trust the server's certificate (its CA file)?");
+}
+
+/// A received request.
+struct Received {
+    head: Head,
+    body: Vec<u8>,
+}
+
+impl<B: Backend> Conn<B> {
+    /// Serves one connection: TLS first when it opens with a TLS handshake and the port has a
+    /// certificate, then the request. A client speaking the wrong one (TLS to a port without
+    /// a certificate, plain HTTP to an https-only port) is answered or dropped with one line in
+    /// the log that says what to change. Until its request is in, the connection can be
+    /// evicted by newer ones (`ticket`).
+    async fn serve(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        mut ticket: Ticket,
+        tls: Option<Arc<rustls::ServerConfig>>,
+        https_only: bool,
+    ) -> std::io::Result<()> {
+        let (addr, now) = (self.addr, self.shared.options.clock.now());
+        let mut first = [0u8; 1];
+        let peeked = tokio::select! {
+            peeked = tokio::time::timeout(RECEIVE_TIMEOUT, stream.peek(&mut first)) => peeked,
+            () = ticket.evicted() => return Ok(()),
+        };
+        if peeked.map_err(|_| std::io::ErrorKind::TimedOut)?? == 0 {
+            return Ok(());
+        }
+        match (first[0] == TLS_HANDSHAKE, tls) {
+            (true, Some(tls)) => {
+                let accept = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
+                let accepted = tokio::select! {
+                    accepted = tokio::time::timeout(RECEIVE_TIMEOUT, accept) => accepted,
+                    () = ticket.evicted() => return Ok(()),
+                };
+                match accepted {
+                    Ok(Ok(stream)) => self.request(stream, ticket).await,
+                    Ok(Err(e)) => {
+                        if hint::HTTPS_HANDSHAKE.due(now) {
+                            tracing::warn!(%peer, error = %e, "an https client's TLS handshake on {addr} failed: does it trust the server's certificate (its CA file)?");
+                        }
+                        Ok(())
+                    }
+                    Err(_) => Ok(()),
+                }
+            }
+            (true, None) => {
+                if hint::HTTPS_ON_PLAIN_HTTP.due(now) {
+                    tracing::warn!(%peer, "an https client reached {addr}, which serves plain http only: give the server a certificate (twice serve: --tls-cert, or keep its development certificate on) or use http://");
                 }
                 Ok(())
             }
-        },
-        (true, None) => {
-            if hint::HTTPS_ON_PLAIN_HTTP.due(shared.options.clock.now()) {
-                tracing::warn!(%peer, "an https client reached {addr}, which serves plain http only: give the server a certificate (twice serve: --tls-cert, or keep its development certificate on) or use http://");
+            (false, _) if https_only => {
+                if hint::HTTP_ON_HTTPS.due(now) {
+                    tracing::warn!(%peer, "a plain http client reached {addr}, which serves https only: use https://");
+                }
+                let host = &self.shared.options.hostname;
+                let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
+                let mut stream = stream;
+                respond(&mut stream, "400 Bad Request", "text/plain", &msg).await
             }
-            Ok(())
+            (false, _) => self.request(stream, ticket).await,
         }
-        (false, _) if https_only => {
-            if hint::HTTP_ON_HTTPS.due(shared.options.clock.now()) {
-                tracing::warn!(%peer, "a plain http client reached {addr}, which serves https only: use https://");
-            }
-            let host = &shared.options.hostname;
-            let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
-            let mut stream = stream;
-            respond(&mut stream, "400 Bad Request", "text/plain", &msg).await
-        }
-        (false, _) => http_request(stream, shared, admin, addr).await,
     }
+
+    /// Receives the request (evictable, within [`RECEIVE_TIMEOUT`]), then answers it in one of
+    /// the [`MAX_HTTP_CONNECTIONS`] slots within [`RESPOND_TIMEOUT`].
+    async fn request(
+        &self,
+        mut stream: impl AsyncRead + AsyncWrite + Unpin,
+        mut ticket: Ticket,
+    ) -> std::io::Result<()> {
+        let received = tokio::select! {
+            received = tokio::time::timeout(RECEIVE_TIMEOUT, receive(&mut stream)) => received,
+            () = ticket.evicted() => return Ok(()),
+        };
+        drop(ticket);
+        let received = match received {
+            Err(_) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(Err((status, msg))))) => {
+                return respond(&mut stream, status, "text/plain", &msg).await;
+            }
+            Ok(Ok(Some(Ok(received)))) => received,
+        };
+        let Ok(_slot) = self.slots.acquire().await else { return Ok(()) };
+        tokio::time::timeout(RESPOND_TIMEOUT, self.answer(&mut stream, received))
+            .await
+            .unwrap_or(Ok(()))
+    }
+
+    async fn answer(
+        &self,
+        stream: &mut (impl AsyncWrite + Unpin),
+        Received { head, body }: Received,
+    ) -> std::io::Result<()> {
+        let (shared, addr) = (&self.shared, self.addr);
+        let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
+        let host = head.headers.iter().find(|(k, _)| k == "host").map(|(_, v)| v.as_str());
+        // `/health` answers any name (container and cluster probes use addresses); every other
+        // route only the names this server serves, so a web page that rebinds its own name to
+        // this address (DNS rebinding) reaches nothing.
+        if path != "/health"
+            && let Some(host) = host
+            && !host_allowed(&shared.options, addr, host)
+        {
+            let msg = format!(
+                "this server does not answer to the host name in '{host}': it answers to {} (twice serve: add one with --allow-host)\n",
+                allowed_hosts(&shared.options, addr).join(", ")
+            );
+            return respond(stream, "421 Misdirected Request", "text/plain", &msg).await;
+        }
+        if crate::console::owns(path) {
+            let method = head.method.as_str();
+            let req = Request { method, path, query, headers: &head.headers, body: &body };
+            let r = crate::console::handle(shared, addr, &req).await;
+            return respond_with(stream, r.status, r.content_type, &r.headers, &r.body).await;
+        }
+        let (status, content_type, body) = match (head.method.as_str(), path) {
+            ("GET", "/health") => {
+                let (status, body) = health(shared.backend.health());
+                (status, "application/json", body)
+            }
+            ("GET", "/metrics") => {
+                ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await)
+            }
+            ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
+            (method, _) => {
+                let req = Request { method, path, query, headers: &head.headers, body: &body };
+                let r = crate::admin::handle(shared, &self.admin, addr, &req).await;
+                (r.status, r.content_type, r.body)
+            }
+        };
+        respond(stream, status, content_type, &body).await
+    }
+}
+
+/// The host names the HTTP routes answer to: loopback's, the server's host name, the address
+/// it listens on (unless any), and those it was given.
+fn allowed_hosts(options: &crate::ServerOptions, addr: SocketAddr) -> Vec<String> {
+    let mut names: Vec<String> = ["localhost", "127.0.0.1", "::1"].map(str::to_owned).into();
+    let listen = (!addr.ip().is_unspecified()).then(|| addr.ip().to_string());
+    for name in std::iter::once(options.hostname.clone()).chain(listen) {
+        names.push(name.to_ascii_lowercase());
+    }
+    names.extend(options.allowed_hosts.iter().map(|h| h.to_ascii_lowercase()));
+    names.dedup();
+    names
+}
+
+/// Whether a `Host` header (`name`, `name:port`, `[v6]:port`) names this server.
+fn host_allowed(options: &crate::ServerOptions, addr: SocketAddr, host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or("", |(v6, _)| v6),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    !name.is_empty() && allowed_hosts(options, addr).contains(&name)
+}
+
+/// A client's error: its status and a line saying why.
+type Refusal = (&'static str, String);
+
+/// Reads one request: `Ok(None)` when the client went away, `Some(Err)` for a request to
+/// refuse (malformed, too large).
+async fn receive(
+    stream: &mut (impl AsyncRead + Unpin),
+) -> std::io::Result<Option<Result<Received, Refusal>>> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    let head = loop {
+        match parse_head(&buf) {
+            Ok(Some(head)) => break head,
+            Ok(None) => {}
+            Err(refusal) => return Ok(Some(Err(refusal))),
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let length = match head.content_length() {
+        Ok(n) => n,
+        Err(refusal) => return Ok(Some(Err(refusal))),
+    };
+    if length > MAX_BODY {
+        let msg = format!("a request body is at most {MAX_BODY} bytes\n");
+        return Ok(Some(Err(("413 Payload Too Large", msg))));
+    }
+    let mut body = buf.split_off(head.body_at.min(buf.len()));
+    while body.len() < length {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    Ok(Some(Ok(Received { head, body })))
 }
 
 /// A parsed request head.
@@ -221,24 +389,65 @@ struct Head {
     body_at: usize,
 }
 
-/// Parses the head of `buf` once it holds all of it (`Ok(None)` until then).
-fn parse_head(buf: &[u8]) -> Result<Option<Head>, &'static str> {
+impl Head {
+    /// The body's length, framed strictly (RFC 9112 section 6): no transfer coding, and
+    /// `Content-Length` given as digits only, once (or repeated with the same value).
+    fn content_length(&self) -> Result<usize, Refusal> {
+        let bad = |why: &str| ("400 Bad Request", format!("{why}\n"));
+        if self.headers.iter().any(|(k, _)| k == "transfer-encoding") {
+            return Err(("411 Length Required", "send a content-length\n".to_owned()));
+        }
+        let mut length = None;
+        for (_, v) in self.headers.iter().filter(|(k, _)| k == "content-length") {
+            for value in v.split(',').map(str::trim) {
+                if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad("bad content-length: digits only"));
+                }
+                let n = value.parse::<usize>().map_err(|_| bad("bad content-length"))?;
+                if length.is_some_and(|l| l != n) {
+                    return Err(bad("conflicting content-length headers"));
+                }
+                length = Some(n);
+            }
+        }
+        Ok(length.unwrap_or(0))
+    }
+}
+
+/// Whether `name` is an HTTP token (RFC 9110 section 5.6.2): a header name.
+fn is_token(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Parses the head of `buf` once it holds all of it (`Ok(None)` until then). Refuses what
+/// RFC 9112 says a server must: whitespace between a header's name and its colon, folded
+/// lines, and header lines without a colon.
+fn parse_head(buf: &[u8]) -> Result<Option<Head>, Refusal> {
+    let bad = |why: &str| ("400 Bad Request", format!("{why}\n"));
     let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
         return if buf.len() > MAX_HEAD {
-            Err("431 Request Header Fields Too Large")
+            Err(("431 Request Header Fields Too Large", String::new()))
         } else {
             Ok(None)
         };
     };
-    let head = std::str::from_utf8(&buf[..end]).map_err(|_| "400 Bad Request")?;
+    let head =
+        std::str::from_utf8(&buf[..end]).map_err(|_| bad("the request head is not UTF-8"))?;
     let mut lines = head.split("\r\n");
     let mut request_line = lines.next().unwrap_or("").split_whitespace();
     let method = request_line.next().unwrap_or("").to_owned();
     let target = request_line.next().unwrap_or("").to_owned();
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
+    let mut headers = Vec::new();
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            return Err(bad("a header line without a colon"));
+        };
+        if !is_token(name) {
+            return Err(bad("a malformed header name (no space before the colon, no folding)"));
+        }
+        headers.push((name.to_ascii_lowercase(), value.trim().to_owned()));
+    }
     Ok(Some(Head { method, target, headers, body_at: end + 4 }))
 }
 
@@ -269,80 +478,6 @@ async fn respond_with(
     response.push_str(body);
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
-}
-
-async fn http_request<B: Backend>(
-    mut stream: impl AsyncRead + AsyncWrite + Unpin,
-    shared: &Arc<Shared<B>>,
-    admin: &Admin,
-    addr: SocketAddr,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 4096];
-    let head = loop {
-        match parse_head(&buf) {
-            Ok(Some(head)) => break head,
-            Ok(None) => {}
-            Err(status) => return respond(&mut stream, status, "text/plain", "").await,
-        }
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let header = |name: &str| head.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
-    if header("transfer-encoding").is_some() {
-        return respond(
-            &mut stream,
-            "411 Length Required",
-            "text/plain",
-            "send a content-length\n",
-        )
-        .await;
-    }
-    let length = match header("content-length").map(str::parse::<usize>) {
-        None => 0,
-        Some(Ok(n)) => n,
-        Some(Err(_)) => {
-            return respond(&mut stream, "400 Bad Request", "text/plain", "bad content-length\n")
-                .await;
-        }
-    };
-    if length > MAX_BODY {
-        let msg = format!("a request body is at most {MAX_BODY} bytes\n");
-        return respond(&mut stream, "413 Payload Too Large", "text/plain", &msg).await;
-    }
-    let mut body = buf.split_off(head.body_at.min(buf.len()));
-    while body.len() < length {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
-    if crate::console::owns(path) {
-        let method = head.method.as_str();
-        let req = Request { method, path, query, headers: &head.headers, body: &body };
-        let r = crate::console::handle(shared, addr, &req).await;
-        return respond_with(&mut stream, r.status, r.content_type, &r.headers, &r.body).await;
-    }
-    let (status, content_type, body) = match (head.method.as_str(), path) {
-        ("GET", "/health") => {
-            let (status, body) = health(shared.backend.health());
-            (status, "application/json", body)
-        }
-        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await),
-        ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
-        (method, _) => {
-            let req = Request { method, path, query, headers: &head.headers, body: &body };
-            let r = crate::admin::handle(shared, admin, addr, &req).await;
-            (r.status, r.content_type, r.body)
-        }
-    };
-    respond(&mut stream, status, content_type, &body).await
 }
 
 #[cfg(test)]

@@ -101,6 +101,7 @@ mod ids;
 pub mod metrics;
 mod mgmt;
 mod options;
+mod pending;
 mod request;
 mod server;
 mod shared;

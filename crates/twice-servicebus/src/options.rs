@@ -26,6 +26,7 @@ pub struct ServerOptions {
     pub(crate) max_bytes_in_flight: usize,
     pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
+    pub(crate) allowed_hosts: Vec<String>,
     pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
     pub(crate) http_tls: Option<Arc<rustls::ServerConfig>>,
     pub(crate) clock: SharedClock,
@@ -49,6 +50,7 @@ impl Default for ServerOptions {
             max_bytes_in_flight: 16 * 1024 * 1024,
             write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
+            allowed_hosts: Vec::new(),
             tls: None,
             http_tls: None,
             clock: SharedClock::system(),
@@ -102,8 +104,9 @@ impl ServerOptions {
     }
 
     /// The most connections that may be in their handshake (protocol headers, SASL and `open`)
-    /// at once, apart from [`max_connections`](Self::max_connections); more are dropped
-    /// unanswered.
+    /// at once, apart from [`max_connections`](Self::max_connections); past it, a new
+    /// connection evicts the oldest one still in its handshake, so idle or slow sockets cannot
+    /// lock out a real client.
     #[must_use]
     pub fn max_pending_connections(mut self, n: usize) -> Self {
         self.max_pending_connections = n.max(1);
@@ -174,6 +177,15 @@ impl ServerOptions {
     #[must_use]
     pub fn hostname(mut self, h: impl Into<String>) -> Self {
         self.hostname = h.into();
+        self
+    }
+
+    /// Another host name the HTTP routes answer to, besides loopback's, the host name and the
+    /// HTTP address: a request naming any other in its `Host` header (a web page that rebound
+    /// its own name to this address) gets 421, except `/health`.
+    #[must_use]
+    pub fn allow_host(mut self, name: impl Into<String>) -> Self {
+        self.allowed_hosts.push(name.into());
         self
     }
 

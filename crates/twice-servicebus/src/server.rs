@@ -106,7 +106,7 @@ impl<B: Backend> Server<B> {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let slots = Arc::new(Semaphore::new(self.shared.options.max_connections));
-        let pending = Arc::new(Semaphore::new(self.shared.options.max_pending_connections));
+        let pending = crate::pending::Pending::new(self.shared.options.max_pending_connections);
         let mut tasks = JoinSet::new();
         if let Some(listener) = self.http {
             let shared = self.shared.clone();
@@ -146,19 +146,21 @@ impl<B: Backend> Server<B> {
                         tracing::warn!(failures = accept_failures, "accepting connections again");
                         accept_failures = 0;
                     }
-                    // A connection in its handshake holds a pending slot, not a connection
-                    // slot: half-open sockets cannot lock out real clients, and past the
-                    // pending limit a flood is dropped unanswered.
-                    let Ok(handshake) = pending.clone().try_acquire_owned() else {
-                        tracing::debug!("connection dropped: too many connections in their handshake");
-                        continue;
-                    };
+                    // A connection in its handshake holds a pending place, not a connection
+                    // slot; past the pending limit a new connection evicts the oldest one
+                    // still in its handshake, so idle or slow sockets cannot lock out a real
+                    // client (which is through in milliseconds).
+                    let (mut handshake, evicted) = pending.admit();
+                    if evicted {
+                        tracing::debug!("too many connections in their handshake: the oldest is dropped");
+                    }
                     let _ = stream.set_nodelay(true);
                     let shared = self.shared.clone();
                     let stop = stop_rx.clone();
-                    let admission = Admission { handshake, slots: slots.clone() };
+                    let slots = slots.clone();
                     match shared.options.tls.clone() {
                         None => {
+                            let admission = Admission { handshake, slots };
                             tasks.spawn(connection::serve(stream, shared, stop, admission));
                         }
                         Some(tls) => {
@@ -177,7 +179,12 @@ impl<B: Backend> Server<B> {
                                     }
                                     tokio_rustls::TlsAcceptor::from(tls).accept(stream).await
                                 };
-                                match tokio::time::timeout(limit, accept).await {
+                                let accepted = tokio::select! {
+                                    accepted = tokio::time::timeout(limit, accept) => accepted,
+                                    () = handshake.evicted() => return,
+                                };
+                                let admission = Admission { handshake, slots };
+                                match accepted {
                                     Ok(Ok(tls)) => {
                                         connection::serve(tls, shared, stop, admission)
                                             .await;

@@ -414,7 +414,7 @@ impl Watch {
     fn scrape(&self) -> String {
         use std::io::Write as _;
         let mut conn = std::net::TcpStream::connect(&self.metrics).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
         let mut response = String::new();
         conn.read_to_string(&mut response).unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");

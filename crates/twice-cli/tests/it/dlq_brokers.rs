@@ -216,7 +216,7 @@ async fn dlq_watch_on_nats_logs_a_rise_with_its_reason() {
     }
     let scrape = || {
         let mut conn = std::net::TcpStream::connect(metrics.as_deref().unwrap()).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
         let mut response = String::new();
         conn.read_to_string(&mut response).unwrap();
         response

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::backend::{Backend, BackendSession};
 use crate::conditions::{self as cond, backend_error, session_lock_lost};
@@ -112,7 +112,7 @@ struct Conn<B: Backend> {
 /// What a connection needs to be let in: the pending slot it holds during its handshake, and
 /// the connection slots it takes one of once it has sent `open`.
 pub(crate) struct Admission {
-    pub(crate) handshake: OwnedSemaphorePermit,
+    pub(crate) handshake: crate::pending::Ticket,
     pub(crate) slots: Arc<Semaphore>,
 }
 
@@ -139,7 +139,7 @@ pub(crate) async fn serve<B, IO>(
     io: IO,
     shared: Arc<Shared<B>>,
     mut shutdown: watch::Receiver<bool>,
-    admission: Admission,
+    mut admission: Admission,
 ) where
     B: Backend,
     IO: AsyncRead + AsyncWrite + Unpin + Send,
@@ -153,11 +153,17 @@ pub(crate) async fn serve<B, IO>(
         let first = reader.read_frame().await.map_err(|_| ())?;
         Ok::<_, ()>((sasl_ok, first))
     };
-    let (sasl_ok, first) =
-        match tokio::time::timeout(shared.options.handshake_timeout, opening).await {
+    let opening = tokio::time::timeout(shared.options.handshake_timeout, opening);
+    let (sasl_ok, first) = tokio::select! {
+        opened = opening => match opened {
             Ok(Ok(opened)) => opened,
             Ok(Err(())) | Err(_) => return,
-        };
+        },
+        () = admission.handshake.evicted() => {
+            tracing::debug!("connection dropped in its handshake: newer ones need its place");
+            return;
+        }
+    };
     let Ok(_slot) = admission.slots.try_acquire_owned() else {
         tracing::warn!("connection refused: the connection limit is reached");
         drop(admission.handshake);

@@ -100,7 +100,7 @@ async fn admin_requests_need_a_valid_token_and_health_stays_open() {
     let server = TestServer::start().await;
     let (status, _) = raw(&server, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert_eq!(status, "HTTP/1.1 200 OK");
-    let (status, body) = raw(&server, b"GET /q1 HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    let (status, body) = raw(&server, b"GET /q1 HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(status, "HTTP/1.1 401 Unauthorized");
     assert!(body.contains("<Code>401</Code>"), "{body}");
     let bad = token(&server, "WRONG");
@@ -142,26 +142,4 @@ async fn bad_bodies_get_400_and_large_ones_413() {
     let req = format!("GET /newq HTTP/1.1\r\nauthorization: {good}\r\n\r\n");
     let (status, _) = raw(&server, req.as_bytes()).await;
     assert_eq!(status, "HTTP/1.1 404 Not Found");
-}
-
-/// Beyond 64 connections at once, a client waits in the backlog: it is served when another
-/// connection ends, not before.
-#[tokio::test]
-async fn http_connections_beyond_the_limit_wait_for_a_free_slot() {
-    let server = TestServer::start().await;
-    let mut idle = Vec::new();
-    for _ in 0..64 {
-        idle.push(tokio::net::TcpStream::connect(server.http).await.unwrap());
-    }
-    let mut late = tokio::net::TcpStream::connect(server.http).await.unwrap();
-    late.write_all(b"GET /health HTTP/1.1\r\n\r\n").await.unwrap();
-    let mut buf = vec![0u8; 1024];
-    let early = tokio::time::timeout(Duration::from_millis(500), late.read(&mut buf)).await;
-    assert!(early.is_err(), "the 65th connection was served while 64 were open");
-    drop(idle.pop());
-    let n = tokio::time::timeout(Duration::from_secs(5), late.read(&mut buf))
-        .await
-        .expect("served once a slot is free")
-        .unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200 OK"));
 }

@@ -111,7 +111,9 @@ pub(crate) fn mgmt_request(operation: &str, body: Value) -> Vec<u8> {
 /// `GET path` on the server's HTTP port; returns the body.
 pub(crate) async fn http_get(addr: SocketAddr, path: &str) -> String {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
     let mut response = String::new();
     s.read_to_string(&mut response).await.unwrap();
     response
@@ -272,6 +274,30 @@ async fn half_open_connections_do_not_lock_out_real_clients() {
         idle.push(s);
     }
     // A real client still gets in.
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("s", 0, false, "q1", 0).await;
+    drop(idle);
+}
+
+/// More idle sockets in their handshake than the server keeps (256): each new connection
+/// evicts the oldest, so a real client still gets in.
+#[tokio::test]
+async fn idle_sockets_beyond_the_handshake_places_do_not_lock_out_a_real_client() {
+    let server = TestServer::start().await;
+    let mut idle = Vec::new();
+    let mut answered = 0;
+    for _ in 0..300 {
+        let mut s = TcpStream::connect(server.addr).await.unwrap();
+        // The header is answered once the server has taken the connection in; then it waits
+        // for `open`, which never comes.
+        s.write_all(&frame::AMQP_HEADER).await.unwrap();
+        let mut header = [0u8; 8];
+        if s.read_exact(&mut header).await.is_ok() {
+            answered += 1;
+        }
+        idle.push(s);
+    }
+    assert_eq!(answered, 300, "each was taken in, evicting the oldest");
     let mut c = Raw::open(server.addr, 65536).await;
     c.attach("s", 0, false, "q1", 0).await;
     drop(idle);

@@ -13,6 +13,7 @@ mod fuzz_conn;
 mod gated;
 mod harness;
 mod hostile;
+mod http_hostile;
 mod js_sdk;
 mod logs;
 mod python_sdk;
