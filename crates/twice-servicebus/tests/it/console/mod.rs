@@ -331,7 +331,7 @@ async fn cross_site_posts_and_foreign_hosts_are_refused() {
     // A page whose own name now points here (DNS rebinding) cannot read even the counts.
     let rebound = [("host", "evil.example:5300")];
     let r = request(server.http, "GET", "/$console/api/entities", &rebound, "").await;
-    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(r.status, 421, "the HTTP port's host check: {}", r.body);
     assert_eq!(counts(server.http, "q6").await, (0, 1), "nothing changed");
     // The same request from the console's own origin goes through.
     let r = request(server.http, "POST", path, &post_json(&auth, &origin), &body).await;
