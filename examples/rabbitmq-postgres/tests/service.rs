@@ -192,7 +192,16 @@ impl Service {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
         assert!(sent.success(), "sending SIGTERM");
-        let status = self.child.wait().expect("wait for the service");
+        // A bound, so that a service that ignores the signal fails the test instead of hanging.
+        let clock = SharedClock::system();
+        let until = clock.now() + DEADLINE;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait for the service") {
+                break status;
+            }
+            assert!(clock.now() < until, "the service did not stop within {DEADLINE:?} of SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
         let rest = self.lines.iter().collect::<Vec<_>>().join("\n");
         Stopped { status, rest }
     }
