@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use twice::SharedClock;
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
@@ -251,43 +251,26 @@ fn entity<'a>(entities: &'a [serde_json::Value], path: &str) -> &'a serde_json::
 }
 
 /// The `twice` binary that `cargo test --workspace` builds beside this test, or why there is
-/// none to use: missing (this package tested alone), or older than the sources it is built from.
+/// none to use: missing (this package tested alone), or older than a source it is built from.
 fn twice_binary() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // target/<profile>/deps/service-<hash> → target/<profile>/twice
     let profile = exe.parent().and_then(Path::parent).ok_or("no target profile directory")?;
     let binary = profile.join("twice");
-    let built = std::fs::metadata(&binary).and_then(|m| m.modified()).map_err(|e| {
-        format!("{}: {e}; build it with `cargo build -p twice-cli`", binary.display())
-    })?;
-    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates");
-    match newest_source(&crates) {
-        Some(newest) if newest > built => Err(format!(
-            "{} is older than the sources; build it again with `cargo build -p twice-cli`",
-            binary.display()
-        )),
-        _ => Ok(binary),
-    }
-}
-
-/// The newest modification time among the sources and manifests of the crates the `twice`
-/// binary is built from (every crate but the test kit).
-fn newest_source(crates: &Path) -> Option<SystemTime> {
-    fn walk(path: &Path, newest: &mut Option<SystemTime>) {
-        if path.is_dir() {
-            for entry in std::fs::read_dir(path).into_iter().flatten().flatten() {
-                walk(&entry.path(), newest);
-            }
-        } else if let Ok(t) = std::fs::metadata(path).and_then(|m| m.modified()) {
-            *newest = (*newest).max(Some(t));
+    let rebuild = "build it with `cargo build -p twice-cli`";
+    let built = std::fs::metadata(&binary)
+        .and_then(|m| m.modified())
+        .map_err(|e| format!("{}: {e}; {rebuild}", binary.display()))?;
+    // Cargo's dep-info beside the binary lists every file it was built from.
+    let dep_info = profile.join("twice.d");
+    let sources = std::fs::read_to_string(&dep_info)
+        .map_err(|e| format!("{}: {e}; {rebuild}", dep_info.display()))?;
+    let (_, sources) = sources.split_once(": ").unwrap_or_default();
+    for source in sources.split_whitespace() {
+        let changed = std::fs::metadata(source).and_then(|m| m.modified());
+        if changed.is_ok_and(|changed| changed > built) {
+            return Err(format!("{} is older than {source}; {rebuild}", binary.display()));
         }
     }
-    let mut newest = None;
-    for krate in std::fs::read_dir(crates).into_iter().flatten().flatten() {
-        if krate.file_name() != "twice-testkit" {
-            walk(&krate.path().join("src"), &mut newest);
-            walk(&krate.path().join("Cargo.toml"), &mut newest);
-        }
-    }
-    newest
+    Ok(binary)
 }
