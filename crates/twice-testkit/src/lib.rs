@@ -13,6 +13,9 @@
 //! - [`rabbitmq`]: a RabbitMQ queue per test, deleted on drop.
 //! - [`nats`]: a NATS JetStream stream per test, deleted on drop.
 //! - [`tls`]: a CA and a `localhost` certificate made for the test.
+//!
+//! Its doc tests also compile the Rust snippets of the repository's `README.md`
+//! (`cargo test -p twice-testkit --doc`), so what a reader copies builds.
 
 pub mod conformance;
 pub mod db;
@@ -23,6 +26,11 @@ pub mod rabbitmq;
 pub mod sdk;
 pub mod serve;
 pub mod tls;
+
+/// The repository's README, whose Rust snippets are compiled here as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
 
 /// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
 /// runtime; failures are printed, since a leftover test queue or stream is harmless.
