@@ -540,3 +540,17 @@ async fn purge_deletes_what_it_counted_even_when_its_first_receive_finds_nothing
     assert!(out.contains("deleted 1 message"), "{out}");
     assert_eq!(s.counts("held"), [0, 0, 0, 0]);
 }
+
+#[test]
+fn watch_names_metrics_when_its_port_is_in_use() {
+    let s = Serve::start();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let err = failed(&s.dlq(&["watch", "--interval", "1s", "--metrics", &addr]));
+    assert_eq!(
+        err,
+        format!(
+            "error: --metrics {addr} is in use (Address already in use); choose another port with --metrics"
+        )
+    );
+}

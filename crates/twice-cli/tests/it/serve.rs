@@ -366,3 +366,38 @@ fn health_exits_zero_while_serve_serves_and_one_with_a_line_when_nothing_answers
     let out = health(&[], &["--url", "ftp://x"]);
     assert_eq!(out.status.code(), Some(2), "a bad URL is a usage error");
 }
+
+/// Runs `twice ARGS` to its end; returns its exit status and stderr.
+fn run_twice(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).trim().to_owned())
+}
+
+#[test]
+fn a_port_in_use_names_its_flag_with_the_cause_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+
+    let (status, stderr) = run_twice(&["serve", "--in-memory", "--no-http", "--amqp", &addr]);
+    assert!(!status.success());
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --amqp {addr} is in use (Address already in use); choose another port with --amqp"
+        )
+    );
+
+    let (status, stderr) =
+        run_twice(&["serve", "--in-memory", "--amqp", "127.0.0.1:0", "--http", &addr]);
+    assert!(!status.success());
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --http {addr} is in use (Address already in use); choose another port with --http"
+        )
+    );
+}
