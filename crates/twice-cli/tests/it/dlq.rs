@@ -554,3 +554,27 @@ fn watch_names_metrics_when_its_port_is_in_use() {
         )
     );
 }
+
+/// A connection string without `UseDevelopmentEmulator=true` asks for TLS: against the plain
+/// server, amqp (`show`) and the administration API over https (`list`) each name the flag
+/// to add, not a CA file.
+#[test]
+fn a_plain_server_asked_for_tls_is_told_to_add_the_emulator_flag() {
+    let s = Serve::start();
+    let tls = s.connection_string.replace("UseDevelopmentEmulator=true;", "");
+    assert_ne!(tls, s.connection_string);
+    let err = failed(&s.dlq_with(&tls, &["show", "orders"]));
+    assert!(err.contains("add UseDevelopmentEmulator=true; to the connection string"), "{err}");
+    assert!(!err.contains("--ca-file"), "{err}");
+
+    let https = s.admin_url.replace("http://", "https://");
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["dlq", "list", "--admin-url", &https])
+        .env("TWICE_CONNECTION_STRING", &tls)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = failed(&out);
+    assert!(err.contains("does not answer TLS"), "{err}");
+    assert!(err.contains("UseDevelopmentEmulator=true;") && !err.contains("--ca-file"), "{err}");
+}
