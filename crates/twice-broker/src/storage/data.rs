@@ -105,8 +105,34 @@ pub struct CheckReport {
     pub missing_segment: Option<u64>,
     /// The entities of the state the log replays to (up to the first damage).
     pub entities: Vec<EntityReport>,
-    /// Whether a broker would open it.
+    /// Whether a broker would open it (once no broker holds it).
     pub verdict: Verdict,
+    /// A running broker holds the directory: the log was read as that broker had written it
+    /// so far.
+    pub in_use: Option<InUse>,
+}
+
+/// A running broker holds the data directory's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InUse {
+    /// The holder's process id, as it wrote it in the lock file.
+    pub pid: Option<u32>,
+}
+
+/// Whether a running broker holds `dir`'s lock. The lock is tried and at once released; a
+/// directory without a lock file has never been opened by a broker. Nothing is created.
+fn in_use(dir: &Path) -> Option<InUse> {
+    let path = dir.join("LOCK");
+    let file = std::fs::File::open(&path).ok()?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+            let pid = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse().ok());
+            Some(InUse { pid })
+        }
+        // Taken (and released with the file), or not lockable at all: no broker holds it.
+        _ => None,
+    }
 }
 
 /// A log read as far as it can be, with its state replayed up to the first damage.
@@ -281,7 +307,7 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
     Ok(Salvage {
         engine,
         files,
-        report: CheckReport { segments, missing_segment, entities, verdict },
+        report: CheckReport { segments, missing_segment, entities, verdict, in_use: None },
     })
 }
 
@@ -292,10 +318,12 @@ fn engine_location(loc: Location) -> Result<engine::Location, Error> {
 }
 
 /// Reads every segment of the data directory in `dir`: what each holds, where it is damaged,
-/// the entities and counts of the state it replays to, and whether a broker would open it.
-/// Changes nothing.
+/// the entities and counts of the state it replays to, whether a broker would open it, and
+/// whether a running broker holds it now (then the log is read as that broker had written it
+/// so far). Changes nothing.
 pub fn check(dir: &Path) -> Result<CheckReport, Error> {
-    salvage(dir).map(|s| s.report)
+    let in_use = in_use(dir);
+    salvage(dir).map(|s| CheckReport { in_use, ..s.report })
 }
 
 /// What cutting the log at a point loses, from [`plan_repair`].

@@ -164,3 +164,29 @@ fn bad_cuts_and_unknown_entities_are_clear_errors() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("nope"), "{}", text(&out.stderr));
 }
+
+/// While `twice serve` holds the directory, `data check` says so, with its process id, and
+/// does not claim a broker would open the directory now.
+#[test]
+fn check_names_the_running_broker_that_holds_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let serve = twice_testkit::serve::ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &["--data-dir", data, "--no-http"],
+    );
+    let out = twice_data(&["check", data]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains(&format!("a running broker holds this directory (pid {})", serve.id())),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("the broker opens this directory"), "{stdout}");
+    drop(serve);
+    // Once it has stopped, the directory is the broker's to open again.
+    let out = twice_data(&["check", data]);
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("a running broker holds"), "{stdout}");
+    assert!(stdout.contains("the broker opens this directory"), "{stdout}");
+}
