@@ -578,3 +578,49 @@ fn a_plain_server_asked_for_tls_is_told_to_add_the_emulator_flag() {
     assert!(err.contains("does not answer TLS"), "{err}");
     assert!(err.contains("UseDevelopmentEmulator=true;") && !err.contains("--ca-file"), "{err}");
 }
+
+/// `twice dlq export` (from the running server) and `twice data export` (from its data
+/// directory once stopped) write the same dead-lettered message as the same JSON object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_export_and_data_export_write_one_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let data = dir.path().join("data");
+    let process = ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &["--config", config.to_str().unwrap(), "--data-dir", data.to_str().unwrap()],
+    );
+    let connection_string = process.connection_string().unwrap().to_owned();
+    let client = ServiceBusClient::from_connection_string(&connection_string).unwrap();
+    let mut message = Message::new("shape").with_message_id("id-shape").with_subject("s");
+    message.application_properties.insert("tenant".into(), twice::Value::from("t1"));
+    client.sender("orders").send_message(message).await.unwrap();
+    let receiver = client.receiver("orders", ReceiverOptions::new());
+    let d = receiver.receive_messages(1, WAIT).await.unwrap().pop().expect("the message");
+    receiver.dead_letter_message(&d, DeadLetterReason::new("Poison", "it failed")).await.unwrap();
+    receiver.close().await;
+    client.close().await;
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["dlq", "export", "orders", "--admin-url", &process.http_url()])
+        .env("TWICE_CONNECTION_STRING", &connection_string)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let from_dlq = json_lines(&ok(&out));
+    assert!(process.terminate().status.success());
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["data", "export", data.to_str().unwrap(), "--entity", "orders/$DeadLetterQueue"])
+        .output()
+        .unwrap();
+    let from_data = json_lines(&ok(&out));
+    assert_eq!(from_dlq.len(), 1);
+    assert_eq!(from_data.len(), 1);
+    let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&from_dlq[0]), keys(&from_data[0]));
+    assert_eq!(from_dlq[0], from_data[0]);
+    assert_eq!(from_dlq[0]["body"], "shape");
+    assert_eq!(from_dlq[0]["dead_letter_reason"], "Poison");
+    assert_eq!(from_dlq[0]["properties"]["tenant"], "t1");
+}
