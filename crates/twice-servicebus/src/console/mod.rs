@@ -177,7 +177,9 @@ impl From<BackendError> for ApiError {
             BackendError::QuotaExceeded(_)
             | BackendError::MessageSizeExceeded(_)
             | BackendError::AlreadyExists(_) => ApiError::Conflict(e.to_string()),
-            BackendError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
+            BackendError::Unavailable(_) | BackendError::StorageFailed(_) => {
+                ApiError::Unavailable(e.to_string())
+            }
             _ => ApiError::Internal(e.to_string()),
         }
     }
