@@ -45,7 +45,7 @@ pub(crate) fn bind_error(flag: &str, addr: SocketAddr, e: &std::io::Error) -> an
         anyhow::anyhow!("{flag} {addr} is in use ({cause}); choose another port with {flag}")
     } else {
         anyhow::anyhow!(
-            "{flag} {addr} cannot be listened on ({cause}); choose another address with {flag}"
+            "{flag} {addr} cannot be bound ({cause}); choose another address with {flag}"
         )
     }
 }

@@ -200,7 +200,7 @@ where
             Ok(counts) => counts,
             Err(e) => {
                 lock(&state).read_errors += 1;
-                tracing::error!(error = %format!("{e:#}"), "reading the dead-letter counts failed; trying again");
+                tracing::error!(error = %crate::errors::render(&e), "reading the dead-letter counts failed; trying again");
                 continue;
             }
         };
