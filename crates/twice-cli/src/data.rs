@@ -140,7 +140,17 @@ fn check(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
         );
     }
     println!();
+    if let Some(held) = report.in_use {
+        let pid = held.pid.map_or_else(String::new, |pid| format!(" (pid {pid})"));
+        println!(
+            "a running broker holds this directory{pid}: what is above is its log as written so far, and another broker cannot open it until that one stops"
+        );
+    }
     match report.verdict {
+        Verdict::Opens if report.in_use.is_some() => {
+            println!("the log as read now is sound: a broker opens it once the running one stops");
+            Ok(ExitCode::SUCCESS)
+        }
         Verdict::Opens => {
             println!("the broker opens this directory");
             Ok(ExitCode::SUCCESS)

@@ -51,6 +51,10 @@ pub(crate) async fn run(args: HealthArgs) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::FAILURE)
         }
+        Err(AdminError::NotTls { url }) => {
+            eprintln!("unhealthy: {url} does not answer TLS: give its http:// address with --url");
+            Ok(ExitCode::FAILURE)
+        }
         Err(e) => {
             eprintln!("unhealthy: {e}");
             Ok(ExitCode::FAILURE)

@@ -10,6 +10,7 @@ mod chaos;
 mod data;
 mod demo;
 mod dlq;
+mod errors;
 mod health;
 mod outbox;
 mod reset;
@@ -83,7 +84,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", errors::render(&e));
             if let Some(hint) = hint_for(&e).filter(|_| hints) {
                 eprintln!("hint: {hint}");
             }
@@ -94,7 +95,7 @@ fn main() -> ExitCode {
 
 /// A hint for errors a user can fix.
 fn hint_for(e: &anyhow::Error) -> Option<String> {
-    let text = format!("{e:#}");
+    let text = errors::render(e);
     if text.contains("postgres://") || text.contains("mysql://") || text.contains("sqlite:") {
         return Some("check that the database server is running and the URL is right".into());
     }

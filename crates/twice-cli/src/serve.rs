@@ -10,7 +10,7 @@ use twice_broker::config::Config;
 use twice_broker::{Broker, BrokerOptions};
 use twice_servicebus::dev_tls::DevCertificate;
 use twice_servicebus::sas::{Claims, Keys};
-use twice_servicebus::{Server, ServerOptions};
+use twice_servicebus::{Server, ServerError, ServerOptions};
 
 /// Options of `twice serve`.
 #[derive(Debug, clap::Args)]
@@ -202,7 +202,15 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     } else {
         (server_options, None)
     };
-    let server = Server::bind(server_options, broker.clone()).await?;
+    let server = match Server::bind(server_options, broker.clone()).await {
+        Ok(server) => server,
+        // The AMQP port is bound first: an address both flags give is --amqp's.
+        Err(ServerError::Bind { addr, source, .. }) => {
+            let flag = if addr == args.amqp { "--amqp" } else { "--http" };
+            return Err(crate::errors::bind_error(flag, addr, &source));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let storage = if args.in_memory {
         "in memory (nothing is kept)".to_owned()
     } else {

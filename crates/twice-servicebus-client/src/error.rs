@@ -53,6 +53,13 @@ pub enum Error {
     /// TLS could not be set up (bad certificate, bad configuration).
     #[error("tls: {0}")]
     Tls(String),
+    /// The peer answered the TLS handshake with something other than TLS: it serves plain
+    /// AMQP (the emulator, or `twice serve` without a certificate).
+    #[error("{addr} does not speak TLS: it answered the TLS handshake with plain AMQP")]
+    NotTls {
+        /// The host and port.
+        addr: String,
+    },
     /// The peer did not speak AMQP 1.0 as expected during the handshake.
     #[error("amqp handshake failed: {0}")]
     Handshake(String),

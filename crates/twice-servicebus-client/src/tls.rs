@@ -76,7 +76,7 @@ pub(crate) async fn connect(
         .await
         .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
     // Settlements and requests are small frames; waiting to batch them only adds latency.
-    tcp.set_nodelay(true).map_err(|source| Error::Connect { addr, source })?;
+    tcp.set_nodelay(true).map_err(|source| Error::Connect { addr: addr.clone(), source })?;
     let Some(tls) = tls else {
         return Engine::start(tcp, host).await;
     };
@@ -91,6 +91,17 @@ pub(crate) async fn connect(
     let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, tcp)
         .await
-        .map_err(|e| Error::Tls(e.to_string()))?;
+        .map_err(|e| handshake_error(&e, &addr))?;
     Engine::start(stream, host).await
+}
+
+/// A failed TLS handshake: [`Error::NotTls`] when the peer's answer was not TLS at all (a
+/// plain AMQP server answers the client hello with its protocol header, `AMQP…`, which rustls
+/// reads as a record of an invalid content type), [`Error::Tls`] otherwise (a certificate the
+/// client does not trust, a protocol version it refuses).
+fn handshake_error(e: &std::io::Error, addr: &str) -> Error {
+    match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::InvalidMessage(_)) => Error::NotTls { addr: addr.to_owned() },
+        _ => Error::Tls(e.to_string()),
+    }
 }

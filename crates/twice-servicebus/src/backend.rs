@@ -102,6 +102,10 @@ pub enum BackendError {
     /// The broker is shutting down or failed.
     #[error("the broker is unavailable: {0}")]
     Unavailable(String),
+    /// A write or fsync of the broker's storage failed (a full disk, an I/O error): it
+    /// accepts nothing more until restarted.
+    #[error("the broker cannot serve until restarted: storage failed: {0}")]
+    StorageFailed(String),
 }
 
 /// A locked session, held by one receiver link.

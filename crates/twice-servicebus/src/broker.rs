@@ -29,6 +29,17 @@ pub async fn serve(
     Server::bind(options, broker).await?.run(shutdown).await
 }
 
+/// A broker refusal as the backend's error. A broker whose storage failed stops taking
+/// commands: what then finds it closed is told the storage failure, not that it is closed.
+fn refusal(broker: &Broker, e: Error) -> BackendError {
+    match (e, broker.health()) {
+        (Error::Closed, twice_broker::Health::StorageFailed(reason)) => {
+            BackendError::StorageFailed(reason)
+        }
+        (e, _) => map_err(e),
+    }
+}
+
 fn map_err(e: Error) -> BackendError {
     match e {
         Error::MessageLockLost => BackendError::LockLost,
@@ -45,7 +56,8 @@ fn map_err(e: Error) -> BackendError {
         )),
         Error::NotSupported(what) => BackendError::Unsupported(what),
         Error::Closed => BackendError::Unavailable("the broker is closed".to_owned()),
-        e @ (Error::Io(_) | Error::Corrupt(_) | Error::CorruptLog { .. }) => {
+        Error::Io(io) => BackendError::StorageFailed(io.to_string()),
+        e @ (Error::Corrupt(_) | Error::CorruptLog { .. }) => {
             BackendError::Unavailable(e.to_string())
         }
         other => BackendError::Invalid(other.to_string()),
@@ -77,7 +89,7 @@ async fn complete_many(
     }
     let mut out = Vec::with_capacity(locks.len());
     for lock in locks {
-        out.push(broker.complete_in(entity, &[lock]).await.map_err(map_err));
+        out.push(broker.complete_in(entity, &[lock]).await.map_err(|e| refusal(broker, e)));
     }
     out
 }
@@ -94,7 +106,7 @@ async fn take_deferred(
     let mut out = Vec::with_capacity(got.len());
     for mut m in got {
         if let Some(lock) = m.lock_token.take() {
-            broker.complete(lock).await.map_err(map_err)?;
+            broker.complete(lock).await.map_err(|e| refusal(broker, e))?;
         }
         m.locked_until = None;
         out.push(m);
@@ -110,7 +122,9 @@ async fn schedule_batch(
     at: Option<Timestamp>,
 ) -> Result<Vec<SequenceNumber>, BackendError> {
     match at {
-        Some(at) => Broker::schedule(broker, entity, messages, at).await.map_err(map_err),
+        Some(at) => {
+            Broker::schedule(broker, entity, messages, at).await.map_err(|e| refusal(broker, e))
+        }
         None => Backend::send(broker, entity, messages).await,
     }
 }
@@ -170,7 +184,7 @@ impl Backend for Broker {
         entity: &str,
         messages: Vec<Message>,
     ) -> Result<Vec<SequenceNumber>, BackendError> {
-        let outcomes = self.send_batch(entity, messages).await.map_err(map_err)?;
+        let outcomes = self.send_batch(entity, messages).await.map_err(|e| refusal(self, e))?;
         // A duplicate has no number of its own; it is reported as 0, which no message has.
         Ok(outcomes.iter().map(|o| o.sequence_number().unwrap_or(SequenceNumber::new(0))).collect())
     }
@@ -205,7 +219,9 @@ impl Backend for Broker {
         entity: &str,
         sequence_numbers: Vec<SequenceNumber>,
     ) -> Result<(), BackendError> {
-        Broker::cancel_scheduled(self, entity, &sequence_numbers).await.map_err(map_err)
+        Broker::cancel_scheduled(self, entity, &sequence_numbers)
+            .await
+            .map_err(|e| refusal(self, e))
     }
 
     async fn receive(
@@ -220,7 +236,7 @@ impl Backend for Broker {
             tokio::time::sleep(max_wait).await;
             return Ok(Vec::new());
         }
-        self.receive_with(entity, mode, max, max_wait).await.map_err(map_err)
+        self.receive_with(entity, mode, max, max_wait).await.map_err(|e| refusal(self, e))
     }
 
     async fn receive_deferred(
@@ -232,8 +248,9 @@ impl Backend for Broker {
         if let (true, Some(s)) = (is_transfer_dead_letter(entity), sequence_numbers.first()) {
             return Err(BackendError::MessageNotFound(s.get().to_string()));
         }
-        let got =
-            Broker::receive_deferred(self, entity, &sequence_numbers).await.map_err(map_err)?;
+        let got = Broker::receive_deferred(self, entity, &sequence_numbers)
+            .await
+            .map_err(|e| refusal(self, e))?;
         take_deferred(self, mode, got).await
     }
 
@@ -246,7 +263,7 @@ impl Backend for Broker {
         if is_transfer_dead_letter(entity) {
             return Err(BackendError::LockLost);
         }
-        self.settle_in(entity, lock, how).await.map_err(map_err)
+        self.settle_in(entity, lock, how).await.map_err(|e| refusal(self, e))
     }
 
     async fn complete_many(
@@ -264,7 +281,7 @@ impl Backend for Broker {
         if is_transfer_dead_letter(entity) {
             return Err(BackendError::LockLost);
         }
-        Broker::renew_lock_in(self, entity, lock).await.map_err(map_err)
+        Broker::renew_lock_in(self, entity, lock).await.map_err(|e| refusal(self, e))
     }
 
     async fn peek(
@@ -281,7 +298,7 @@ impl Backend for Broker {
             Some(s) => self.peek_session(entity, &s, from, max).await,
             None => Broker::peek(self, entity, from, max).await,
         }
-        .map_err(map_err)
+        .map_err(|e| refusal(self, e))
     }
 
     async fn accept_session(
@@ -291,8 +308,12 @@ impl Backend for Broker {
         max_wait: Duration,
     ) -> Result<Option<BrokerSession>, BackendError> {
         let accepted = match session {
-            Some(id) => Some(Broker::accept_session(self, entity, &id).await.map_err(map_err)?),
-            None => self.accept_next_session(entity, max_wait).await.map_err(map_err)?,
+            Some(id) => Some(
+                Broker::accept_session(self, entity, &id).await.map_err(|e| refusal(self, e))?,
+            ),
+            None => {
+                self.accept_next_session(entity, max_wait).await.map_err(|e| refusal(self, e))?
+            }
         };
         Ok(accepted.map(|s| BrokerSession {
             broker: self.clone(),
@@ -309,20 +330,20 @@ impl Backend for Broker {
         skip: usize,
         top: usize,
     ) -> Result<Vec<SessionId>, BackendError> {
-        let all = Broker::list_sessions(self, entity).await.map_err(map_err)?;
+        let all = Broker::list_sessions(self, entity).await.map_err(|e| refusal(self, e))?;
         Ok(all.into_iter().skip(skip).take(top).collect())
     }
 
     async fn admin_get(&self, path: &str) -> Result<EntityDefinition, BackendError> {
-        Broker::get_entity(self, path).await.map_err(map_err)
+        Broker::get_entity(self, path).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_list(&self) -> Result<Vec<EntityDefinition>, BackendError> {
-        Broker::list_entities(self).await.map_err(map_err)
+        Broker::list_entities(self).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_create(&self, definition: EntityDefinition) -> Result<(), BackendError> {
-        Broker::create_entity(self, definition).await.map_err(map_err)
+        Broker::create_entity(self, definition).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_update(&self, definition: EntityDefinition) -> Result<(), BackendError> {
@@ -333,11 +354,11 @@ impl Backend for Broker {
             }
             other => Broker::update_entity(self, other).await,
         }
-        .map_err(map_err)
+        .map_err(|e| refusal(self, e))
     }
 
     async fn admin_delete(&self, path: &str) -> Result<(), BackendError> {
-        Broker::delete_entity(self, path).await.map_err(map_err)
+        Broker::delete_entity(self, path).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_reset(&self) -> Result<usize, BackendError> {
@@ -345,7 +366,7 @@ impl Backend for Broker {
     }
 
     async fn admin_counts(&self, path: &str) -> Result<twice_broker::MessageCounts, BackendError> {
-        Broker::counts(self, path).await.map_err(map_err)
+        Broker::counts(self, path).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_create_rule(
@@ -354,7 +375,7 @@ impl Backend for Broker {
         subscription: &str,
         rule: Rule,
     ) -> Result<(), BackendError> {
-        Broker::create_rule(self, topic, subscription, rule).await.map_err(map_err)
+        Broker::create_rule(self, topic, subscription, rule).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_replace_rule(
@@ -373,7 +394,7 @@ impl Backend for Broker {
         )
         .path();
         let EntityDefinition::Subscription { topic, name, properties, mut rules } =
-            Broker::get_entity(self, &path).await.map_err(map_err)?
+            Broker::get_entity(self, &path).await.map_err(|e| refusal(self, e))?
         else {
             return Err(BackendError::EntityNotFound(path));
         };
@@ -383,7 +404,7 @@ impl Backend for Broker {
         *slot = rule;
         Broker::update_entity(self, EntityDefinition::subscription(topic, name, properties, rules))
             .await
-            .map_err(map_err)
+            .map_err(|e| refusal(self, e))
     }
 
     async fn admin_delete_rule(
@@ -392,22 +413,22 @@ impl Backend for Broker {
         subscription: &str,
         rule: &str,
     ) -> Result<(), BackendError> {
-        Broker::delete_rule(self, topic, subscription, rule).await.map_err(map_err)
+        Broker::delete_rule(self, topic, subscription, rule).await.map_err(|e| refusal(self, e))
     }
 
     async fn add_rule(&self, subscription: &str, rule: Rule) -> Result<(), BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
-        self.create_rule(topic, sub, rule).await.map_err(map_err)
+        self.create_rule(topic, sub, rule).await.map_err(|e| refusal(self, e))
     }
 
     async fn remove_rule(&self, subscription: &str, name: &str) -> Result<(), BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
-        self.delete_rule(topic, sub, name).await.map_err(map_err)
+        self.delete_rule(topic, sub, name).await.map_err(|e| refusal(self, e))
     }
 
     async fn rules(&self, subscription: &str) -> Result<Vec<Rule>, BackendError> {
         let (topic, sub) = split_subscription(subscription)?;
-        self.get_rules(topic, sub).await.map_err(map_err)
+        self.get_rules(topic, sub).await.map_err(|e| refusal(self, e))
     }
 }
 
@@ -441,7 +462,7 @@ impl BackendSession for BrokerSession {
     ) -> Result<Vec<ReceivedMessage>, BackendError> {
         let guard = self.inner.read().await;
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-        s.receive_with(mode, max, max_wait).await.map_err(map_err)
+        s.receive_with(mode, max, max_wait).await.map_err(|e| refusal(&self.broker, e))
     }
 
     async fn receive_deferred(
@@ -452,7 +473,7 @@ impl BackendSession for BrokerSession {
         let got = {
             let guard = self.inner.read().await;
             let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-            s.receive_deferred(&sequence_numbers).await.map_err(map_err)?
+            s.receive_deferred(&sequence_numbers).await.map_err(|e| refusal(&self.broker, e))?
         };
         take_deferred(&self.broker, mode, got).await
     }
@@ -461,7 +482,7 @@ impl BackendSession for BrokerSession {
         if self.inner.read().await.is_none() {
             return Err(BackendError::SessionLockLost);
         }
-        self.broker.settle_in(&self.entity, lock, how).await.map_err(map_err)
+        self.broker.settle_in(&self.entity, lock, how).await.map_err(|e| refusal(&self.broker, e))
     }
 
     async fn complete_many(&self, locks: Vec<LockToken>) -> Vec<Result<(), BackendError>> {
@@ -476,13 +497,13 @@ impl BackendSession for BrokerSession {
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
         // An empty receive by sequence number checks the lock on the broker's clock (expiring
         // it if its time has come) and takes nothing.
-        s.receive_deferred(&[]).await.map(drop).map_err(map_err)
+        s.receive_deferred(&[]).await.map(drop).map_err(|e| refusal(&self.broker, e))
     }
 
     async fn renew(&self) -> Result<Timestamp, BackendError> {
         let guard = self.inner.read().await;
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-        let until = s.renew_session_lock().await.map_err(map_err)?;
+        let until = s.renew_session_lock().await.map_err(|e| refusal(&self.broker, e))?;
         self.locked_until.store(until.as_millis(), std::sync::atomic::Ordering::Relaxed);
         Ok(until)
     }
@@ -490,13 +511,13 @@ impl BackendSession for BrokerSession {
     async fn get_state(&self) -> Result<Option<Bytes>, BackendError> {
         let guard = self.inner.read().await;
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-        s.get_state().await.map_err(map_err)
+        s.get_state().await.map_err(|e| refusal(&self.broker, e))
     }
 
     async fn set_state(&self, state: Option<Bytes>) -> Result<(), BackendError> {
         let guard = self.inner.read().await;
         let s = guard.as_ref().ok_or(BackendError::SessionLockLost)?;
-        s.set_state(state).await.map_err(map_err)
+        s.set_state(state).await.map_err(|e| refusal(&self.broker, e))
     }
 
     async fn close(&self) {

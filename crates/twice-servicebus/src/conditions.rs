@@ -51,12 +51,21 @@ pub(crate) fn of_backend(e: &BackendError) -> &'static str {
         BackendError::MessageSizeExceeded(_) => MESSAGE_SIZE,
         BackendError::Unsupported(_) => NOT_IMPLEMENTED,
         BackendError::Unavailable(_) => INTERNAL,
+        // A full disk is a quota of the namespace: the SDKs raise their quota-exceeded error,
+        // with the reason in the description.
+        BackendError::StorageFailed(_) => RESOURCE_LIMIT,
     }
 }
 
 /// The AMQP error for a broker refusal.
 pub(crate) fn backend_error(e: &BackendError) -> AmqpError {
     AmqpError::new(of_backend(e), e.to_string())
+}
+
+/// The error for an attach the broker cannot answer because it cannot serve (its storage
+/// failed): `reason` is the one `/health` gives.
+pub(crate) fn unavailable(reason: &str) -> AmqpError {
+    AmqpError::new(RESOURCE_LIMIT, format!("the broker cannot serve until restarted: {reason}"))
 }
 
 /// The canonical not-found error (JS matches the description's wording).

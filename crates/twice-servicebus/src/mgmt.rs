@@ -144,7 +144,7 @@ impl Status {
             BackendError::QuotaExceeded(_) => 403,
             BackendError::Invalid(_) | BackendError::MessageSizeExceeded(_) => 400,
             BackendError::Unsupported(_) => 501,
-            BackendError::Unavailable(_) => 503,
+            BackendError::Unavailable(_) | BackendError::StorageFailed(_) => 503,
         };
         let err = backend_error(e);
         let condition = cond::of_backend(e);

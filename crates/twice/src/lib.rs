@@ -140,6 +140,7 @@ pub mod clock;
 pub mod counters;
 pub mod dead_letter_reasons;
 pub mod error;
+pub mod export;
 pub mod handler;
 pub mod health;
 pub mod idempotency;

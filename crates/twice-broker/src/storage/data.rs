@@ -105,8 +105,34 @@ pub struct CheckReport {
     pub missing_segment: Option<u64>,
     /// The entities of the state the log replays to (up to the first damage).
     pub entities: Vec<EntityReport>,
-    /// Whether a broker would open it.
+    /// Whether a broker would open it (once no broker holds it).
     pub verdict: Verdict,
+    /// A running broker holds the directory: the log was read as that broker had written it
+    /// so far.
+    pub in_use: Option<InUse>,
+}
+
+/// A running broker holds the data directory's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InUse {
+    /// The holder's process id, as it wrote it in the lock file.
+    pub pid: Option<u32>,
+}
+
+/// Whether a running broker holds `dir`'s lock. The lock is tried and at once released; a
+/// directory without a lock file has never been opened by a broker. Nothing is created.
+fn in_use(dir: &Path) -> Option<InUse> {
+    let path = dir.join("LOCK");
+    let file = std::fs::File::open(&path).ok()?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+            let pid = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse().ok());
+            Some(InUse { pid })
+        }
+        // Taken (and released with the file), or not lockable at all: no broker holds it.
+        _ => None,
+    }
 }
 
 /// A log read as far as it can be, with its state replayed up to the first damage.
@@ -281,7 +307,7 @@ fn salvage(dir: &Path) -> Result<Salvage, Error> {
     Ok(Salvage {
         engine,
         files,
-        report: CheckReport { segments, missing_segment, entities, verdict },
+        report: CheckReport { segments, missing_segment, entities, verdict, in_use: None },
     })
 }
 
@@ -292,10 +318,12 @@ fn engine_location(loc: Location) -> Result<engine::Location, Error> {
 }
 
 /// Reads every segment of the data directory in `dir`: what each holds, where it is damaged,
-/// the entities and counts of the state it replays to, and whether a broker would open it.
-/// Changes nothing.
+/// the entities and counts of the state it replays to, whether a broker would open it, and
+/// whether a running broker holds it now (then the log is read as that broker had written it
+/// so far). Changes nothing.
 pub fn check(dir: &Path) -> Result<CheckReport, Error> {
-    salvage(dir).map(|s| s.report)
+    let in_use = in_use(dir);
+    salvage(dir).map(|s| CheckReport { in_use, ..s.report })
 }
 
 /// What cutting the log at a point loses, from [`plan_repair`].
@@ -390,8 +418,9 @@ pub fn repair(dir: &Path, plan: &RepairPlan) -> Result<(), Error> {
 /// sequence-number order, from the state the log replays to up to its first damage. Returns
 /// how many were written. Changes nothing in the directory.
 ///
-/// Each line is the message as [`twice::ReceivedMessage`] serializes it, with its body as a
-/// string: the text itself when it is UTF-8 (`"body_encoding": "utf8"`), else base64.
+/// Each line is the message as [`twice::export::to_json`] writes it (the shape `twice dlq
+/// export` writes too), with its body as a string: the text itself when it is UTF-8
+/// (`"body_encoding": "utf8"`), else base64.
 pub fn export(dir: &Path, entity: &str, out: &mut dyn Write) -> Result<u64, Error> {
     let s = salvage(dir)?;
     let e = s.engine.resolve(entity)?;
@@ -436,49 +465,7 @@ pub fn export(dir: &Path, entity: &str, out: &mut dyn Write) -> Result<u64, Erro
 }
 
 fn json_line(m: &twice::ReceivedMessage) -> Result<String, Error> {
-    let mut v = serde_json::to_value(m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-    let (body, encoding) = match std::str::from_utf8(&m.message.body) {
-        Ok(text) => (text.to_owned(), "utf8"),
-        Err(_) => (base64(&m.message.body), "base64"),
-    };
-    if let Some(msg) = v.get_mut("message").and_then(|x| x.as_object_mut()) {
-        msg.insert("body".to_owned(), serde_json::Value::String(body));
-        msg.insert("body_encoding".to_owned(), serde_json::Value::String(encoding.to_owned()));
-    }
-    let mut line = v.to_string();
+    let mut line = twice::export::to_json(m).to_string();
     line.push('\n');
     Ok(line)
-}
-
-/// Standard base64 with padding.
-fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for chunk in data.chunks(3) {
-        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::base64;
-
-    #[test]
-    fn base64_matches_the_standard() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foo"), "Zm9v");
-        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
-        assert_eq!(base64(&[0xff, 0x00, 0x80]), "/wCA");
-    }
 }

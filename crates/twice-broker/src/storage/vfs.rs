@@ -153,7 +153,17 @@ impl Vfs for RealFs {
             .write(true)
             .open(dir.join("LOCK"))?;
         match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => Ok(Some(Box::new(f))),
+            Ok(()) => {
+                // The holder's process id, for `twice data check` to name: only a hint (the
+                // lock is what counts), so a failure to write it changes nothing.
+                let _ = f.set_len(0).and_then(|()| {
+                    std::io::Write::write_all(
+                        &mut &f,
+                        format!("{}\n", std::process::id()).as_bytes(),
+                    )
+                });
+                Ok(Some(Box::new(f)))
+            }
             Err(e) if e == rustix::io::Errno::WOULDBLOCK => Ok(None),
             Err(e) => Err(e.into()),
         }

@@ -50,7 +50,7 @@ impl Publish for DemoPublisher {
             Err(e) => Err(match e.downcast::<TransportError>() {
                 Ok(e) => e,
                 Err(e) => TransportError::Other {
-                    message: format!("{e:#}"),
+                    message: crate::errors::render(&e),
                     transient: true,
                     source: None,
                 },

@@ -43,6 +43,10 @@ pub(crate) enum AdminError {
         "the administration API at {url} has a certificate this machine does not trust: {reason} ({UNTRUSTED_HINT})"
     )]
     Untrusted { url: String, reason: String },
+    #[error(
+        "the administration API at {url} does not answer TLS: give its http:// address with --admin-url or TWICE_ADMIN_URL, or add UseDevelopmentEmulator=true; to the connection string"
+    )]
+    NotTls { url: String },
     #[error("the administration API at {url} did not answer HTTP: {reason}")]
     Protocol { url: String, reason: String },
 }
@@ -135,6 +139,9 @@ pub(crate) struct Dedup {
 const UNTRUSTED_HINT: &str =
     "a certificate signed by a CA of your own: give --ca-file with that CA";
 
+/// What to do about a server that speaks plain AMQP to a connection string that asks for TLS.
+pub(crate) const PLAIN_AMQP_HINT: &str = "the server speaks plain AMQP, without TLS: add UseDevelopmentEmulator=true; to the connection string";
+
 /// The CA certificates of `--ca-file`, trusted for amqps and for the administration API over
 /// https instead of the public roots.
 #[derive(Clone, Debug)]
@@ -174,11 +181,16 @@ impl Ca {
 
     /// What to add to the message of client error `e`: how to trust the server, when `e` is a
     /// TLS failure and no CA was given.
+    /// A server that answers without TLS is told apart from one whose certificate is not
+    /// trusted: it serves plain AMQP, which the connection string asks for with the emulator
+    /// flag.
     pub(crate) fn hint(ca: Option<&Self>, e: &twice_servicebus_client::Error) -> String {
-        if ca.is_none() && matches!(e, twice_servicebus_client::Error::Tls(_)) {
-            format!(" ({UNTRUSTED_HINT})")
-        } else {
-            String::new()
+        match e {
+            twice_servicebus_client::Error::NotTls { .. } => format!(" ({PLAIN_AMQP_HINT})"),
+            twice_servicebus_client::Error::Tls(_) if ca.is_none() => {
+                format!(" ({UNTRUSTED_HINT})")
+            }
+            _ => String::new(),
         }
     }
 }
@@ -415,6 +427,15 @@ impl AdminClient {
             .map_err(|e| match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
                 Some(rustls::Error::InvalidCertificate(reason)) => {
                     AdminError::Untrusted { url: self.url.base(), reason: format!("{reason:?}") }
+                }
+                // A plain HTTP server answers the client hello with `HTTP/1.1 400`, or closes
+                // the connection without a word (twice serve, once it gives up waiting for a
+                // request line).
+                Some(rustls::Error::InvalidMessage(_)) => {
+                    AdminError::NotTls { url: self.url.base() }
+                }
+                None if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    AdminError::NotTls { url: self.url.base() }
                 }
                 _ => self.unreachable(format!("tls: {e}")),
             })?;

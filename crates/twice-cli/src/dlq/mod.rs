@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use twice::export::DEAD_LETTER_PROPERTIES;
 use twice::{Message, MessageId, ReceivedMessage, SequenceNumber, Timestamp, Value};
 use twice_servicebus_client::{
     ConnectionString, ReceiveMode, Receiver, ReceiverOptions, ServiceBusClient,
@@ -34,8 +35,6 @@ const CONNECTION_STRING_VAR: &str = "TWICE_CONNECTION_STRING";
 const PEEK_PAGE: u32 = 100;
 /// How long a receive waits for the next message before the queue counts as drained.
 const DRAIN_WAIT: Duration = Duration::from_secs(3);
-/// Application properties the service adds when it dead-letters; a resubmitted copy drops them.
-const DEAD_LETTER_PROPERTIES: [&str; 2] = ["DeadLetterReason", "DeadLetterErrorDescription"];
 
 /// Options of `twice dlq`.
 #[derive(Debug, clap::Args)]
@@ -438,33 +437,7 @@ fn preview(body: &[u8]) -> String {
 }
 
 fn value_json(v: &Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::Null => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Ubyte(n) => J::from(*n),
-        Value::Ushort(n) => J::from(*n),
-        Value::Uint(n) => J::from(*n),
-        Value::Ulong(n) => J::from(*n),
-        Value::Byte(n) => J::from(*n),
-        Value::Short(n) => J::from(*n),
-        Value::Int(n) => J::from(*n),
-        Value::Long(n) => J::from(*n),
-        Value::Float(f) => J::from(f64::from(*f)),
-        Value::Double(f) => J::from(*f),
-        Value::Char(c) => J::String(c.to_string()),
-        Value::Timestamp(t) => J::String(t.to_string()),
-        Value::Uuid(u) => J::String(u.to_string()),
-        Value::Binary(b) => J::String(base64_encode(b)),
-        Value::String(s) | Value::Symbol(s) => J::String(s.clone()),
-        #[allow(unreachable_patterns, reason = "Value may grow variants")]
-        other => J::String(format!("{other:?}")),
-    }
-}
-
-fn base64_encode(b: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(b)
+    twice::export::value_json(v)
 }
 
 /// The application properties, without the two the service adds on dead-lettering when
@@ -480,32 +453,14 @@ fn properties_json(m: &ReceivedMessage, without_reason: bool) -> serde_json::Val
     serde_json::Value::Object(map)
 }
 
-/// A message as one JSON object: with its whole body (`body`, or `body_base64` when it is not
-/// UTF-8) for an export, with a preview otherwise.
+/// A message as one JSON object: for an export, as `twice data export` writes it
+/// ([`twice::export::to_json`]); with a preview of its body instead otherwise.
 fn to_json(m: &ReceivedMessage, whole_body: bool) -> serde_json::Value {
-    let msg = &m.message;
-    let mut o = serde_json::json!({
-        "sequence_number": m.sequence_number.get(),
-        "message_id": msg.message_id.as_ref().map(MessageId::as_str),
-        "dead_letter_reason": m.dead_letter_reason,
-        "dead_letter_description": m.dead_letter_error_description,
-        "dead_letter_source": m.dead_letter_source,
-        "delivery_count": m.delivery_count,
-        "enqueued_time": m.enqueued_time.to_string(),
-        "session_id": msg.session_id.as_ref().map(|s| s.as_str().to_owned()),
-        "correlation_id": msg.correlation_id,
-        "subject": msg.subject,
-        "content_type": msg.content_type,
-        "properties": properties_json(m, true),
-    });
-    if let Some(map) = o.as_object_mut() {
-        if !whole_body {
-            map.insert("body_preview".into(), preview(&msg.body).into());
-        } else if let Ok(text) = std::str::from_utf8(&msg.body) {
-            map.insert("body".into(), text.into());
-        } else {
-            map.insert("body_base64".into(), base64_encode(&msg.body).into());
-        }
+    let mut o = twice::export::to_json(m);
+    if let (false, Some(map)) = (whole_body, o.as_object_mut()) {
+        map.remove("body");
+        map.remove("body_encoding");
+        map.insert("body_preview".into(), preview(&m.message.body).into());
     }
     o
 }

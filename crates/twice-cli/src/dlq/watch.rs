@@ -14,7 +14,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use twice::SequenceNumber;
@@ -184,8 +183,9 @@ where
     let first = read().await?;
     lock(&state).update(&first, true);
     if let Some(addr) = args.metrics {
-        let listener =
-            TcpListener::bind(addr).await.with_context(|| format!("listening on {addr}"))?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| crate::errors::bind_error("--metrics", addr, &e))?;
         println!("metrics: http://{}/metrics", listener.local_addr()?);
         tokio::spawn(serve_metrics(listener, Arc::clone(&state)));
     }
@@ -200,7 +200,7 @@ where
             Ok(counts) => counts,
             Err(e) => {
                 lock(&state).read_errors += 1;
-                tracing::error!(error = %format!("{e:#}"), "reading the dead-letter counts failed; trying again");
+                tracing::error!(error = %crate::errors::render(&e), "reading the dead-letter counts failed; trying again");
                 continue;
             }
         };

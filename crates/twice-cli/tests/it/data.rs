@@ -106,10 +106,10 @@ async fn a_damaged_closed_segment_is_reported_exported_from_and_cut_where_the_op
         text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(!lines.is_empty() && lines.len() < 60, "{} messages exported", lines.len());
     for (i, m) in lines.iter().enumerate() {
-        assert_eq!(m["message"]["message_id"], format!("m{i:03}"));
-        let body = m["message"]["body"].as_str().unwrap();
+        assert_eq!(m["message_id"], format!("m{i:03}"));
+        let body = m["body"].as_str().unwrap();
         assert!(body.starts_with(&format!("order {i:03} ")), "{body}");
-        assert_eq!(m["message"]["body_encoding"], "utf8");
+        assert_eq!(m["body_encoding"], "utf8");
     }
 
     // A dry run says what a cut at the damage loses, and changes nothing.
@@ -163,4 +163,30 @@ fn bad_cuts_and_unknown_entities_are_clear_errors() {
     let out = twice_data(&["export", d, "--entity", "nope"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("nope"), "{}", text(&out.stderr));
+}
+
+/// While `twice serve` holds the directory, `data check` says so, with its process id, and
+/// does not claim a broker would open the directory now.
+#[test]
+fn check_names_the_running_broker_that_holds_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let serve = twice_testkit::serve::ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &["--data-dir", data, "--no-http"],
+    );
+    let out = twice_data(&["check", data]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains(&format!("a running broker holds this directory (pid {})", serve.id())),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("the broker opens this directory"), "{stdout}");
+    drop(serve);
+    // Once it has stopped, the directory is the broker's to open again.
+    let out = twice_data(&["check", data]);
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("a running broker holds"), "{stdout}");
+    assert!(stdout.contains("the broker opens this directory"), "{stdout}");
 }

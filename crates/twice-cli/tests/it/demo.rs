@@ -359,3 +359,28 @@ fn demo_over_tls_trusts_the_ca_given_with_ca_file() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--ca-file applies to a Service Bus connection string"), "{stderr}");
 }
+
+/// A connection string without `UseDevelopmentEmulator=true` asks for TLS; against a plain
+/// `twice serve` the demo stops at once with the fix (the flag), not the advice for a
+/// certificate.
+#[test]
+fn demo_against_a_plain_server_without_the_emulator_flag_names_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let serve = ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &["--sas-key", "demo=c2VjcmV0LWRlbW8ta2V5", "--data-dir", data.to_str().unwrap()],
+    );
+    let port = serve.amqp_addr().port();
+    let cs = format!(
+        "Endpoint=sb://localhost:{port};SharedAccessKeyName=demo;SharedAccessKey=c2VjcmV0LWRlbW8ta2V5"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["demo", "--orders", "5", "--broker", &cs, "--admin-url", &serve.http_url()])
+        .output()
+        .expect("running the twice binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("add UseDevelopmentEmulator=true;"), "{stderr}");
+    assert!(!stderr.contains("--ca-file"), "{stderr}");
+}

@@ -540,3 +540,87 @@ async fn purge_deletes_what_it_counted_even_when_its_first_receive_finds_nothing
     assert!(out.contains("deleted 1 message"), "{out}");
     assert_eq!(s.counts("held"), [0, 0, 0, 0]);
 }
+
+#[test]
+fn watch_names_metrics_when_its_port_is_in_use() {
+    let s = Serve::start();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let err = failed(&s.dlq(&["watch", "--interval", "1s", "--metrics", &addr]));
+    assert_eq!(
+        err,
+        format!(
+            "error: --metrics {addr} is in use (Address already in use); choose another port with --metrics"
+        )
+    );
+}
+
+/// A connection string without `UseDevelopmentEmulator=true` asks for TLS: against the plain
+/// server, amqp (`show`) and the administration API over https (`list`) each name the flag
+/// to add, not a CA file.
+#[test]
+fn a_plain_server_asked_for_tls_is_told_to_add_the_emulator_flag() {
+    let s = Serve::start();
+    let tls = s.connection_string.replace("UseDevelopmentEmulator=true;", "");
+    assert_ne!(tls, s.connection_string);
+    let err = failed(&s.dlq_with(&tls, &["show", "orders"]));
+    assert!(err.contains("add UseDevelopmentEmulator=true; to the connection string"), "{err}");
+    assert!(!err.contains("--ca-file"), "{err}");
+
+    let https = s.admin_url.replace("http://", "https://");
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["dlq", "list", "--admin-url", &https])
+        .env("TWICE_CONNECTION_STRING", &tls)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = failed(&out);
+    assert!(err.contains("does not answer TLS"), "{err}");
+    assert!(err.contains("UseDevelopmentEmulator=true;") && !err.contains("--ca-file"), "{err}");
+}
+
+/// `twice dlq export` (from the running server) and `twice data export` (from its data
+/// directory once stopped) write the same dead-lettered message as the same JSON object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_export_and_data_export_write_one_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let data = dir.path().join("data");
+    let process = ServeProcess::start(
+        env!("CARGO_BIN_EXE_twice"),
+        &["--config", config.to_str().unwrap(), "--data-dir", data.to_str().unwrap()],
+    );
+    let connection_string = process.connection_string().unwrap().to_owned();
+    let client = ServiceBusClient::from_connection_string(&connection_string).unwrap();
+    let mut message = Message::new("shape").with_message_id("id-shape").with_subject("s");
+    message.application_properties.insert("tenant".into(), twice::Value::from("t1"));
+    client.sender("orders").send_message(message).await.unwrap();
+    let receiver = client.receiver("orders", ReceiverOptions::new());
+    let d = receiver.receive_messages(1, WAIT).await.unwrap().pop().expect("the message");
+    receiver.dead_letter_message(&d, DeadLetterReason::new("Poison", "it failed")).await.unwrap();
+    receiver.close().await;
+    client.close().await;
+
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["dlq", "export", "orders", "--admin-url", &process.http_url()])
+        .env("TWICE_CONNECTION_STRING", &connection_string)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let from_dlq = json_lines(&ok(&out));
+    assert!(process.terminate().status.success());
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(["data", "export", data.to_str().unwrap(), "--entity", "orders/$DeadLetterQueue"])
+        .output()
+        .unwrap();
+    let from_data = json_lines(&ok(&out));
+    assert_eq!(from_dlq.len(), 1);
+    assert_eq!(from_data.len(), 1);
+    let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&from_dlq[0]), keys(&from_data[0]));
+    assert_eq!(from_dlq[0], from_data[0]);
+    assert_eq!(from_dlq[0]["body"], "shape");
+    assert_eq!(from_dlq[0]["dead_letter_reason"], "Poison");
+    assert_eq!(from_dlq[0]["properties"]["tenant"], "t1");
+}

@@ -5,5 +5,6 @@ mod data;
 mod demo;
 mod dlq;
 mod dlq_brokers;
+mod errors;
 mod outbox;
 mod serve;

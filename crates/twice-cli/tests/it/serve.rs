@@ -434,3 +434,110 @@ fn reset_empties_every_entity_of_a_running_server() {
     assert_eq!(gone.status.code(), Some(1), "{err}");
     assert!(err.contains("give --url or set TWICE_ADMIN_URL") && err.lines().count() == 1, "{err}");
 }
+
+/// Runs `twice ARGS` to its end; returns its exit status and stderr.
+fn run_twice(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).trim().to_owned())
+}
+
+#[test]
+fn a_port_in_use_names_its_flag_with_the_cause_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+
+    let (status, stderr) = run_twice(&["serve", "--in-memory", "--no-http", "--amqp", &addr]);
+    assert!(!status.success());
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --amqp {addr} is in use (Address already in use); choose another port with --amqp"
+        )
+    );
+
+    let (status, stderr) =
+        run_twice(&["serve", "--in-memory", "--amqp", "127.0.0.1:0", "--http", &addr]);
+    assert!(!status.success());
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --http {addr} is in use (Address already in use); choose another port with --http"
+        )
+    );
+}
+
+/// A broker whose log cannot be written (here a file-size limit, `ulimit -f`, makes every
+/// write past it fail as a full disk does) tells the clients why: a send and a new attach get
+/// `amqp:resource-limit-exceeded` with the reason (the SDKs' quota error), never "not found";
+/// `/health` and the administration API answer 503 with it.
+#[test]
+fn a_storage_failure_is_told_to_clients_as_a_quota_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("Config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let data = dir.path().join("data");
+    let mut command = Command::new("sh");
+    // Writes past the limit fail with EFBIG instead of killing the process (SIGXFSZ ignored).
+    command.args([
+        "-c",
+        "trap '' XFSZ && ulimit -f 1024 && exec \"$0\" \"$@\"",
+        env!("CARGO_BIN_EXE_twice"),
+    ]);
+    let serve = ServeProcess::start_command(
+        command,
+        &["--config", config.to_str().unwrap(), "--data-dir", data.to_str().unwrap()],
+    );
+    let cs = serve.connection_string().expect("connection string").to_owned();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client =
+            twice_servicebus_client::ServiceBusClient::from_connection_string(&cs).unwrap();
+        let sender = client.sender("orders");
+        let body = "x".repeat(200 * 1024);
+        let mut failure = None;
+        // The limit (at most 1 MiB) is reached within a few 200 KiB messages.
+        for _ in 0..40 {
+            if let Err(e) = sender.send_message(twice::Message::new(body.clone())).await {
+                failure = Some(e);
+                break;
+            }
+        }
+        let e = failure.expect("a send fails once the log cannot grow");
+        assert_eq!(e.condition(), Some("amqp:resource-limit-exceeded"), "{e}");
+        assert!(e.to_string().contains("storage failed"), "{e}");
+        assert!(!e.is_not_found(), "{e}");
+        // The broker takes nothing more: the next send on the same link is told the same.
+        let e = sender.send_message(twice::Message::new("z")).await.unwrap_err();
+        assert_eq!(e.condition(), Some("amqp:resource-limit-exceeded"), "{e}");
+        assert!(e.to_string().contains("storage failed"), "{e}");
+        // A new link to the same queue is not told that the queue is missing.
+        let again = twice_servicebus_client::ServiceBusClient::from_connection_string(&cs).unwrap();
+        let e = again.sender("orders").send_message(twice::Message::new("y")).await.unwrap_err();
+        assert_eq!(e.condition(), Some("amqp:resource-limit-exceeded"), "{e}");
+        assert!(e.to_string().contains("storage failed"), "{e}");
+    });
+    let health = serve.get("/health");
+    assert!(health.starts_with("HTTP/1.1 503"), "{health}");
+    assert!(health.contains("storage failed"), "{health}");
+    let expiry = twice::Clock::now(&twice::SystemClock).as_millis() / 1000 + 600;
+    let token = twice_servicebus::sas::sign(
+        "http://localhost/",
+        "RootManageSharedAccessKey",
+        "SAS_KEY_VALUE",
+        expiry,
+    );
+    let mut s = TcpStream::connect(serve.http_addr()).unwrap();
+    write!(
+        s,
+        "GET /orders HTTP/1.1\r\nHost: localhost\r\nAuthorization: {token}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut admin = String::new();
+    s.read_to_string(&mut admin).unwrap();
+    assert!(admin.starts_with("HTTP/1.1 503"), "{admin}");
+    assert!(admin.contains("storage failed"), "{admin}");
+}

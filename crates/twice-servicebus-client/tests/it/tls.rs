@@ -56,3 +56,17 @@ async fn an_untrusted_certificate_and_plain_amqp_are_refused() {
 fn a_ca_file_without_certificates_is_an_error() {
     assert!(matches!(TlsOptions::with_ca_pem(b"not a certificate"), Err(Error::Tls(_))));
 }
+
+/// A connection string without the emulator flag asks for TLS; a server that speaks plain AMQP
+/// answers the client hello with its protocol header: `Error::NotTls`, not a certificate error.
+#[tokio::test]
+async fn a_plain_server_asked_for_tls_is_not_tls_rather_than_untrusted() {
+    let s = Serve::start().await;
+    let tls = s.connection_string.replace("UseDevelopmentEmulator=true;", "");
+    assert_ne!(tls, s.connection_string);
+    let options = ClientOptions::from_connection_string(&tls)
+        .unwrap()
+        .operation_timeout(Duration::from_secs(10));
+    let err = ServiceBusClient::new(options).connect().await.unwrap_err();
+    assert!(matches!(err, Error::NotTls { .. }), "{err}");
+}

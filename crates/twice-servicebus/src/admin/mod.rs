@@ -78,7 +78,7 @@ fn backend_error(e: &BackendError) -> Response {
         | BackendError::QuotaExceeded(_)
         | BackendError::MessageSizeExceeded(_) => 400,
         BackendError::Unsupported(_) => 501,
-        BackendError::Unavailable(_) => 503,
+        BackendError::Unavailable(_) | BackendError::StorageFailed(_) => 503,
         _ => 500,
     };
     error(code, e.to_string())

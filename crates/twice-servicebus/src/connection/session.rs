@@ -197,7 +197,12 @@ impl<B: Backend> Conn<B> {
             Node::Management(e) | Node::Entity(e) => (e.clone(), l.node.clone()),
         };
         let Some(kind) = kind else {
-            self.refuse(ch, handle, not_found(&e));
+            // A broker whose storage failed answers no question: the entity is not missing.
+            let error = match self.shared.backend.health() {
+                Err(reason) => cond::unavailable(&reason),
+                Ok(()) => not_found(&e),
+            };
+            self.refuse(ch, handle, error);
             return;
         };
         if let Node::Management(_) = node {

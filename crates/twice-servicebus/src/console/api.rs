@@ -106,9 +106,15 @@ async fn holder_of_messages<B: Backend>(backend: &B, path: &str) -> Result<Entit
     match backend.entity(path).await {
         Some(k @ (EntityKind::Queue { .. } | EntityKind::Subscription { .. })) => Ok(k),
         Some(_) => Err(bad(format!("'{path}' is a topic: its messages are in its subscriptions"))),
-        None => {
-            Err(ApiError::NotFound(format!("the messaging entity '{path}' could not be found")))
-        }
+        // A broker whose storage failed answers no question: the entity is not missing.
+        None => match backend.health() {
+            Err(reason) => Err(ApiError::Unavailable(format!(
+                "the broker cannot serve until restarted: {reason}"
+            ))),
+            Ok(()) => {
+                Err(ApiError::NotFound(format!("the messaging entity '{path}' could not be found")))
+            }
+        },
     }
 }
 

@@ -36,8 +36,7 @@ function base64(bytes) {
 
 // A SharedAccessSignature for this whole namespace, as the SDKs sign one: HMAC-SHA256 of the
 // url-encoded resource, a newline and the expiry, with the key's bytes as the HMAC key.
-async function sasToken() {
-  const c = credentials();
+async function sasToken(c = credentials()) {
   if (!c) return null;
   if (!window.crypto || !crypto.subtle) {
     throw new Error("signing needs a secure context: open the console on localhost or over https");
@@ -50,9 +49,10 @@ async function sasToken() {
   return `SharedAccessSignature sr=${sr}&sig=${encodeURIComponent(base64(sig))}&se=${se}&skn=${encodeURIComponent(c.name)}`;
 }
 
-async function api(path, options = {}) {
+// `c`: the credentials to sign with, those of the tab by default.
+async function api(path, options = {}, c = credentials()) {
   const headers = Object.assign({}, options.headers || {});
-  const token = await sasToken();
+  const token = await sasToken(c);
   if (token) headers["Authorization"] = token;
   const response = await fetch(API + path, Object.assign({}, options, { headers, cache: "no-store" }));
   const body = await response.json().catch(() => ({}));
@@ -72,11 +72,22 @@ function showCredentials() {
   $("signed-in-name").textContent = c ? c.name : "";
 }
 
-$("sign-in-form").addEventListener("submit", (ev) => {
+// Signing in asks the server once (`api/key`) whether it knows the key: a wrong one is said
+// at once, instead of every later call failing.
+$("sign-in-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const name = $("key-name").value.trim();
   const key = $("key").value;
   if (!name || !key) return;
+  $("sign-in-error").textContent = "";
+  try {
+    await api("key", {}, { name, key });
+  } catch (e) {
+    $("sign-in-error").textContent = e.code === "unauthorized"
+      ? "wrong key or key name"
+      : "cannot sign in: " + e.message;
+    return;
+  }
   sessionStorage.setItem("twice.keyName", name);
   sessionStorage.setItem("twice.key", key);
   $("key").value = "";

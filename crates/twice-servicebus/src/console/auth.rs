@@ -88,6 +88,36 @@ pub(super) fn authorize<B: Backend>(
     paths: &[&str],
     need: &[Claim],
 ) -> Result<(), ApiError> {
+    let (key_name, grants, now) = grants_of(shared, addr, req)?;
+    for path in paths {
+        for claim in need {
+            if !grants.allows(path, now, Some(*claim)) {
+                return Err(ApiError::Forbidden(format!(
+                    "the token of '{key_name}' does not grant {claim:?} on '{path}'"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The name of the key that signed the request's token, when a configured key did: what the
+/// page asks when it signs in, so that a wrong key is told at once. A missing or invalid token
+/// is [`ApiError::Unauthorized`].
+pub(super) fn key_name<B: Backend>(
+    shared: &Shared<B>,
+    addr: SocketAddr,
+    req: &Request<'_>,
+) -> Result<String, ApiError> {
+    grants_of(shared, addr, req).map(|(key_name, _, _)| key_name)
+}
+
+/// The key name, grants and the server's time (in seconds) of the request's token.
+fn grants_of<B: Backend>(
+    shared: &Shared<B>,
+    addr: SocketAddr,
+    req: &Request<'_>,
+) -> Result<(String, Grants, i64), ApiError> {
     let Some(token) = req.header("authorization") else {
         return Err(ApiError::Unauthorized(
             "this needs a SharedAccessSignature token in the Authorization header".into(),
@@ -108,17 +138,7 @@ pub(super) fn authorize<B: Backend>(
         opts.keys.claims(&grant.key_name),
         now,
     );
-    for path in paths {
-        for claim in need {
-            if !grants.allows(path, now, Some(*claim)) {
-                return Err(ApiError::Forbidden(format!(
-                    "the token of '{}' does not grant {claim:?} on '{path}'",
-                    grant.key_name
-                )));
-            }
-        }
-    }
-    Ok(())
+    Ok((grant.key_name, grants, now))
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! | `GET /` | the page (HTML and CSS) | anyone |
 //! | `GET /$console/app.js` | its script | anyone |
 //! | `GET /$console/api/entities` | counts and operation totals of every entity | anyone (as `/entities`) |
+//! | `GET /$console/api/key` | the name of the key that signed the token: signing in checks the key with it | any valid token |
 //! | `GET /$console/api/peek?entity=E&dlq=1&from=N&max=M` | messages without locking them | `Listen` on `E` |
 //! | `GET /$console/api/sessions?entity=E&skip=N&top=M` | sessions, their messages and state | `Listen` on `E` |
 //! | `POST /$console/api/resubmit` | copies of dead-lettered messages sent back | `Send` and `Listen` (or `Manage`) |
@@ -176,7 +177,9 @@ impl From<BackendError> for ApiError {
             BackendError::QuotaExceeded(_)
             | BackendError::MessageSizeExceeded(_)
             | BackendError::AlreadyExists(_) => ApiError::Conflict(e.to_string()),
-            BackendError::Unavailable(_) => ApiError::Unavailable(e.to_string()),
+            BackendError::Unavailable(_) | BackendError::StorageFailed(_) => {
+                ApiError::Unavailable(e.to_string())
+            }
             _ => ApiError::Internal(e.to_string()),
         }
     }
@@ -221,6 +224,10 @@ async fn route<B: Backend>(
         ("GET", "/", _) => Ok(page("text/html; charset=utf-8", PAGE, &PAGE_HEADERS)),
         ("GET", _, "app.js") => Ok(page("text/javascript; charset=utf-8", SCRIPT, &[])),
         ("GET", _, "api/entities") => Ok(api::entities(shared).await),
+        ("GET", _, "api/key") => {
+            let key_name = auth::key_name(shared, addr, req)?;
+            Ok(Response::json("200 OK", &serde_json::json!({ "key_name": key_name })))
+        }
         ("GET", _, "api/peek") => {
             let q = api::Query::parse(req.query, &["entity", "dlq", "from", "max"])?;
             api::peek(shared, addr, req, &q).await
@@ -238,7 +245,7 @@ async fn route<B: Backend>(
             api::purge(shared, addr, req).await
         }
         (_, "/", _)
-        | (_, _, "app.js" | "api/entities" | "api/peek" | "api/sessions")
+        | (_, _, "app.js" | "api/entities" | "api/key" | "api/peek" | "api/sessions")
         | (_, _, "api/resubmit" | "api/purge") => Err(ApiError::MethodNotAllowed(format!(
             "{} is not allowed on {}",
             req.method, req.path

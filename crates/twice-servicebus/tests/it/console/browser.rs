@@ -107,6 +107,15 @@ async fn scenario(browser: &Browser, http: SocketAddr, seq: i64) -> anyhow::Resu
     // Message contents need a key: the page asks for one before showing any.
     browser.wait_for("#note", "the request to sign in", |t| t.contains("Sign in")).await?;
     ensure!(browser.find("#messages tr").await.is_err(), "messages shown before signing in");
+    // A wrong key is told at once, and the page does not claim to be signed in.
+    browser.type_into("#key-name", "RootManageSharedAccessKey").await?;
+    browser.type_into("#key", "NOT_THE_KEY").await?;
+    browser.click("#sign-in").await?;
+    browser
+        .wait_for("#sign-in-error", "the wrong key refused", |t| t == "wrong key or key name")
+        .await?;
+    let signed_in = browser.text("#signed-in").await.unwrap_or_default();
+    ensure!(!signed_in.contains("signed in as"), "signed in with a wrong key: {signed_in}");
     browser.type_into("#key-name", "RootManageSharedAccessKey").await?;
     browser.type_into("#key", "SAS_KEY_VALUE").await?;
     browser.click("#sign-in").await?;

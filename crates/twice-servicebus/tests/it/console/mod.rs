@@ -489,3 +489,22 @@ async fn without_keys_reads_are_open_and_changes_refused() {
     assert_eq!(r.status, 401, "{}", r.body);
     assert_eq!(counts(server.http, "q7").await, (0, 1));
 }
+
+/// What the page asks when it signs in: the right key is answered with its name, a wrong key
+/// or key name with 401, so the page can say so at once.
+#[tokio::test]
+async fn signing_in_checks_the_key_against_the_server() {
+    let server = TestServer::start().await;
+    let key = "/$console/api/key";
+    let good = root_token(server.http);
+    let ok = request(server.http, "GET", key, &[("authorization", &good)], "").await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert_eq!(ok.json()["key_name"], "RootManageSharedAccessKey");
+    for (name, secret) in [("RootManageSharedAccessKey", "WRONG"), ("NoSuchKey", "SAS_KEY_VALUE")] {
+        let wrong = token(server.http, name, secret);
+        let refused = request(server.http, "GET", key, &[("authorization", &wrong)], "").await;
+        assert_eq!((refused.status, refused.code().as_str()), (401, "unauthorized"), "{name}");
+    }
+    let anonymous = request(server.http, "GET", key, &[], "").await;
+    assert_eq!(anonymous.status, 401);
+}
