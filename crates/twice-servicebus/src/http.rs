@@ -225,7 +225,13 @@ impl<B: Backend> Conn<B> {
                 if hint::HTTPS_ON_PLAIN_HTTP.due(now) {
                     tracing::warn!(%peer, "an https client reached {addr}, which serves plain http only: give the server a certificate (twice serve: --tls-cert, or keep its development certificate on) or use http://");
                 }
-                Ok(())
+                // Plain text back, which the client's TLS names as "not TLS"; its hello is
+                // read first, so that closing does not reset the connection under the answer.
+                let mut stream = stream;
+                let mut hello = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut hello)).await;
+                let msg = "this port speaks plain http, not https\n";
+                respond(&mut stream, "400 Bad Request", "text/plain", msg).await
             }
             (false, _) if https_only => {
                 if hint::HTTP_ON_HTTPS.due(now) {

@@ -136,8 +136,7 @@ pub(crate) struct Dedup {
 }
 
 /// What to do about a server certificate this machine does not trust.
-const UNTRUSTED_HINT: &str =
-    "a certificate signed by a CA of your own: give --ca-file with that CA";
+const UNTRUSTED_HINT: &str = "a certificate signed by a CA of your own: give --ca-file with that CA; for twice serve's development certificate, the ca.pem its banner prints (dev-https/ in its data directory)";
 
 /// What to do about a server that speaks plain AMQP to a connection string that asks for TLS.
 pub(crate) const PLAIN_AMQP_HINT: &str = "the server speaks plain AMQP, without TLS: add UseDevelopmentEmulator=true; to the connection string";

@@ -567,14 +567,23 @@ fn a_plain_server_asked_for_tls_is_told_to_add_the_emulator_flag() {
     assert!(err.contains("add UseDevelopmentEmulator=true; to the connection string"), "{err}");
     assert!(!err.contains("--ca-file"), "{err}");
 
-    let https = s.admin_url.replace("http://", "https://");
-    let out = Command::new(env!("CARGO_BIN_EXE_twice"))
-        .args(["dlq", "list", "--admin-url", &https])
-        .env("TWICE_CONNECTION_STRING", &tls)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = failed(&out);
+    // Its HTTP port answers https with its development certificate, which is not trusted
+    // here: the advice names the CA file to trust.
+    let list = |admin_url: &str| {
+        let https = admin_url.replace("http://", "https://");
+        let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+            .args(["dlq", "list", "--admin-url", &https])
+            .env("TWICE_CONNECTION_STRING", &tls)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        failed(&out)
+    };
+    let err = list(&s.admin_url);
+    assert!(err.contains("--ca-file") && err.contains("dev-https/"), "{err}");
+    // Without it (--no-dev-https), the port does not answer TLS: the flag to add is named.
+    let plain = Serve::start_with(&["--no-dev-https"]);
+    let err = list(&plain.admin_url);
     assert!(err.contains("does not answer TLS"), "{err}");
     assert!(err.contains("UseDevelopmentEmulator=true;") && !err.contains("--ca-file"), "{err}");
 }
