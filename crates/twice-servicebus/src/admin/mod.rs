@@ -22,7 +22,7 @@ use twice_broker::config::{
 };
 
 use crate::backend::{Backend, BackendError};
-use crate::grants::{Grants, audience_is_ours};
+use crate::grants::{Grants, audience_is_ours, server_ports};
 pub(crate) use crate::request::Request;
 use crate::sas::Claim;
 use crate::shared::Shared;
@@ -151,7 +151,9 @@ fn authorize<B>(
     let now = shared.options.clock.now().as_millis().div_euclid(1000);
     let opts = &shared.options;
     let grant = opts.keys.validate(token, now).map_err(|e| error(401, format!("{header}: {e}")))?;
-    if grant.resource.contains("://") && !audience_is_ours(&grant.resource, &opts.hostname, addr) {
+    if grant.resource.contains("://")
+        && !audience_is_ours(&grant.resource, &opts.hostname, addr, &server_ports(opts, addr))
+    {
         return Err(error(401, format!("{header}: the token's audience is not this namespace")));
     }
     let resource = grant.resource.split('?').next().unwrap_or_default();

@@ -574,6 +574,40 @@ async fn a_token_for_another_host_is_refused() {
 }
 
 #[tokio::test]
+async fn a_token_whose_authority_hides_another_host_is_refused() {
+    // `sb://localhost:1@evil.example/`: the host is `evil.example`, `localhost:1` is userinfo.
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let expiry = now + Duration::from_secs(600);
+    let mut c = Raw::anonymous(server.addr).await;
+    for audience in [
+        "sb://localhost:1@evil.example/q11",
+        "sb://localhost%2eevil.example/q11",
+        "sb://evil.example#@localhost/q11",
+        "ftp://localhost/q11",
+    ] {
+        assert_eq!(c.put_token(&token(audience, expiry)).await, 401, "{audience}");
+    }
+    let refused = c.try_attach("s", 2, false, "q11").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+    // The administration API: the same audience over HTTP.
+    let forged = token("https://localhost:1@evil.example/", expiry);
+    let reply =
+        crate::console::request(server.http, "GET", "/q11", &[("authorization", &forged)], "")
+            .await;
+    assert_eq!(reply.status, 401, "{}", reply.body);
+    // The same server takes an honest token for itself.
+    let honest = token("sb://localhost/q11", expiry);
+    assert_eq!(c.put_token(&honest).await, 202);
+    let honest = token(&format!("https://localhost:{}/", server.http.port()), expiry);
+    let reply =
+        crate::console::request(server.http, "GET", "/q11", &[("authorization", &honest)], "")
+            .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
+#[tokio::test]
 async fn a_key_with_only_the_send_claim_cannot_receive_or_manage() {
     let mut keys = twice_servicebus::sas::Keys::emulator_default();
     let send_only = twice_servicebus::sas::Claims::parse("Send").unwrap();
