@@ -546,6 +546,7 @@ impl<B: Backend> Ctx<'_, B> {
     async fn delete(&self, path: &str) -> Reply {
         self.shared.backend.admin_delete(path).await.map_err(|e| backend_error(&e))?;
         self.admin.forget(path);
+        self.shared.metrics.forget(path);
         Ok(Response { status: "200 OK", content_type: ENTRY, body: String::new() })
     }
 

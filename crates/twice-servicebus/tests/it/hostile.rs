@@ -181,6 +181,71 @@ async fn made_up_entity_names_leave_no_trace_in_the_metrics() {
 }
 
 #[tokio::test]
+async fn deleted_entities_leave_the_metrics_and_stay_gone() {
+    let server = TestServer::start().await;
+    let expiry = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap())
+        + Duration::from_secs(600);
+    let admin = token(&format!("https://localhost:{}/", server.http.port()), expiry);
+    let auth = [("authorization", admin.as_str())];
+    let queue = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <QueueDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    let topic = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <TopicDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    let sub = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <SubscriptionDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    for (path, body) in [("/goneq", queue), ("/gonet", topic), ("/gonet/subscriptions/s", sub)] {
+        let reply = crate::console::request(server.http, "PUT", path, &auth, body).await;
+        assert_eq!(reply.status, 201, "{path}: {}", reply.body);
+    }
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("q", 0, false, "goneq", 0).await;
+    c.send_messages(0, 1).await;
+    c.attach("t", 1, false, "gonet", 0).await;
+    c.send_messages(1, 1).await;
+    c.attach("r", 2, true, "gonet/subscriptions/s", 0).await;
+    c.flow(2, 0, 1, false).await;
+    let locked = c.transfers(1).await;
+    let metrics = http_get(server.http, "/metrics").await;
+    for entity in ["goneq", "gonet", "gonet/subscriptions/s"] {
+        assert!(metrics.contains(&format!("entity=\"{entity}\"")), "{entity}: {metrics}");
+    }
+    for path in ["/goneq", "/gonet"] {
+        let reply = crate::console::request(server.http, "DELETE", path, &auth, "").await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    }
+    let metrics = http_get(server.http, "/metrics").await;
+    assert!(metrics.contains("HTTP/1.1 200"), "{metrics}");
+    assert!(!metrics.contains("gone"), "deleted entities are still counted: {metrics}");
+    // The links to them are still attached: a send through one and the settlement of a
+    // message received before are refused, and count nothing.
+    let m = twice::Message::new("late").with_message_id("late");
+    c.transfer(0, 1, &encode_message(&m), 65536).await;
+    let settle = twice_servicebus::performative::Disposition {
+        role: true,
+        first: locked[0],
+        last: None,
+        settled: false,
+        state: Some(twice_servicebus::performative::Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(settle), &[]).await;
+    let mut answered = (false, false);
+    while answered != (true, true) {
+        match c.next().await.0 {
+            Performative::Disposition(d) if d.role => answered.0 = true,
+            Performative::Disposition(_) => answered.1 = true,
+            Performative::Detach(_) => {}
+            other => panic!("expected dispositions, got {other:?}"),
+        }
+    }
+    let metrics = http_get(server.http, "/metrics").await;
+    assert!(!metrics.contains("gone"), "a deleted entity came back: {metrics}");
+}
+
+#[tokio::test]
 async fn a_transfer_on_a_handle_never_attached_ends_the_session() {
     let server = TestServer::start().await;
     let mut c = Raw::open(server.addr, 65536).await;
