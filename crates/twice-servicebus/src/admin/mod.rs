@@ -56,6 +56,7 @@ fn error(code: u16, detail: impl AsRef<str>) -> Response {
     let status = match code {
         400 => "400 Bad Request",
         401 => "401 Unauthorized",
+        403 => "403 Forbidden",
         404 => "404 Not Found",
         405 => "405 Method Not Allowed",
         409 => "409 Conflict",
@@ -74,9 +75,9 @@ fn backend_error(e: &BackendError) -> Response {
     let code = match e {
         BackendError::EntityNotFound(_) | BackendError::MessageNotFound(_) => 404,
         BackendError::AlreadyExists(_) => 409,
-        BackendError::Invalid(_)
-        | BackendError::QuotaExceeded(_)
-        | BackendError::MessageSizeExceeded(_) => 400,
+        // As Service Bus answers a create past a namespace quota.
+        BackendError::QuotaExceeded(why) => return error(403, format!("QuotaExceeded: {why}")),
+        BackendError::Invalid(_) | BackendError::MessageSizeExceeded(_) => 400,
         BackendError::Unsupported(_) => 501,
         BackendError::Unavailable(_) => 503,
         _ => 500,

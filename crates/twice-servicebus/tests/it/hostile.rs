@@ -246,6 +246,79 @@ async fn deleted_entities_leave_the_metrics_and_stay_gone() {
 }
 
 #[tokio::test]
+async fn entity_and_rule_caps_are_answered_as_quota_exceeded() {
+    // The standard configuration holds 39 queues and topics; `topic1` has two subscriptions,
+    // each with its `$Default` rule.
+    let broker = twice_broker::Broker::open(
+        twice_broker::BrokerOptions::in_memory()
+            .config(crate::harness::standard_config())
+            .max_entities(39)
+            .max_subscriptions_per_topic(2)
+            .max_rules_per_subscription(1),
+    )
+    .await
+    .unwrap();
+    let options = ServerOptions::new()
+        .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));
+    let server = twice_servicebus::Server::bind(options, broker.clone()).await.unwrap();
+    let (addr, http) = (server.amqp_addr(), server.http_addr().unwrap());
+    tokio::spawn(server.run(std::future::pending()));
+
+    let now = twice::SystemClock.now().as_millis();
+    let expiry = std::time::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(now).unwrap())
+        + Duration::from_secs(600);
+    let admin = token(&format!("https://localhost:{}/", http.port()), expiry);
+    let auth = [("authorization", admin.as_str())];
+    let ns = "http://schemas.microsoft.com/netservices/2010/10/servicebus/connect";
+    for (path, kind) in [
+        ("/one-too-many", "QueueDescription"),
+        ("/topic1/subscriptions/s3", "SubscriptionDescription"),
+    ] {
+        let body = format!(
+            "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'><{kind} xmlns='{ns}'/></content></entry>"
+        );
+        let reply = crate::console::request(http, "PUT", path, &auth, &body).await;
+        assert_eq!(reply.status, 403, "{path}: {}", reply.body);
+        assert!(reply.body.contains("QuotaExceeded"), "{}", reply.body);
+        assert!(reply.body.contains("its limit of"), "{}", reply.body);
+    }
+    assert!(broker.get_queue("one-too-many").await.is_err());
+
+    // `$management` add-rule on a subscription that has as many rules as it may.
+    let mut c = Raw::open(addr, 65536).await;
+    c.attach("m", 0, false, "topic1/subscriptions/sub1/$management", 0).await;
+    c.attach("r", 1, true, "topic1/subscriptions/sub1/$management", 0).await;
+    c.flow(1, 0, 10, false).await;
+    let description = Value::Map(vec![(
+        Value::string("sql-filter"),
+        Value::Map(vec![(Value::string("expression"), Value::string("color = 'red'"))]),
+    )]);
+    let body = Value::Map(vec![
+        (Value::string("rule-name"), Value::string("reds")),
+        (Value::string("rule-description"), description),
+    ]);
+    c.transfer(0, 0, &mgmt_request("com.microsoft:add-rule", body), 65536).await;
+    let reply = loop {
+        if let (Performative::Transfer(_), payload) = c.next().await {
+            break twice_servicebus::mapping::Sections::parse(&payload).unwrap();
+        }
+    };
+    let property = |name: &str| {
+        reply
+            .application_properties
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(property("statusCode").and_then(|v| v.as_i64()), Some(403));
+    let condition = property("errorCondition");
+    assert_eq!(condition.as_ref().and_then(|v| v.as_str()), Some("amqp:resource-limit-exceeded"));
+    assert_eq!(broker.get_rules("topic1", "sub1").await.unwrap().len(), 1);
+}
+
+#[tokio::test]
 async fn a_transfer_on_a_handle_never_attached_ends_the_session() {
     let server = TestServer::start().await;
     let mut c = Raw::open(server.addr, 65536).await;
