@@ -173,6 +173,15 @@ pub(crate) struct EngineOptions {
     pub(crate) limits: Limits,
 }
 
+/// One rule added to or removed from a subscription ([`Engine::change_rules`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum RuleChange {
+    /// This rule was added after the others.
+    Added(Box<Rule>),
+    /// The rule of this name was removed.
+    Removed(String),
+}
+
 /// How many entities a namespace, subscriptions a topic and rules a subscription may hold;
 /// past them a create is refused with [`Error::LimitExceeded`]. The defaults are Service Bus
 /// Standard's quotas.
@@ -488,6 +497,33 @@ impl Engine {
         self.check_limits(std::slice::from_ref(&definition))?;
         let (id, next_sequence) = (e.id, e.next_seq);
         self.emit_all(Record::entity_with_limits(id, definition, next_sequence))
+    }
+
+    /// Changes a subscription's rules to those of `definition` (its properties stay), which
+    /// must differ from them by `change`: writes that one rule, not the subscription.
+    pub(crate) fn change_rules(
+        &mut self,
+        now: Timestamp,
+        definition: EntityDefinition,
+        change: RuleChange,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_definition(&definition, &[])?;
+        let path = definition.path();
+        let slot = *self
+            .by_path
+            .get(&path.to_ascii_lowercase())
+            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        if !matches!(e.kind, Kind::Subscription { .. }) {
+            return Err(Error::InvalidOperation("only subscriptions have rules".to_owned()));
+        }
+        self.check_limits(std::slice::from_ref(&definition))?;
+        let subscription = e.id;
+        self.emit(match change {
+            RuleChange::Added(rule) => Record::RuleAdded { subscription, rule },
+            RuleChange::Removed(name) => Record::RuleRemoved { subscription, name },
+        })
     }
 
     /// Creates the entities that do not exist and updates those that do, all or nothing
