@@ -162,6 +162,7 @@ impl Broker {
                 body_cache_bytes: options.cache_size,
                 deferred_serving: true,
                 collect_freed: true,
+                limits: options.limits,
                 ..EngineOptions::default()
             },
             clock: options.clock,

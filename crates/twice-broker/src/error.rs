@@ -90,6 +90,28 @@ pub enum Error {
         /// Its `MaxSizeInMegabytes`.
         max_size_in_megabytes: u64,
     },
+    /// The namespace, topic or subscription holds as many queues and topics, subscriptions
+    /// or rules as it may: the entity or rule was not created. The front end answers it as
+    /// Service Bus answers a quota exceeded (`amqp:resource-limit-exceeded`, HTTP 403).
+    #[error(
+        "cannot create {path:?}: {holder} holds {held} {what}, its limit of {limit} (raise it \
+         with BrokerOptions::{option}, or twice serve --{flag})",
+        flag = .option.replace('_', "-")
+    )]
+    LimitExceeded {
+        /// The entity or rule that was refused.
+        path: String,
+        /// What is full: `the namespace`, `topic "t"`, `subscription "t/Subscriptions/s"`.
+        holder: String,
+        /// How many it holds.
+        held: usize,
+        /// What it holds: `queues and topics`, `subscriptions`, `rules`.
+        what: &'static str,
+        /// The cap.
+        limit: usize,
+        /// The [`crate::BrokerOptions`] setting of the cap.
+        option: &'static str,
+    },
     /// An argument is out of range (a count of zero, a batch with too many messages...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -157,6 +179,12 @@ impl Error {
     /// send may succeed later, once receivers have taken messages out.
     pub fn is_quota_exceeded(&self) -> bool {
         matches!(self, Self::QuotaExceeded { .. })
+    }
+
+    /// Whether the error means a cap on entities, subscriptions or rules was reached (see
+    /// [`Error::LimitExceeded`]).
+    pub fn is_limit_exceeded(&self) -> bool {
+        matches!(self, Self::LimitExceeded { .. })
     }
 
     /// Whether the error means an entity or message does not exist.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use twice::SharedClock;
 
 use crate::config::Config;
-use crate::engine::DEFAULT_MAX_MESSAGE_SIZE;
+use crate::engine::{DEFAULT_MAX_MESSAGE_SIZE, Limits};
 use crate::storage::{DEFAULT_CACHE_BYTES, DEFAULT_SEGMENT_SIZE};
 
 /// How a broker is opened: where it keeps its data, which clock it reads, which entities it
@@ -30,6 +30,7 @@ pub struct BrokerOptions {
     pub(crate) max_commands_per_turn: usize,
     pub(crate) command_queue: usize,
     pub(crate) relaxed_delivery_counts: bool,
+    pub(crate) limits: Limits,
 }
 
 impl BrokerOptions {
@@ -52,6 +53,7 @@ impl BrokerOptions {
             max_commands_per_turn: 1024,
             command_queue: 4096,
             relaxed_delivery_counts: false,
+            limits: Limits::default(),
         }
     }
 
@@ -124,6 +126,47 @@ impl BrokerOptions {
     pub fn relaxed_delivery_counts(mut self, relaxed: bool) -> Self {
         self.relaxed_delivery_counts = relaxed;
         self
+    }
+
+    /// The most queues and topics the namespace may hold (default 10,000, Service Bus
+    /// Standard's quota; subscriptions do not count). Creating one more, through the API,
+    /// the administration API or a configuration file, fails with
+    /// [`Error::LimitExceeded`](crate::Error::LimitExceeded).
+    #[must_use]
+    pub fn max_entities(mut self, n: usize) -> Self {
+        self.limits.max_entities = n;
+        self
+    }
+
+    /// The most subscriptions one topic may have (default 2,000, Service Bus Standard's
+    /// quota).
+    #[must_use]
+    pub fn max_subscriptions_per_topic(mut self, n: usize) -> Self {
+        self.limits.max_subscriptions_per_topic = n;
+        self
+    }
+
+    /// The most rules one subscription may have (default 2,000: Service Bus caps the SQL
+    /// filters of a topic at 2,000). Over AMQP, `$management` `add-rule` past it is refused.
+    #[must_use]
+    pub fn max_rules_per_subscription(mut self, n: usize) -> Self {
+        self.limits.max_rules_per_subscription = n;
+        self
+    }
+
+    /// The cap on queues and topics (see [`BrokerOptions::max_entities`]).
+    pub fn get_max_entities(&self) -> usize {
+        self.limits.max_entities
+    }
+
+    /// The cap on subscriptions per topic.
+    pub fn get_max_subscriptions_per_topic(&self) -> usize {
+        self.limits.max_subscriptions_per_topic
+    }
+
+    /// The cap on rules per subscription.
+    pub fn get_max_rules_per_subscription(&self) -> usize {
+        self.limits.max_rules_per_subscription
     }
 
     /// Whether peek-lock receives are answered before their lock records are on disk (see

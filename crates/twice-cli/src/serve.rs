@@ -71,6 +71,15 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 5000,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_unsettled_per_link: u32,
+    /// The most queues and topics the namespace may hold (Service Bus Standard: 10,000).
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    max_entities: usize,
+    /// The most subscriptions one topic may have (Service Bus Standard: 2,000).
+    #[arg(long, value_name = "N", default_value_t = 2_000)]
+    max_subscriptions_per_topic: usize,
+    /// The most rules one subscription may have.
+    #[arg(long, value_name = "N", default_value_t = 2_000)]
+    max_rules_per_subscription: usize,
     /// Serve amqps (TLS, as Azure does on port 5671) with this certificate chain (PEM), and
     /// https on the HTTP port; needs --tls-key. The printed connection string then leaves out
     /// UseDevelopmentEmulator, so clients use TLS.
@@ -115,7 +124,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         BrokerOptions::in_memory()
     } else {
         BrokerOptions::durable(&args.data_dir)
-    };
+    }
+    .max_entities(args.max_entities)
+    .max_subscriptions_per_topic(args.max_subscriptions_per_topic)
+    .max_rules_per_subscription(args.max_rules_per_subscription);
     if let Some(path) = &args.config {
         let config = Config::from_path(path)
             .with_context(|| format!("reading the configuration {}", path.display()))?;

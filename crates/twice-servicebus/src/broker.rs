@@ -47,7 +47,9 @@ fn map_err(e: Error) -> BackendError {
         Error::SessionCannotBeLocked(s) => BackendError::SessionCannotBeLocked(s),
         Error::EntityNotFound(p) => BackendError::EntityNotFound(p),
         Error::EntityAlreadyExists(p) => BackendError::AlreadyExists(p),
-        e @ Error::QuotaExceeded { .. } => BackendError::QuotaExceeded(e.to_string()),
+        e @ (Error::QuotaExceeded { .. } | Error::LimitExceeded { .. }) => {
+            BackendError::QuotaExceeded(e.to_string())
+        }
         Error::MessageNotFound(n) => {
             BackendError::MessageNotFound(format!("no message with sequence number {n}"))
         }

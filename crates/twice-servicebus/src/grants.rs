@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 
+use crate::options::ServerOptions;
 use crate::sas::{Claim, Claims};
 
 /// The most grants a connection keeps; a token for a path already granted replaces the old one.
@@ -56,26 +57,95 @@ impl Grants {
     }
 }
 
-/// The host of a token's audience (`sb://host:port/path`, `amqp://host/path`), lowercased.
-pub(crate) fn audience_host(resource: &str) -> Option<String> {
-    let (_, rest) = resource.split_once("://")?;
-    let authority = rest.split('/').next().unwrap_or("");
-    let host = match authority.strip_prefix('[') {
+/// The schemes a token's audience may name.
+const AUDIENCE_SCHEMES: [&str; 5] = ["sb", "amqp", "amqps", "http", "https"];
+
+/// The authority of a token's audience, parsed strictly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Audience {
+    /// The host, lowercased; an IPv6 literal without its brackets.
+    pub(crate) host: String,
+    /// The port, when the audience names one.
+    pub(crate) port: Option<u16>,
+}
+
+/// The host and port of a token's audience (`sb://host:port/path`, `amqp://host/path`), or
+/// `None` when it is not a plain `scheme://host[:port]` with a known scheme: userinfo
+/// (`sb://localhost:1@evil.example/` names `evil.example`), percent-encoding, a backslash
+/// or any character a host name cannot hold makes it no audience of this server, rather
+/// than something to guess at.
+pub(crate) fn audience(resource: &str) -> Option<Audience> {
+    let (scheme, rest) = resource.split_once("://")?;
+    if !AUDIENCE_SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)) {
+        return None;
+    }
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let (host, port) = match authority.strip_prefix('[') {
         // An IPv6 literal: `[::1]:5673`.
-        Some(v6) => v6.split(']').next().unwrap_or(""),
-        None => authority.split(':').next().unwrap_or(""),
+        Some(v6) => {
+            let (literal, after) = v6.split_once(']')?;
+            let ip: std::net::Ipv6Addr = literal.parse().ok()?;
+            (ip.to_string(), after)
+        }
+        None => {
+            let at = authority.find(':').unwrap_or(authority.len());
+            let host = &authority[..at];
+            let label_ok = |l: &str| {
+                !l.is_empty()
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+                    && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            };
+            if !host.split('.').all(label_ok) {
+                return None;
+            }
+            (host.to_ascii_lowercase(), &authority[at..])
+        }
     };
-    Some(host.to_ascii_lowercase())
+    let port = match port {
+        "" => None,
+        p => {
+            let digits = p.strip_prefix(':')?;
+            if digits.is_empty() || digits.len() > 5 || !digits.bytes().all(|b| b.is_ascii_digit())
+            {
+                return None;
+            }
+            Some(digits.parse::<u16>().ok().filter(|&p| p != 0)?)
+        }
+    };
+    Some(Audience { host, port })
 }
 
 /// Whether a token's audience names this server: the host name it serves under, or, for a
-/// server that listens on loopback only, any loopback name.
-pub(crate) fn audience_is_ours(resource: &str, hostname: &str, addr: SocketAddr) -> bool {
-    let Some(host) = audience_host(resource) else { return false };
+/// server that listens on loopback only, any loopback name; and, when the audience names a
+/// port, one of `ports`, this server's (a port of 0 among them is one not known here, which
+/// lets any port through).
+pub(crate) fn audience_is_ours(
+    resource: &str,
+    hostname: &str,
+    addr: SocketAddr,
+    ports: &[u16],
+) -> bool {
+    let Some(Audience { host, port }) = audience(resource) else { return false };
+    if let Some(port) = port
+        && !ports.contains(&0)
+        && !ports.contains(&port)
+    {
+        return false;
+    }
     if host.eq_ignore_ascii_case(hostname) {
         return true;
     }
     addr.ip().is_loopback() && matches!(host.as_str(), "localhost" | "127.0.0.1" | "::1")
+}
+
+/// The ports this server is known by, for [`audience_is_ours`]: its AMQP and HTTP ports as
+/// configured, and `addr`'s, the address of the listener a request came through (a
+/// configured port of 0 is not known until the listener is bound).
+pub(crate) fn server_ports(opts: &ServerOptions, addr: SocketAddr) -> [u16; 3] {
+    let amqp = opts.amqp_addr.port();
+    [amqp, opts.http_addr.map_or(amqp, |a| a.port()), addr.port()]
 }
 
 /// Compares two secrets in time that depends only on their lengths, so a wrong password
@@ -112,14 +182,55 @@ mod tests {
     }
 
     #[test]
+    fn audiences_are_parsed_strictly() {
+        let local = SocketAddr::from(([127, 0, 0, 1], 5673));
+        for refused in [
+            "sb://localhost:1@evil.example/q1",
+            "sb://user@localhost/q1",
+            "sb://localhost%2Fevil/q1",
+            "sb://local%68ost/q1",
+            "sb://evil.example\\@localhost/q1",
+            "sb://evil.example#@localhost/q1",
+            "sb://evil.example?@localhost/q1",
+            "ftp://localhost/q1",
+            "file://localhost/q1",
+            "sb:///q1",
+            "sb://localhost:/q1",
+            "sb://localhost:99999/q1",
+            "sb://localhost:+5673/q1",
+            "sb://localhost :5673/q1",
+            "sb://[::1%25eth0]/q1",
+            "sb://[::1/q1",
+            "sb://localhost./q1",
+            "sb://localhost:5673:5673/q1",
+        ] {
+            assert!(!audience_is_ours(refused, "localhost", local, &[5673]), "{refused}");
+        }
+        // A port must be one of the server's.
+        assert!(!audience_is_ours("sb://localhost:1/q1", "localhost", local, &[5673, 5300]));
+        assert!(audience_is_ours("sb://localhost:5300/q1", "localhost", local, &[5673, 5300]));
+        assert!(audience_is_ours("SB://LocalHost/q1", "localhost", local, &[5673]));
+        for scheme in ["sb", "amqp", "amqps", "http", "https"] {
+            let a = format!("{scheme}://localhost:5673");
+            assert!(audience_is_ours(&a, "localhost", local, &[5673]), "{a}");
+        }
+        let v6 = Audience { host: "::1".into(), port: Some(5673) };
+        assert_eq!(audience("sb://[::1]:5673/q1"), Some(v6));
+        assert_eq!(audience("sb://localhost:1@evil.example/"), None);
+    }
+
+    #[test]
     fn audiences_name_their_host() {
         let local = SocketAddr::from(([127, 0, 0, 1], 5673));
         let any = SocketAddr::from(([0, 0, 0, 0], 5673));
-        assert!(audience_is_ours("sb://localhost:5673/q1", "localhost", any));
-        assert!(audience_is_ours("amqp://127.0.0.1/q1", "localhost", local));
-        assert!(audience_is_ours("sb://[::1]:5673/q1", "localhost", local));
-        assert!(!audience_is_ours("amqp://127.0.0.1/q1", "box.lan", any));
-        assert!(!audience_is_ours("sb://evil.example.com/q1", "localhost", local));
-        assert!(!audience_is_ours("q1", "localhost", local));
+        let ports = [5673, 5300];
+        assert!(audience_is_ours("sb://localhost:5673/q1", "localhost", any, &ports));
+        assert!(audience_is_ours("amqp://127.0.0.1/q1", "localhost", local, &ports));
+        assert!(audience_is_ours("sb://[::1]:5673/q1", "localhost", local, &ports));
+        assert!(!audience_is_ours("amqp://127.0.0.1/q1", "box.lan", any, &ports));
+        assert!(!audience_is_ours("sb://evil.example.com/q1", "localhost", local, &ports));
+        assert!(!audience_is_ours("q1", "localhost", local, &ports));
+        // A server bound to port 0 does not know its port here: any is taken.
+        assert!(audience_is_ours("sb://localhost:41234/q1", "localhost", local, &[0, 5300]));
     }
 }

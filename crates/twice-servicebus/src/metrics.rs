@@ -18,7 +18,8 @@ pub struct EntityCounters {
     pub abandons: u64,
     /// Messages dead-lettered by a receiver.
     pub dead_letters: u64,
-    /// Settlements refused because the lock was lost.
+    /// Settlements refused because the lock was lost (not those refused for another reason,
+    /// such as the entity having been deleted).
     pub lock_losses: u64,
 }
 
@@ -57,6 +58,20 @@ impl Metrics {
             Counter::LockLost => &mut c.lock_losses,
         };
         *slot += n;
+    }
+
+    /// Drops the counters of a deleted entity and of what is under it (a topic's
+    /// subscriptions), so that `/metrics` lists only entities that exist. Operations on it
+    /// that finish afterwards fail, and a failure counts nothing (a refused settlement counts
+    /// only when its lock was lost), so the series does not come back unless an entity of the
+    /// same name is created and used.
+    pub fn forget(&self, entity: &str) {
+        let mut map = self.entities.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let under = |k: &str| {
+            k.get(..entity.len()).is_some_and(|head| head.eq_ignore_ascii_case(entity))
+                && matches!(k.as_bytes().get(entity.len()), None | Some(b'/'))
+        };
+        map.retain(|k, _| !under(k));
     }
 
     /// A connection opened.

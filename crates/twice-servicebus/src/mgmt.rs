@@ -345,7 +345,9 @@ async fn run<B: Backend>(
                         }
                     }
                     Err(e) => {
-                        ctx.metrics.add(entity, Counter::LockLost, 1);
+                        if matches!(e, BackendError::LockLost | BackendError::SessionLockLost) {
+                            ctx.metrics.add(entity, Counter::LockLost, 1);
+                        }
                         return Err(Status::backend(&e));
                     }
                 }

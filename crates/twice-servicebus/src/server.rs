@@ -62,6 +62,14 @@ impl<B: Backend> Server<B> {
             ),
             None => None,
         };
+        // The bound addresses, not the asked ones (port 0 picks a port): tokens must name these.
+        let mut options = options;
+        if let Ok(addr) = amqp.local_addr() {
+            options.amqp_addr = addr;
+        }
+        if let Some(addr) = http.as_ref().and_then(|h| h.local_addr().ok()) {
+            options.http_addr = Some(addr);
+        }
         let shared = Arc::new(Shared { backend, options, metrics: Arc::new(Metrics::default()) });
         Ok(Self { shared, amqp, http })
     }

@@ -12,7 +12,7 @@ use super::state::{
     unplace,
 };
 use super::{Counters, Engine, Location, Lock, WaitKind, message_size};
-use crate::config::EntityDefinition;
+use crate::config::{EntityDefinition, Rule};
 use crate::error::Error;
 
 impl Engine {
@@ -33,6 +33,18 @@ impl Engine {
                     }
                     Kind::Subscription { .. } => return Err(corrupt("limits of a subscription")),
                 }
+                Ok(())
+            }
+            Record::RuleAdded { subscription, rule } => {
+                let rules = self.rules_mut(*subscription)?;
+                if rules.iter().any(|r| r.name.eq_ignore_ascii_case(&rule.name)) {
+                    return Err(corrupt("a rule added twice"));
+                }
+                rules.push(Rule::clone(rule));
+                Ok(())
+            }
+            Record::RuleRemoved { subscription, name } => {
+                self.rules_mut(*subscription)?.retain(|r| !r.name.eq_ignore_ascii_case(name));
                 Ok(())
             }
             Record::EntityDeleted { id } => {
@@ -289,6 +301,16 @@ impl Engine {
             .ok_or_else(|| corrupt("a message placed in a deleted entity"))?;
         let pins = e.store_pins(six.is_dlq());
         place(e.store_mut(six.is_dlq()), aux, six, p.sequence, meta, pins)
+    }
+
+    /// The rules of a subscription, to change.
+    fn rules_mut(&mut self, id: EntityId) -> Result<&mut Vec<Rule>, Error> {
+        let slot = self.slot_of(id)?;
+        match self.ent_mut(slot).map(|e| &mut e.kind) {
+            Some(Kind::Subscription { rules, .. }) => Ok(rules),
+            Some(_) => Err(corrupt("a rule change of an entity that is not a subscription")),
+            None => Err(corrupt("a rule change of a deleted subscription")),
+        }
     }
 
     fn apply_entity(

@@ -169,6 +169,47 @@ pub(crate) struct EngineOptions {
     /// dropped, so that the runtime can have them freed by its callers (on the threads that
     /// allocated them, off the broker's task).
     pub(crate) collect_freed: bool,
+    /// The caps on queues and topics, subscriptions per topic and rules per subscription.
+    pub(crate) limits: Limits,
+}
+
+/// One rule added to or removed from a subscription ([`Engine::change_rules`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum RuleChange {
+    /// This rule was added after the others.
+    Added(Box<Rule>),
+    /// The rule of this name was removed.
+    Removed(String),
+}
+
+/// How many entities a namespace, subscriptions a topic and rules a subscription may hold;
+/// past them a create is refused with [`Error::LimitExceeded`]. The defaults are Service Bus
+/// Standard's quotas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// Queues and topics in the namespace (subscriptions do not count).
+    pub(crate) max_entities: usize,
+    /// Subscriptions of one topic.
+    pub(crate) max_subscriptions_per_topic: usize,
+    /// Rules of one subscription.
+    pub(crate) max_rules_per_subscription: usize,
+}
+
+/// Service Bus Standard's cap on the queues and topics of a namespace.
+pub(crate) const DEFAULT_MAX_ENTITIES: usize = 10_000;
+/// Service Bus Standard's cap on the subscriptions of a topic.
+pub(crate) const DEFAULT_MAX_SUBSCRIPTIONS_PER_TOPIC: usize = 2_000;
+/// Service Bus's cap on the SQL filters of a topic, here on the rules of a subscription.
+pub(crate) const DEFAULT_MAX_RULES_PER_SUBSCRIPTION: usize = 2_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_entities: DEFAULT_MAX_ENTITIES,
+            max_subscriptions_per_topic: DEFAULT_MAX_SUBSCRIPTIONS_PER_TOPIC,
+            max_rules_per_subscription: DEFAULT_MAX_RULES_PER_SUBSCRIPTION,
+        }
+    }
 }
 
 impl Default for EngineOptions {
@@ -183,6 +224,7 @@ impl Default for EngineOptions {
             body_cache_bytes: 0,
             deferred_serving: false,
             collect_freed: false,
+            limits: Limits::default(),
         }
     }
 }
@@ -430,6 +472,7 @@ impl Engine {
         if self.by_path.contains_key(&path.to_ascii_lowercase()) {
             return Err(Error::EntityAlreadyExists(path));
         }
+        self.check_limits(std::slice::from_ref(&definition))?;
         let id = EntityId(self.next_entity_id);
         self.emit_all(Record::entity_with_limits(id, definition, 1))?;
         self.resolve(&path)
@@ -451,8 +494,36 @@ impl Engine {
             .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
         let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
         check_immutable(e, &definition)?;
+        self.check_limits(std::slice::from_ref(&definition))?;
         let (id, next_sequence) = (e.id, e.next_seq);
         self.emit_all(Record::entity_with_limits(id, definition, next_sequence))
+    }
+
+    /// Changes a subscription's rules to those of `definition` (its properties stay), which
+    /// must differ from them by `change`: writes that one rule, not the subscription.
+    pub(crate) fn change_rules(
+        &mut self,
+        now: Timestamp,
+        definition: EntityDefinition,
+        change: RuleChange,
+    ) -> Result<(), Error> {
+        self.tick(now);
+        self.check_definition(&definition, &[])?;
+        let path = definition.path();
+        let slot = *self
+            .by_path
+            .get(&path.to_ascii_lowercase())
+            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        if !matches!(e.kind, Kind::Subscription { .. }) {
+            return Err(Error::InvalidOperation("only subscriptions have rules".to_owned()));
+        }
+        self.check_limits(std::slice::from_ref(&definition))?;
+        let subscription = e.id;
+        self.emit(match change {
+            RuleChange::Added(rule) => Record::RuleAdded { subscription, rule },
+            RuleChange::Removed(name) => Record::RuleRemoved { subscription, name },
+        })
     }
 
     /// Creates the entities that do not exist and updates those that do, all or nothing
@@ -475,6 +546,7 @@ impl Engine {
                 check_immutable(e, d)?;
             }
         }
+        self.check_limits(definitions)?;
         for d in definitions {
             let path = d.path();
             // A configuration declares each subscription whole: one declared without rules

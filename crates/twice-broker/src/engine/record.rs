@@ -268,6 +268,21 @@ pub(crate) enum Record {
         /// Its `MaxSizeInMegabytes`.
         max_size_in_megabytes: u64,
     },
+    /// A rule was added to a subscription, after its others. A record of its own so that a
+    /// rule change writes the rule, not the subscription with every rule it has.
+    RuleAdded {
+        /// The subscription.
+        subscription: EntityId,
+        /// The rule (boxed: records of this kind are rare and large).
+        rule: Box<Rule>,
+    },
+    /// A rule was removed from a subscription (named without regard to case).
+    RuleRemoved {
+        /// The subscription.
+        subscription: EntityId,
+        /// The rule's name.
+        name: String,
+    },
 }
 
 impl Record {

@@ -18,7 +18,8 @@ use super::turn::Parked;
 use super::{Runtime, StorageStats};
 use crate::config::{EntityDefinition, Rule, SubscriptionProperties};
 use crate::engine::{
-    AcceptedSession, Counters, Engine, EntityCounts, ReceiveMode, SendOutcome, SessionLock,
+    AcceptedSession, Counters, Engine, EntityCounts, ReceiveMode, RuleChange, SendOutcome,
+    SessionLock,
 };
 use crate::error::Error;
 
@@ -130,9 +131,19 @@ commands! {
     } -> () => answer(reply) {
         let eng = &mut rt.engine;
         let path = format!("{topic}/Subscriptions/{subscription}");
+        // A rule change is recorded as that rule; a change of properties restates the
+        // subscription.
+        let rule_change = match &change {
+            SubscriptionChange::Properties(_) => None,
+            SubscriptionChange::CreateRule(rule) => Some(RuleChange::Added(Box::new(rule.clone()))),
+            SubscriptionChange::DeleteRule(name) => Some(RuleChange::Removed(name.clone())),
+        };
         eng.resolve(&path).and_then(|e| eng.definition(e)).and_then(|d| {
             let d = change_subscription(d, change)?;
-            eng.update_entity(now, d)
+            match rule_change {
+                Some(rule) => eng.change_rules(now, d, rule),
+                None => eng.update_entity(now, d),
+            }
         })
     }
     EntityInfo { path: String } -> EntityInfo => answer(reply) {

@@ -5,7 +5,7 @@ use std::cmp::Ordering;
 use twice::{Message, MessageId, SessionId, Timestamp, Value};
 use uuid::Uuid;
 
-use super::parse::{Arith, Cmp, Const, Expr, Pat, Prop, Stmt, Sys};
+use super::parse::{Arith, Cmp, Const, Expr, Prop, Stmt, Sys};
 
 /// A value during evaluation. Unknown and null are `None` where a value is expected.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -88,7 +88,7 @@ pub(super) fn value<'a>(e: &'a Expr, m: &'a Message) -> Option<SqlValue<'a>> {
                 SqlValue::Char(c) => c.encode_utf8(&mut buf),
                 _ => return None,
             };
-            Some(SqlValue::Bool(like(pattern, s) != *negated))
+            Some(SqlValue::Bool(pattern.matches(s) != *negated))
         }
         Expr::IsNull { expr, negated } => {
             Some(SqlValue::Bool(value(expr, m).is_none() != *negated))
@@ -222,44 +222,6 @@ fn text_of<'a>(v: SqlValue<'a>, buf: &'a mut [u8; 4]) -> Option<&'a str> {
         SqlValue::Str(s) => Some(s),
         SqlValue::Char(c) => Some(c.encode_utf8(buf)),
         _ => None,
-    }
-}
-
-/// Whether `s` matches the pattern: greedy, backtracking to the last `%` on a mismatch, so
-/// O(pattern × text) in the worst case and no allocation.
-fn like(p: &[Pat], s: &str) -> bool {
-    let (mut pi, mut si) = (0, 0);
-    let mut back: Option<(usize, usize)> = None;
-    loop {
-        if let Some(&pat) = p.get(pi) {
-            let next = s[si..].chars().next();
-            match (pat, next) {
-                (Pat::Any, _) => {
-                    back = Some((pi, si));
-                    pi += 1;
-                    continue;
-                }
-                (Pat::One, Some(c)) => {
-                    pi += 1;
-                    si += c.len_utf8();
-                    continue;
-                }
-                (Pat::Lit(l), Some(c)) if l == c => {
-                    pi += 1;
-                    si += c.len_utf8();
-                    continue;
-                }
-                _ => {}
-            }
-        } else if si == s.len() {
-            return true;
-        }
-        // A mismatch: let the last `%` take one more character, or fail.
-        let Some((bp, bs)) = back else { return false };
-        let Some(c) = s[bs..].chars().next() else { return false };
-        back = Some((bp, bs + c.len_utf8()));
-        pi = bp + 1;
-        si = bs + c.len_utf8();
     }
 }
 

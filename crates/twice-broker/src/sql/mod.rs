@@ -56,6 +56,7 @@
 
 mod eval;
 mod lex;
+mod like;
 mod parse;
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 
 use super::SqlError;
 use super::lex::{Tok, Token, tokens};
+use super::like::LikePattern;
 
 /// How deep parentheses and operators may nest: deeper input is refused rather than allowed to
 /// exhaust the stack.
@@ -83,7 +84,7 @@ pub(super) enum Expr {
     Or(Box<Expr>, Box<Expr>),
     Not(Box<Expr>),
     In { expr: Box<Expr>, list: Vec<Expr>, negated: bool },
-    Like { expr: Box<Expr>, pattern: Vec<Pat>, negated: bool },
+    Like { expr: Box<Expr>, pattern: LikePattern, negated: bool },
     IsNull { expr: Box<Expr>, negated: bool },
     Exists(Prop),
 }
@@ -515,7 +516,11 @@ fn system(name: &str, at: usize) -> Result<Sys, SqlError> {
 }
 
 /// A `LIKE` pattern as elements; the escape character makes the next `%`, `_` or itself literal.
-fn compile_like(pattern: &str, escape: Option<char>, at: usize) -> Result<Vec<Pat>, SqlError> {
+pub(super) fn compile_like(
+    pattern: &str,
+    escape: Option<char>,
+    at: usize,
+) -> Result<LikePattern, SqlError> {
     let mut out = Vec::with_capacity(pattern.len());
     let mut chars = pattern.chars();
     while let Some(c) = chars.next() {
@@ -537,5 +542,5 @@ fn compile_like(pattern: &str, escape: Option<char>, at: usize) -> Result<Vec<Pa
             });
         }
     }
-    Ok(out)
+    Ok(LikePattern::new(out))
 }

@@ -384,3 +384,79 @@ proptest! {
         }
     }
 }
+
+/// The pattern compiled as `LIKE 'pattern' ESCAPE '!'` would be.
+fn like_pattern(pattern: &str) -> super::like::LikePattern {
+    super::parse::compile_like(pattern, Some('!'), 0).expect("a valid pattern")
+}
+
+/// How much work matching may take: a few machine words of state per pattern element and
+/// per 64 of them, for each character of the value.
+fn like_work_bound(pattern: &str, value: &str) -> u64 {
+    let words = u64::try_from(pattern.chars().count() / 64 + 1).unwrap_or(u64::MAX);
+    let chars = u64::try_from(value.chars().count()).unwrap_or(u64::MAX);
+    2 * words * (chars + 1)
+}
+
+#[test]
+fn like_does_work_linear_in_the_value_and_not_in_pattern_times_value() {
+    // `%aaa…ab` (1,012 characters) against 240,000 `a`: a backtracking matcher retries the
+    // whole pattern from every position of the value, some 240 million steps.
+    let pattern = format!("%{}b", "a".repeat(1010));
+    let value = "a".repeat(240_000);
+    let like = like_pattern(&pattern);
+    let mut steps = 0;
+    assert!(!like.matches_counting(&value, &mut steps));
+    let bound = like_work_bound(&pattern, &value);
+    assert!(steps <= bound, "{steps} steps for {} characters, bound {bound}", value.len());
+    let mut steps = 0;
+    assert!(like.matches_counting(&format!("{value}b"), &mut steps));
+    assert!(steps <= bound + 64, "{steps} steps");
+    // Many `%`, each followed by the same near miss.
+    let pattern = "%aaaaaaab".repeat(100);
+    let value = "aaaaaaa".repeat(30_000);
+    let mut steps = 0;
+    assert!(!like_pattern(&pattern).matches_counting(&value, &mut steps));
+    let bound = like_work_bound(&pattern, &value);
+    assert!(steps <= bound, "{steps} steps, bound {bound}");
+}
+
+#[test]
+fn a_filter_with_the_largest_pattern_evaluates_a_megabyte_value() {
+    // 4,000 pattern characters against a million: four billion steps for a backtracking
+    // matcher, some 63 million word operations here.
+    let pattern = format!("%{}b", "a".repeat(3998));
+    let filter = SqlFilter::parse(&format!("s LIKE '{pattern}'")).expect("parses");
+    let mut m = Message::new("");
+    m.application_properties.insert("s".into(), Value::String("a".repeat(1_000_000)));
+    assert!(!filter.matches(&m));
+    m.application_properties
+        .insert("s".into(), Value::String(format!("{}b", "a".repeat(1_000_000))));
+    assert!(filter.matches(&m));
+}
+
+/// A reference `LIKE` with `!` as its escape: plain recursion, exponential but obvious.
+fn like_with_escape_ref(p: &[char], s: &[char]) -> bool {
+    match p {
+        [] => s.is_empty(),
+        ['!', c, rest @ ..] => s.first() == Some(c) && like_with_escape_ref(rest, &s[1..]),
+        ['%', rest @ ..] => (0..=s.len()).any(|i| like_with_escape_ref(rest, &s[i..])),
+        ['_', rest @ ..] => !s.is_empty() && like_with_escape_ref(rest, &s[1..]),
+        [c, rest @ ..] => s.first() == Some(c) && like_with_escape_ref(rest, &s[1..]),
+    }
+}
+
+proptest! {
+    #[test]
+    fn like_agrees_with_a_reference_matcher(
+        pattern in "([ab%_é]|![ab%_!é]){0,12}",
+        value in "[ab%_!é]{0,16}",
+    ) {
+        let p: Vec<char> = pattern.chars().collect();
+        let s: Vec<char> = value.chars().collect();
+        let mut steps = 0;
+        let got = like_pattern(&pattern).matches_counting(&value, &mut steps);
+        prop_assert_eq!(got, like_with_escape_ref(&p, &s), "'{}' LIKE '{}' ESCAPE '!'", value, pattern);
+        prop_assert!(steps <= like_work_bound(&pattern, &value) + 64);
+    }
+}

@@ -2,8 +2,9 @@
 //! sends, completions, segment rolls, checkpoints, compaction and segment deletion), power
 //! loss after them, and writes or fsyncs that fail with `ENOSPC` or `EIO`. After a restart,
 //! every acknowledged send is there unless its completion was acknowledged, no acknowledged
-//! completion comes back, and nothing appears that was never sent. A broker whose storage
-//! failed says so in [`crate::Broker::health`] and acknowledges nothing more.
+//! completion comes back, and nothing appears that was never sent; the same for the rules
+//! added to and removed from a subscription (each written as a record of its own). A broker
+//! whose storage failed says so in [`crate::Broker::health`] and acknowledges nothing more.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -15,8 +16,9 @@ use twice::{ManualClock, Message, SequenceNumber, SharedClock};
 use super::fault::{Crash, Failure, FaultFs, Plan, Rng};
 use super::fault_tests::run_seeded;
 use super::*;
-use crate::config::QueueProperties;
+use crate::config::{Filter, QueueProperties, Rule, SubscriptionProperties, TopicProperties};
 use crate::runtime::{Runtime, RuntimeOptions};
+use crate::sql::SqlFilter;
 use crate::{Broker, Error, Health, engine};
 
 fn data_dir() -> &'static Path {
@@ -68,6 +70,9 @@ async fn broker_case(seed: u64) -> Result<(), String> {
     let relaxed = rng.chance(30);
     let broker = start(&fs, segment_size, relaxed).map_err(|e| e.to_string())?;
     broker.create_queue("q", QueueProperties::default()).await.map_err(|e| e.to_string())?;
+    broker.create_topic("t", TopicProperties::default()).await.map_err(|e| e.to_string())?;
+    let sub = SubscriptionProperties::default();
+    broker.create_subscription("t", "s", sub).await.map_err(|e| e.to_string())?;
 
     let failure = Failure::random(&mut rng, 2);
     let at = 1 + rng.below(250);
@@ -87,9 +92,34 @@ async fn broker_case(seed: u64) -> Result<(), String> {
     let mut completing = BTreeSet::new();
     let mut storage_error = false;
     let mut next = 0u32;
+    // Rules: acknowledged and not removed, ever attempted, removals attempted and acknowledged.
+    let mut rules = BTreeSet::from(["$Default".to_owned()]);
+    let mut adding = BTreeSet::new();
+    let mut removing = BTreeSet::new();
+    let mut removed = BTreeSet::new();
     for _ in 0..rng.below(120) {
         let r: Result<(), Error> = async {
-            if rng.chance(50) {
+            if rng.chance(10) {
+                if !rules.is_empty() && rng.chance(40) {
+                    let name =
+                        rules.iter().nth(rng.index(rules.len())).cloned().unwrap_or_default();
+                    removing.insert(name.clone());
+                    broker.delete_rule("t", "s", &name).await?;
+                    rules.remove(&name);
+                    removed.insert(name);
+                } else {
+                    let name = format!("r{next}");
+                    next += 1;
+                    let text = format!("p = '{}'", "x".repeat(rng.index(2000)));
+                    let filter = SqlFilter::parse(&text)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    adding.insert(name.clone());
+                    broker
+                        .create_rule("t", "s", Rule::new(name.clone(), Filter::Sql(filter)))
+                        .await?;
+                    rules.insert(name);
+                }
+            } else if rng.chance(50) {
                 let mut batch = Vec::new();
                 let mut ids = Vec::new();
                 for _ in 0..1 + rng.below(4) {
@@ -167,6 +197,22 @@ async fn broker_case(seed: u64) -> Result<(), String> {
         sent.iter().find(|id| !completing.contains(*id) && !seen.contains_key(id.as_str()))
     {
         return Err(ctx(&format!("acknowledged send {id} is lost")));
+    }
+    let got: BTreeSet<String> = broker
+        .get_rules("t", "s")
+        .await
+        .map_err(|e| ctx(&e))?
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    if let Some(r) = rules.iter().find(|r| !removing.contains(*r) && !got.contains(*r)) {
+        return Err(ctx(&format!("acknowledged rule {r} is lost")));
+    }
+    if let Some(r) = removed.iter().find(|r| got.contains(*r)) {
+        return Err(ctx(&format!("rule {r} came back after its removal was acknowledged")));
+    }
+    if let Some(r) = got.iter().find(|r| *r != "$Default" && !adding.contains(*r)) {
+        return Err(ctx(&format!("rule {r} was never added")));
     }
     // The recovered broker works.
     broker.send("q", Message::new("after").with_message_id("after")).await.map_err(|e| ctx(&e))?;

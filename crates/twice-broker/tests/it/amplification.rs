@@ -75,3 +75,43 @@ async fn tiny_sends_next_to_a_backlog_do_not_move_it() {
     assert!(wrote < SEGMENT, "{wrote} bytes written for twenty 10-byte sends");
     broker.shutdown().await;
 }
+
+/// A rule change writes the rule, not the subscription with every rule it has: the bytes one
+/// change adds to the log do not grow with the rules already there, and the rules are all
+/// back after a restart.
+#[tokio::test]
+async fn a_rule_change_writes_in_proportion_to_the_rule_not_to_the_subscription() {
+    use twice_broker::config::{Filter, Rule, SubscriptionProperties, TopicProperties};
+    use twice_broker::sql::SqlFilter;
+
+    let dir = tempfile::tempdir().unwrap();
+    let options = || BrokerOptions::durable(dir.path()).clock(ManualClock::default());
+    let broker = Broker::open(options()).await.unwrap();
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    broker.create_subscription("t", "s", SubscriptionProperties::default()).await.unwrap();
+    // Rules of about 4 KB each: a SQL filter near the 4,096-byte limit.
+    let rule = |i: usize| {
+        let text = format!("color = '{}{i}'", "x".repeat(4000));
+        Rule::new(format!("r{i}"), Filter::Sql(SqlFilter::parse(&text).unwrap()))
+    };
+    let mut most = 0;
+    for i in 0..300 {
+        let before = written(&broker).await;
+        broker.create_rule("t", "s", rule(i)).await.unwrap();
+        most = most.max(written(&broker).await - before);
+    }
+    // One rule's text and the record around it, whatever the number of rules before it.
+    assert!(most < 12 * 1024, "a rule change wrote up to {most} bytes");
+    let before = written(&broker).await;
+    broker.delete_rule("t", "s", "r7").await.unwrap();
+    let removed = written(&broker).await - before;
+    assert!(removed < 4 * 1024, "removing a rule wrote {removed} bytes");
+    broker.shutdown().await;
+    drop(broker);
+
+    let broker = Broker::open(options()).await.unwrap();
+    let rules = broker.get_rules("t", "s").await.unwrap();
+    assert_eq!(rules.len(), 300, "$Default and 299 of the 300 added");
+    assert!(rules.iter().all(|r| r.name != "r7"));
+    assert_eq!(rules.last().unwrap(), &rule(299));
+}

@@ -7,6 +7,7 @@ mod corruption;
 mod crash;
 mod descriptors;
 mod durability;
+mod limits;
 mod management;
 mod memory;
 mod quota;

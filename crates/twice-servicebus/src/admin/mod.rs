@@ -22,7 +22,7 @@ use twice_broker::config::{
 };
 
 use crate::backend::{Backend, BackendError};
-use crate::grants::{Grants, audience_is_ours};
+use crate::grants::{Grants, audience_is_ours, server_ports};
 pub(crate) use crate::request::Request;
 use crate::sas::Claim;
 use crate::shared::Shared;
@@ -56,6 +56,7 @@ fn error(code: u16, detail: impl AsRef<str>) -> Response {
     let status = match code {
         400 => "400 Bad Request",
         401 => "401 Unauthorized",
+        403 => "403 Forbidden",
         404 => "404 Not Found",
         405 => "405 Method Not Allowed",
         409 => "409 Conflict",
@@ -74,9 +75,9 @@ fn backend_error(e: &BackendError) -> Response {
     let code = match e {
         BackendError::EntityNotFound(_) | BackendError::MessageNotFound(_) => 404,
         BackendError::AlreadyExists(_) => 409,
-        BackendError::Invalid(_)
-        | BackendError::QuotaExceeded(_)
-        | BackendError::MessageSizeExceeded(_) => 400,
+        // As Service Bus answers a create past a namespace quota.
+        BackendError::QuotaExceeded(why) => return error(403, format!("QuotaExceeded: {why}")),
+        BackendError::Invalid(_) | BackendError::MessageSizeExceeded(_) => 400,
         BackendError::Unsupported(_) => 501,
         BackendError::Unavailable(_) | BackendError::StorageFailed(_) => 503,
         _ => 500,
@@ -151,7 +152,9 @@ fn authorize<B>(
     let now = shared.options.clock.now().as_millis().div_euclid(1000);
     let opts = &shared.options;
     let grant = opts.keys.validate(token, now).map_err(|e| error(401, format!("{header}: {e}")))?;
-    if grant.resource.contains("://") && !audience_is_ours(&grant.resource, &opts.hostname, addr) {
+    if grant.resource.contains("://")
+        && !audience_is_ours(&grant.resource, &opts.hostname, addr, &server_ports(opts, addr))
+    {
         return Err(error(401, format!("{header}: the token's audience is not this namespace")));
     }
     let resource = grant.resource.split('?').next().unwrap_or_default();
@@ -554,6 +557,7 @@ impl<B: Backend> Ctx<'_, B> {
     async fn delete(&self, path: &str) -> Reply {
         self.shared.backend.admin_delete(path).await.map_err(|e| backend_error(&e))?;
         self.admin.forget(path);
+        self.shared.metrics.forget(path);
         Ok(Response { status: "200 OK", content_type: ENTRY, body: String::new() })
     }
 

@@ -30,6 +30,12 @@ pub(crate) const FOREVER: &str = "P10675199DT2H48M5.4775807S";
 const FOREVER_DAYS: u64 = 10_675_199;
 /// How deep a request document may nest.
 const MAX_DEPTH: usize = 32;
+/// The most attributes one element may carry. An entity description carries a handful; the
+/// XML reader checks each attribute against the ones before it, so the cap also bounds that.
+const MAX_ATTRIBUTES: usize = 64;
+/// The most elements a request document may hold (a rule with many correlation properties
+/// holds a few hundred).
+const MAX_ELEMENTS: usize = 4096;
 
 /// Why a request body was refused (a 400 with this text).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,6 +83,7 @@ pub(crate) fn parse(body: &[u8]) -> Result<Element, BadRequest> {
     let mut reader = quick_xml::Reader::from_str(text);
     let mut stack: Vec<Element> = Vec::new();
     let mut root = None;
+    let mut elements = 0usize;
     loop {
         let event = reader
             .read_event()
@@ -88,11 +95,13 @@ pub(crate) fn parse(body: &[u8]) -> Result<Element, BadRequest> {
             }
             Event::Start(start) => {
                 if stack.len() >= MAX_DEPTH {
-                    return bad("the body nests too deeply");
+                    return bad(format!("the body nests deeper than {MAX_DEPTH} elements"));
                 }
+                count_element(&mut elements)?;
                 stack.push(element(&start)?);
             }
             Event::Empty(start) => {
+                count_element(&mut elements)?;
                 let e = element(&start)?;
                 match stack.last_mut() {
                     Some(parent) => parent.children.push(e),
@@ -131,9 +140,24 @@ pub(crate) fn parse(body: &[u8]) -> Result<Element, BadRequest> {
     root.ok_or_else(|| BadRequest("the body has no XML element".into()))
 }
 
+/// Counts one more element of the document, refusing it past [`MAX_ELEMENTS`].
+fn count_element(elements: &mut usize) -> Result<(), BadRequest> {
+    *elements += 1;
+    if *elements > MAX_ELEMENTS {
+        return bad(format!("the body has more than {MAX_ELEMENTS} elements"));
+    }
+    Ok(())
+}
+
 fn element(start: &quick_xml::events::BytesStart<'_>) -> Result<Element, BadRequest> {
     let mut e = Element { name: local(start.name().as_ref()), ..Element::default() };
-    for a in start.attributes() {
+    for (i, a) in start.attributes().enumerate() {
+        if i == MAX_ATTRIBUTES {
+            return bad(format!(
+                "<{}> has more than {MAX_ATTRIBUTES} attributes",
+                e.name.chars().take(64).collect::<String>()
+            ));
+        }
         let a = a.map_err(|e| BadRequest(format!("the body is not well-formed XML: {e}")))?;
         let v = a
             .unescape_value()
@@ -779,7 +803,25 @@ mod tests {
             assert!(err.0.contains(why), "{body}: {err}");
         }
         let deep = "<a>".repeat(40) + &"</a>".repeat(40);
-        assert!(parse(deep.as_bytes()).unwrap_err().0.contains("nests too deeply"));
+        assert!(parse(deep.as_bytes()).unwrap_err().0.contains("nests deeper than"));
+    }
+
+    #[test]
+    fn documents_past_the_caps_are_refused_naming_the_limit() {
+        let attrs: String = (0..65).map(|i| format!(" a{i}=\"\"")).collect();
+        let body = format!("<entry><content><QueueDescription{attrs}/></content></entry>");
+        let err = parse(body.as_bytes()).unwrap_err();
+        assert!(err.0.contains("more than 64 attributes"), "{err}");
+        let attrs: String = (0..64).map(|i| format!(" a{i}=\"\"")).collect();
+        assert!(parse(format!("<entry{attrs}/>").as_bytes()).is_ok());
+        let body = format!("<entry>{}</entry>", "<a/>".repeat(4096));
+        let err = parse(body.as_bytes()).unwrap_err();
+        assert!(err.0.contains("more than 4096 elements"), "{err}");
+        let body = format!("<entry>{}</entry>", "<a/>".repeat(4095));
+        assert!(parse(body.as_bytes()).is_ok());
+        let deep = "<a>".repeat(33) + &"</a>".repeat(33);
+        let err = parse(deep.as_bytes()).unwrap_err();
+        assert!(err.0.contains("nests deeper than 32 elements"), "{err}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::backend::Backend;
 use crate::codec::Value;
 use crate::conditions::{self as cond, token_expired};
 use crate::frame::{self, Frame, FrameReader};
-use crate::grants::{audience_is_ours, same_secret};
+use crate::grants::{audience_is_ours, same_secret, server_ports};
 use crate::mgmt;
 use crate::performative::{AmqpError, Open, Performative};
 use crate::sas::{Claim, Claims};
@@ -179,7 +179,14 @@ impl<B: Backend> Conn<B> {
             let token = req.body.as_str().unwrap_or("");
             let opts = &self.shared.options;
             match opts.keys.validate(token, now) {
-                Ok(grant) if !audience_is_ours(&grant.resource, &opts.hostname, opts.amqp_addr) => {
+                Ok(grant)
+                    if !audience_is_ours(
+                        &grant.resource,
+                        &opts.hostname,
+                        opts.amqp_addr,
+                        &server_ports(opts, opts.amqp_addr),
+                    ) =>
+                {
                     tracing::debug!("token refused: its audience names another host");
                     (401, "Unauthorized: the token's audience is not this namespace".to_owned())
                 }

@@ -252,7 +252,9 @@ fn echo_of(
         }
         Err(e) => e,
     };
-    metrics.add(entity, Counter::LockLost, 1);
+    if matches!(e, BackendError::LockLost | BackendError::SessionLockLost) {
+        metrics.add(entity, Counter::LockLost, 1);
+    }
     let cond = if in_session && e == BackendError::SessionLockLost {
         cond::SESSION_LOCK_LOST
     } else if e == BackendError::LockLost || e == BackendError::SessionLockLost {

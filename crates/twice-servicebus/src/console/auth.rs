@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{ApiError, Request};
 use crate::backend::Backend;
-use crate::grants::{Grants, audience_is_ours};
+use crate::grants::{Grants, audience_is_ours, server_ports};
 use crate::sas::Claim;
 use crate::shared::Shared;
 
@@ -127,7 +127,9 @@ fn grants_of<B: Backend>(
     let opts = &shared.options;
     let grant =
         opts.keys.validate(token, now).map_err(|e| ApiError::Unauthorized(e.to_string()))?;
-    if grant.resource.contains("://") && !audience_is_ours(&grant.resource, &opts.hostname, addr) {
+    if grant.resource.contains("://")
+        && !audience_is_ours(&grant.resource, &opts.hostname, addr, &server_ports(opts, addr))
+    {
         return Err(ApiError::Unauthorized("the token's audience is not this namespace".into()));
     }
     let resource = grant.resource.split('?').next().unwrap_or_default();

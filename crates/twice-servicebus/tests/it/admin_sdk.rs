@@ -143,3 +143,29 @@ async fn bad_bodies_get_400_and_large_ones_413() {
     let (status, _) = raw(&server, req.as_bytes()).await;
     assert_eq!(status, "HTTP/1.1 404 Not Found");
 }
+
+/// A body within the size limit but with tens of thousands of attributes or elements is
+/// refused before its parse costs more than its size: a 400 that names the limit.
+#[tokio::test]
+async fn bodies_with_too_many_attributes_or_elements_get_400_naming_the_limit() {
+    let server = TestServer::start().await;
+    let good = token(&server, "SAS_KEY_VALUE");
+    let attrs: String = (0..50_000).map(|i| format!(" a{i}=''")).collect();
+    let many_attrs = format!("<entry><content><QueueDescription{attrs}/></content></entry>");
+    let many_elements = format!("<entry>{}</entry>", "<a/>".repeat(200_000));
+    for (body, limit) in
+        [(many_attrs, "more than 64 attributes"), (many_elements, "more than 4096 elements")]
+    {
+        assert!(body.len() < 1024 * 1024);
+        let req = format!(
+            "PUT /newq HTTP/1.1\r\nauthorization: {good}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (status, text) = raw(&server, req.as_bytes()).await;
+        assert_eq!(status, "HTTP/1.1 400 Bad Request", "{text}");
+        assert!(text.contains(limit), "{text}");
+    }
+    let req = format!("GET /newq HTTP/1.1\r\nauthorization: {good}\r\n\r\n");
+    let (status, _) = raw(&server, req.as_bytes()).await;
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
+}

@@ -183,6 +183,144 @@ async fn made_up_entity_names_leave_no_trace_in_the_metrics() {
 }
 
 #[tokio::test]
+async fn deleted_entities_leave_the_metrics_and_stay_gone() {
+    let server = TestServer::start().await;
+    let expiry = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap())
+        + Duration::from_secs(600);
+    let admin = token(&format!("https://localhost:{}/", server.http.port()), expiry);
+    let auth = [("authorization", admin.as_str())];
+    let queue = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <QueueDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    let topic = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <TopicDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    let sub = "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'>\
+        <SubscriptionDescription xmlns='http://schemas.microsoft.com/netservices/2010/10/servicebus/connect'/>\
+        </content></entry>";
+    for (path, body) in [("/goneq", queue), ("/gonet", topic), ("/gonet/subscriptions/s", sub)] {
+        let reply = crate::console::request(server.http, "PUT", path, &auth, body).await;
+        assert_eq!(reply.status, 201, "{path}: {}", reply.body);
+    }
+    let mut c = Raw::open(server.addr, 65536).await;
+    c.attach("q", 0, false, "goneq", 0).await;
+    c.send_messages(0, 1).await;
+    c.attach("t", 1, false, "gonet", 0).await;
+    c.send_messages(1, 1).await;
+    c.attach("r", 2, true, "gonet/subscriptions/s", 0).await;
+    c.flow(2, 0, 1, false).await;
+    let locked = c.transfers(1).await;
+    let metrics = http_get(server.http, "/metrics").await;
+    for entity in ["goneq", "gonet", "gonet/subscriptions/s"] {
+        assert!(metrics.contains(&format!("entity=\"{entity}\"")), "{entity}: {metrics}");
+    }
+    for path in ["/goneq", "/gonet"] {
+        let reply = crate::console::request(server.http, "DELETE", path, &auth, "").await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    }
+    let metrics = http_get(server.http, "/metrics").await;
+    assert!(metrics.contains("HTTP/1.1 200"), "{metrics}");
+    assert!(!metrics.contains("gone"), "deleted entities are still counted: {metrics}");
+    // The links to them are still attached: a send through one and the settlement of a
+    // message received before are refused, and count nothing.
+    let m = twice::Message::new("late").with_message_id("late");
+    c.transfer(0, 1, &encode_message(&m), 65536).await;
+    let settle = twice_servicebus::performative::Disposition {
+        role: true,
+        first: locked[0],
+        last: None,
+        settled: false,
+        state: Some(twice_servicebus::performative::Outcome::Accepted.to_value()),
+    };
+    c.send(Performative::Disposition(settle), &[]).await;
+    let mut answered = (false, false);
+    while answered != (true, true) {
+        match c.next().await.0 {
+            Performative::Disposition(d) if d.role => answered.0 = true,
+            Performative::Disposition(_) => answered.1 = true,
+            Performative::Detach(_) => {}
+            other => panic!("expected dispositions, got {other:?}"),
+        }
+    }
+    let metrics = http_get(server.http, "/metrics").await;
+    assert!(!metrics.contains("gone"), "a deleted entity came back: {metrics}");
+}
+
+#[tokio::test]
+async fn entity_and_rule_caps_are_answered_as_quota_exceeded() {
+    // The standard configuration holds 39 queues and topics; `topic1` has two subscriptions,
+    // each with its `$Default` rule.
+    let broker = twice_broker::Broker::open(
+        twice_broker::BrokerOptions::in_memory()
+            .config(crate::harness::standard_config())
+            .max_entities(39)
+            .max_subscriptions_per_topic(2)
+            .max_rules_per_subscription(1),
+    )
+    .await
+    .unwrap();
+    let options = ServerOptions::new()
+        .amqp_addr(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .http_addr(Some(SocketAddr::from(([127, 0, 0, 1], 0))));
+    let server = twice_servicebus::Server::bind(options, broker.clone()).await.unwrap();
+    let (addr, http) = (server.amqp_addr(), server.http_addr().unwrap());
+    tokio::spawn(server.run(std::future::pending()));
+
+    let now = twice::SystemClock.now().as_millis();
+    let expiry = std::time::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(now).unwrap())
+        + Duration::from_secs(600);
+    let admin = token(&format!("https://localhost:{}/", http.port()), expiry);
+    let auth = [("authorization", admin.as_str())];
+    let ns = "http://schemas.microsoft.com/netservices/2010/10/servicebus/connect";
+    for (path, kind) in [
+        ("/one-too-many", "QueueDescription"),
+        ("/topic1/subscriptions/s3", "SubscriptionDescription"),
+    ] {
+        let body = format!(
+            "<entry xmlns='http://www.w3.org/2005/Atom'><content type='application/xml'><{kind} xmlns='{ns}'/></content></entry>"
+        );
+        let reply = crate::console::request(http, "PUT", path, &auth, &body).await;
+        assert_eq!(reply.status, 403, "{path}: {}", reply.body);
+        assert!(reply.body.contains("QuotaExceeded"), "{}", reply.body);
+        assert!(reply.body.contains("its limit of"), "{}", reply.body);
+    }
+    assert!(broker.get_queue("one-too-many").await.is_err());
+
+    // `$management` add-rule on a subscription that has as many rules as it may.
+    let mut c = Raw::open(addr, 65536).await;
+    c.attach("m", 0, false, "topic1/subscriptions/sub1/$management", 0).await;
+    c.attach("r", 1, true, "topic1/subscriptions/sub1/$management", 0).await;
+    c.flow(1, 0, 10, false).await;
+    let description = Value::Map(vec![(
+        Value::string("sql-filter"),
+        Value::Map(vec![(Value::string("expression"), Value::string("color = 'red'"))]),
+    )]);
+    let body = Value::Map(vec![
+        (Value::string("rule-name"), Value::string("reds")),
+        (Value::string("rule-description"), description),
+    ]);
+    c.transfer(0, 0, &mgmt_request("com.microsoft:add-rule", body), 65536).await;
+    let reply = loop {
+        if let (Performative::Transfer(_), payload) = c.next().await {
+            break twice_servicebus::mapping::Sections::parse(&payload).unwrap();
+        }
+    };
+    let property = |name: &str| {
+        reply
+            .application_properties
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(property("statusCode").and_then(|v| v.as_i64()), Some(403));
+    let condition = property("errorCondition");
+    assert_eq!(condition.as_ref().and_then(|v| v.as_str()), Some("amqp:resource-limit-exceeded"));
+    assert_eq!(broker.get_rules("topic1", "sub1").await.unwrap().len(), 1);
+}
+
+#[tokio::test]
 async fn a_transfer_on_a_handle_never_attached_ends_the_session() {
     let server = TestServer::start().await;
     let mut c = Raw::open(server.addr, 65536).await;
@@ -597,6 +735,40 @@ async fn a_token_for_another_host_is_refused() {
     assert_eq!(c.put_token(&forged).await, 401);
     let refused = c.try_attach("s", 2, false, "q11").await;
     assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+}
+
+#[tokio::test]
+async fn a_token_whose_authority_hides_another_host_is_refused() {
+    // `sb://localhost:1@evil.example/`: the host is `evil.example`, `localhost:1` is userinfo.
+    let server = TestServer::start().await;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_millis(u64::try_from(server.clock.now().as_millis()).unwrap());
+    let expiry = now + Duration::from_secs(600);
+    let mut c = Raw::anonymous(server.addr).await;
+    for audience in [
+        "sb://localhost:1@evil.example/q11",
+        "sb://localhost%2eevil.example/q11",
+        "sb://evil.example#@localhost/q11",
+        "ftp://localhost/q11",
+    ] {
+        assert_eq!(c.put_token(&token(audience, expiry)).await, 401, "{audience}");
+    }
+    let refused = c.try_attach("s", 2, false, "q11").await;
+    assert_eq!(refused.as_deref(), Some("amqp:unauthorized-access"));
+    // The administration API: the same audience over HTTP.
+    let forged = token("https://localhost:1@evil.example/", expiry);
+    let reply =
+        crate::console::request(server.http, "GET", "/q11", &[("authorization", &forged)], "")
+            .await;
+    assert_eq!(reply.status, 401, "{}", reply.body);
+    // The same server takes an honest token for itself.
+    let honest = token("sb://localhost/q11", expiry);
+    assert_eq!(c.put_token(&honest).await, 202);
+    let honest = token(&format!("https://localhost:{}/", server.http.port()), expiry);
+    let reply =
+        crate::console::request(server.http, "GET", "/q11", &[("authorization", &honest)], "")
+            .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
 }
 
 #[tokio::test]
