@@ -6,7 +6,48 @@
 //! costs a few operations per 64 pattern elements, whatever the pattern and the value: no
 //! backtracking, so no input makes matching slower than that.
 
-use super::parse::Pat;
+use super::SqlError;
+
+/// One element of a `LIKE` pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Pat {
+    /// `%`: any run of characters, the empty one included.
+    Any,
+    /// `_`: exactly one character.
+    One,
+    /// This character.
+    Lit(char),
+}
+
+/// A `LIKE` pattern as elements; the escape character makes the next `%`, `_` or itself literal.
+pub(super) fn compile_like(
+    pattern: &str,
+    escape: Option<char>,
+    at: usize,
+) -> Result<LikePattern, SqlError> {
+    let mut out = Vec::with_capacity(pattern.len());
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        if Some(c) == escape {
+            match chars.next() {
+                Some(next) => out.push(Pat::Lit(next)),
+                None => {
+                    return Err(SqlError::new(
+                        at,
+                        "the LIKE pattern ends with its escape character",
+                    ));
+                }
+            }
+        } else {
+            out.push(match c {
+                '%' => Pat::Any,
+                '_' => Pat::One,
+                c => Pat::Lit(c),
+            });
+        }
+    }
+    Ok(LikePattern::new(out))
+}
 
 /// A compiled `LIKE` pattern.
 ///

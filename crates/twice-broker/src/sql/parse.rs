@@ -2,7 +2,7 @@
 
 use super::SqlError;
 use super::lex::{Tok, Token, tokens};
-use super::like::LikePattern;
+use super::like::{LikePattern, compile_like};
 
 /// How deep parentheses and operators may nest: deeper input is refused rather than allowed to
 /// exhaust the stack.
@@ -87,17 +87,6 @@ pub(super) enum Expr {
     Like { expr: Box<Expr>, pattern: LikePattern, negated: bool },
     IsNull { expr: Box<Expr>, negated: bool },
     Exists(Prop),
-}
-
-/// One element of a `LIKE` pattern.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Pat {
-    /// `%`: any run of characters, the empty one included.
-    Any,
-    /// `_`: exactly one character.
-    One,
-    /// This character.
-    Lit(char),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -513,34 +502,4 @@ fn system(name: &str, at: usize) -> Result<Sys, SqlError> {
             ),
         )
     })
-}
-
-/// A `LIKE` pattern as elements; the escape character makes the next `%`, `_` or itself literal.
-pub(super) fn compile_like(
-    pattern: &str,
-    escape: Option<char>,
-    at: usize,
-) -> Result<LikePattern, SqlError> {
-    let mut out = Vec::with_capacity(pattern.len());
-    let mut chars = pattern.chars();
-    while let Some(c) = chars.next() {
-        if Some(c) == escape {
-            match chars.next() {
-                Some(next) => out.push(Pat::Lit(next)),
-                None => {
-                    return Err(SqlError::new(
-                        at,
-                        "the LIKE pattern ends with its escape character",
-                    ));
-                }
-            }
-        } else {
-            out.push(match c {
-                '%' => Pat::Any,
-                '_' => Pat::One,
-                c => Pat::Lit(c),
-            });
-        }
-    }
-    Ok(LikePattern::new(out))
 }

@@ -387,7 +387,7 @@ proptest! {
 
 /// The pattern compiled as `LIKE 'pattern' ESCAPE '!'` would be.
 fn like_pattern(pattern: &str) -> super::like::LikePattern {
-    super::parse::compile_like(pattern, Some('!'), 0).expect("a valid pattern")
+    super::like::compile_like(pattern, Some('!'), 0).expect("a valid pattern")
 }
 
 /// How much work matching may take: a few machine words of state per pattern element and

@@ -132,3 +132,39 @@ fn a_tls_client_on_a_plain_port_is_one_clear_line_in_the_log() {
     assert_eq!(amqps, 1, "{err}");
     assert!(err.contains("UseDevelopmentEmulator=true"), "{err}");
 }
+
+/// The reverse: with a certificate (`--tls-cert`), a plain HTTP client on the HTTP port and a
+/// plain AMQP client on the amqps port are each one log line, however often they retry.
+#[test]
+fn a_plain_client_on_a_tls_port_is_one_clear_line_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = twice_testkit::tls::TestCertificates::localhost();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, &certs.cert_pem).unwrap();
+    std::fs::write(&key, &certs.key_pem).unwrap();
+    let serve = start(&[
+        "--in-memory",
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]);
+    let http = serve.http_addr();
+    let amqp = serve.amqp_addr().to_string();
+    for _ in 0..3 {
+        let mut s = std::net::TcpStream::connect(&http).unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        let _ = std::io::Read::read_to_string(&mut s, &mut answer);
+        assert!(answer.contains("this port speaks https"), "{answer}");
+        let mut s = std::net::TcpStream::connect(&amqp).unwrap();
+        s.write_all(b"AMQP\x03\x01\x00\x00").unwrap();
+        let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
+    }
+    let err = serve.terminate().stderr;
+    let http_line = err.matches("a plain http client reached").count();
+    assert_eq!(http_line, 1, "once, however often it retries:\n{err}");
+    let amqp_line = err.matches("a plain AMQP client reached the amqps (TLS) port").count();
+    assert_eq!(amqp_line, 1, "{err}");
+    assert!(err.contains("remove UseDevelopmentEmulator=true"), "{err}");
+}
