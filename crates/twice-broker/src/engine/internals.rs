@@ -2,7 +2,6 @@
 //! expiry, sessions, timers and the serving of parked receivers. The calls in `mod.rs` are
 //! made of these.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -113,124 +112,6 @@ impl Engine {
                 rules.clone(),
             ),
         }
-    }
-
-    /// Checks a definition against the entities and the definitions before it in a batch.
-    pub(super) fn check_definition(
-        &self,
-        d: &EntityDefinition,
-        earlier: &[EntityDefinition],
-    ) -> Result<(), Error> {
-        d.validate()?;
-        let own = d.path().to_ascii_lowercase();
-        let forwards = match d {
-            EntityDefinition::Queue { properties, .. } => [
-                properties.forward_to.as_deref(),
-                properties.forward_dead_lettered_messages_to.as_deref(),
-            ],
-            EntityDefinition::Subscription { properties, .. } => [
-                properties.forward_to.as_deref(),
-                properties.forward_dead_lettered_messages_to.as_deref(),
-            ],
-            _ => [None, None],
-        };
-        if forwards[0].is_some_and(|f| f.to_ascii_lowercase() == own) {
-            return Err(Error::InvalidProperty {
-                property: "ForwardTo",
-                reason: "an entity cannot forward to itself".to_owned(),
-            });
-        }
-        if let EntityDefinition::Subscription { topic, .. } = d {
-            let key = topic.to_ascii_lowercase();
-            let exists = self.by_path.get(&key).and_then(|&s| self.ent(s)).is_some_and(Entity::is_topic)
-                || earlier.iter().any(|e| {
-                    matches!(e, EntityDefinition::Topic { name, .. } if name.to_ascii_lowercase() == key)
-                });
-            if !exists {
-                return Err(Error::EntityNotFound(topic.clone()));
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks that creating or changing these entities keeps the namespace within its
-    /// [`super::Limits`]: the queues and topics it holds, each topic's subscriptions and each
-    /// subscription's rules. A change that does not add to a count past its cap (a
-    /// subscription that already had more rules, from a broker with a higher cap) passes.
-    pub(super) fn check_limits(&self, definitions: &[EntityDefinition]) -> Result<(), Error> {
-        let limits = self.opts.limits;
-        let exists =
-            |path: &str| self.by_path.get(&path.to_ascii_lowercase()).and_then(|&s| self.ent(s));
-        let mut entities = None;
-        let mut new_entities = 0usize;
-        let mut new_subs: HashMap<String, usize> = HashMap::new();
-        for d in definitions {
-            let path = d.path();
-            let existing = exists(&path);
-            match d {
-                EntityDefinition::Queue { .. } | EntityDefinition::Topic { .. } => {
-                    if existing.is_some() {
-                        continue;
-                    }
-                    new_entities += 1;
-                    let held = *entities.get_or_insert_with(|| {
-                        self.entities
-                            .iter()
-                            .flatten()
-                            .filter(|e| !matches!(e.kind, Kind::Subscription { .. }))
-                            .count()
-                    });
-                    if held + new_entities > limits.max_entities {
-                        return Err(Error::LimitExceeded {
-                            path,
-                            holder: "the namespace".to_owned(),
-                            held: held + new_entities - 1,
-                            what: "queues and topics",
-                            limit: limits.max_entities,
-                            option: "max_entities",
-                        });
-                    }
-                }
-                EntityDefinition::Subscription { topic, rules, .. } => {
-                    let held_rules = match existing.map(|e| &e.kind) {
-                        Some(Kind::Subscription { rules, .. }) => rules.len(),
-                        _ => 0,
-                    };
-                    if rules.len() > limits.max_rules_per_subscription && rules.len() > held_rules {
-                        let rule = rules.last().map_or("", |r| r.name.as_str());
-                        return Err(Error::LimitExceeded {
-                            path: format!("{path}/Rules/{rule}"),
-                            holder: format!("subscription {path:?}"),
-                            held: held_rules,
-                            what: "rules",
-                            limit: limits.max_rules_per_subscription,
-                            option: "max_rules_per_subscription",
-                        });
-                    }
-                    if existing.is_some() {
-                        continue;
-                    }
-                    let key = topic.to_ascii_lowercase();
-                    let adding = new_subs.entry(key.clone()).or_default();
-                    *adding += 1;
-                    let held = match exists(&key).map(|e| &e.kind) {
-                        Some(Kind::Topic { subs, .. }) => subs.len(),
-                        _ => 0,
-                    };
-                    if held + *adding > limits.max_subscriptions_per_topic {
-                        return Err(Error::LimitExceeded {
-                            path,
-                            holder: format!("topic {topic:?}"),
-                            held: held + *adding - 1,
-                            what: "subscriptions",
-                            limit: limits.max_subscriptions_per_topic,
-                            option: "max_subscriptions_per_topic",
-                        });
-                    }
-                }
-            }
-        }
-        Ok(())
     }
 
     pub(super) fn send_target(&self, r: EntityRef) -> Result<u32, Error> {
@@ -993,34 +874,6 @@ pub(super) fn check_id(what: &str, id: &str) -> Result<(), Error> {
         return Err(Error::InvalidArgument(format!("a {what} has 1 to {MAX_ID_LEN} characters")));
     }
     Ok(())
-}
-
-pub(super) fn check_immutable(e: &Entity, d: &EntityDefinition) -> Result<(), Error> {
-    let immutable = |property| Err(Error::ImmutableProperty { entity: e.path.clone(), property });
-    match (&e.kind, d) {
-        (Kind::Queue(old), EntityDefinition::Queue { properties, .. }) => {
-            if old.requires_duplicate_detection != properties.requires_duplicate_detection {
-                return immutable("RequiresDuplicateDetection");
-            }
-            if old.requires_session != properties.requires_session {
-                return immutable("RequiresSession");
-            }
-            Ok(())
-        }
-        (Kind::Topic { props, .. }, EntityDefinition::Topic { properties, .. }) => {
-            if props.requires_duplicate_detection != properties.requires_duplicate_detection {
-                return immutable("RequiresDuplicateDetection");
-            }
-            Ok(())
-        }
-        (Kind::Subscription { props, .. }, EntityDefinition::Subscription { properties, .. }) => {
-            if props.requires_session != properties.requires_session {
-                return immutable("RequiresSession");
-            }
-            Ok(())
-        }
-        _ => Err(Error::EntityAlreadyExists(e.path.clone())),
-    }
 }
 
 /// The recorded form of a message's current state in a store.

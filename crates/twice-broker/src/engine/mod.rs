@@ -83,6 +83,7 @@
 
 mod apply;
 mod durability;
+mod entities;
 mod internals;
 mod record;
 mod route;
@@ -109,8 +110,8 @@ use twice::{
 
 pub(crate) use record::{BodyKey, EntityId, Extra, PlacedState, Placement, Record, StoreKey};
 
-use self::internals::{check_immutable, check_max};
-use self::state::{Aux, Bodies, Entity, FastMap, Kind, NO_SESSION, St, StoreIx};
+use self::internals::check_max;
+use self::state::{Aux, Bodies, Entity, FastMap, NO_SESSION, St, StoreIx};
 use self::timers::{LockTimers, TimerKey};
 use crate::config::{EntityDefinition, Rule};
 use crate::error::Error;
@@ -457,159 +458,6 @@ impl Engine {
             return Err(Error::EntityNotFound(path.to_owned()));
         }
         Ok(EntityRef { slot, id: e.id, dead_letter })
-    }
-
-    /// Creates an entity; a subscription's topic must exist.
-    pub(crate) fn create_entity(
-        &mut self,
-        now: Timestamp,
-        definition: EntityDefinition,
-    ) -> Result<EntityRef, Error> {
-        self.tick(now);
-        let definition = with_default_rule(definition);
-        self.check_definition(&definition, &[])?;
-        let path = definition.path();
-        if self.by_path.contains_key(&path.to_ascii_lowercase()) {
-            return Err(Error::EntityAlreadyExists(path));
-        }
-        self.check_limits(std::slice::from_ref(&definition))?;
-        let id = EntityId(self.next_entity_id);
-        self.emit_all(Record::entity_with_limits(id, definition, 1))?;
-        self.resolve(&path)
-    }
-
-    /// Changes the properties (and a subscription's rules) of an existing entity.
-    /// `RequiresDuplicateDetection` and `RequiresSession` cannot change.
-    pub(crate) fn update_entity(
-        &mut self,
-        now: Timestamp,
-        definition: EntityDefinition,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        self.check_definition(&definition, &[])?;
-        let path = definition.path();
-        let slot = *self
-            .by_path
-            .get(&path.to_ascii_lowercase())
-            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        check_immutable(e, &definition)?;
-        self.check_limits(std::slice::from_ref(&definition))?;
-        let (id, next_sequence) = (e.id, e.next_seq);
-        self.emit_all(Record::entity_with_limits(id, definition, next_sequence))
-    }
-
-    /// Changes a subscription's rules to those of `definition` (its properties stay), which
-    /// must differ from them by `change`: writes that one rule, not the subscription.
-    pub(crate) fn change_rules(
-        &mut self,
-        now: Timestamp,
-        definition: EntityDefinition,
-        change: RuleChange,
-    ) -> Result<(), Error> {
-        self.tick(now);
-        self.check_definition(&definition, &[])?;
-        let path = definition.path();
-        let slot = *self
-            .by_path
-            .get(&path.to_ascii_lowercase())
-            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        if !matches!(e.kind, Kind::Subscription { .. }) {
-            return Err(Error::InvalidOperation("only subscriptions have rules".to_owned()));
-        }
-        self.check_limits(std::slice::from_ref(&definition))?;
-        let subscription = e.id;
-        self.emit(match change {
-            RuleChange::Added(rule) => Record::RuleAdded { subscription, rule },
-            RuleChange::Removed(name) => Record::RuleRemoved { subscription, name },
-        })
-    }
-
-    /// Creates the entities that do not exist and updates those that do, all or nothing
-    /// (how a configuration file is applied).
-    pub(crate) fn apply_definitions(
-        &mut self,
-        now: Timestamp,
-        definitions: &[EntityDefinition],
-    ) -> Result<(), Error> {
-        self.tick(now);
-        for (i, d) in definitions.iter().enumerate() {
-            self.check_definition(d, &definitions[..i])?;
-            let key = d.path().to_ascii_lowercase();
-            if let Some(earlier) =
-                definitions[..i].iter().find(|e| e.path().to_ascii_lowercase() == key)
-            {
-                return Err(Error::EntityAlreadyExists(earlier.path()));
-            }
-            if let Some(e) = self.by_path.get(&key).and_then(|&s| self.ent(s)) {
-                check_immutable(e, d)?;
-            }
-        }
-        self.check_limits(definitions)?;
-        for d in definitions {
-            let path = d.path();
-            // A configuration declares each subscription whole: one declared without rules
-            // has the `$Default` rule, whatever was done to its rules since.
-            let d = with_default_rule(d.clone());
-            match self.by_path.get(&path.to_ascii_lowercase()).and_then(|&s| self.ent(s)) {
-                Some(e) => {
-                    let (id, next_sequence) = (e.id, e.next_seq);
-                    self.emit_all(Record::entity_with_limits(id, d, next_sequence))?;
-                }
-                None => {
-                    let id = EntityId(self.next_entity_id);
-                    self.emit_all(Record::entity_with_limits(id, d, 1))?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Deletes an entity with its messages (a topic with its subscriptions). Parked receivers
-    /// on it are served with nothing.
-    pub(crate) fn delete_entity(&mut self, now: Timestamp, entity: EntityRef) -> Result<(), Error> {
-        self.tick(now);
-        let e = self.entity(entity)?;
-        let mut ids = Vec::new();
-        if let Kind::Topic { subs, .. } = &e.kind {
-            ids.extend(subs.iter().filter_map(|&s| self.ent(s)).map(|s| s.id));
-        }
-        ids.push(e.id);
-        for id in ids {
-            self.emit(Record::EntityDeleted { id })?;
-        }
-        Ok(())
-    }
-
-    /// Empties every entity at once: each is deleted with everything it holds and made again
-    /// with its definition (a topic with its subscriptions and their rules), so active,
-    /// scheduled, deferred and dead-lettered messages, locks, session states, sequence numbers
-    /// and the duplicate-detection history are gone, and the entities and their properties
-    /// stay. One turn, so one commit. Returns how many entities there are.
-    pub(crate) fn reset(&mut self, now: Timestamp) -> Result<usize, Error> {
-        self.tick(now);
-        let entities = self.entities();
-        let mut definitions = Vec::with_capacity(entities.len());
-        for (e, _) in &entities {
-            definitions.push(self.definition(*e)?);
-        }
-        // Topics and queues first: a subscription is made after its topic.
-        definitions.sort_by_key(|d| matches!(d, EntityDefinition::Subscription { .. }));
-        for (e, _) in entities {
-            // A topic's deletion takes its subscriptions with it.
-            let top = self
-                .ent(e.slot)
-                .is_some_and(|x| x.id == e.id && !matches!(x.kind, Kind::Subscription { .. }));
-            if top {
-                self.delete_entity(now, e)?;
-            }
-        }
-        for d in &definitions {
-            let id = EntityId(self.next_entity_id);
-            self.emit_all(Record::entity_with_limits(id, d.clone(), 1))?;
-        }
-        Ok(definitions.len())
     }
 
     /// The definition of an entity as it is now.
