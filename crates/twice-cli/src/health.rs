@@ -2,27 +2,15 @@
 //! shell, no curl): exit status 0 when `/health` answers 200, 1 otherwise, with one line saying
 //! why.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::dlq::admin::{ADMIN_URL_VAR, AdminClient, AdminError, AdminUrl, Auth, Ca};
+use crate::dlq::admin::{AdminError, Auth, ServeUrlArgs};
 
 /// Options of `twice health`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct HealthArgs {
-    /// `twice serve`'s HTTP port (its `--http`), as `http://HOST:PORT`, or `https://…` when it
-    /// serves TLS. Default: the TWICE_ADMIN_URL variable, else `http://127.0.0.1:5300`.
-    #[arg(
-        long,
-        env = ADMIN_URL_VAR,
-        value_name = "URL",
-        default_value = "http://127.0.0.1:5300",
-        value_parser = AdminUrl::parse
-    )]
-    url: AdminUrl,
-    /// Trust only the CA certificates in this PEM file for https.
-    #[arg(long, value_name = "FILE")]
-    ca_file: Option<PathBuf>,
+    #[command(flatten)]
+    serve: ServeUrlArgs,
     /// Print nothing when healthy.
     #[arg(long, short)]
     quiet: bool,
@@ -30,17 +18,16 @@ pub(crate) struct HealthArgs {
 
 /// Exit status 0 when `/health` answers 200; otherwise 1, with the reason on stderr.
 pub(crate) async fn run(args: HealthArgs) -> anyhow::Result<ExitCode> {
-    let ca = args.ca_file.as_deref().map(Ca::load).transpose().map_err(anyhow::Error::msg)?;
-    let client = Ca::admin(ca.as_ref(), AdminClient::new(args.url.clone(), Auth::Anonymous));
+    let client = args.serve.client(Auth::Anonymous)?;
     match client.health().await {
         Ok((200, _)) => {
             if !args.quiet {
-                println!("healthy: {}/health", args.url);
+                println!("healthy: {}/health", args.serve.url);
             }
             Ok(ExitCode::SUCCESS)
         }
         Ok((status, body)) => {
-            eprintln!("unhealthy: {}/health answered {status}: {}", args.url, reason(&body));
+            eprintln!("unhealthy: {}/health answered {status}: {}", args.serve.url, reason(&body));
             Ok(ExitCode::FAILURE)
         }
         // Named with this command's own option.

@@ -1,31 +1,19 @@
 //! `twice reset`: empties every entity of `twice serve` at once, for test suites that want a
 //! clean namespace between tests without restarting the server.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::dlq::admin::{ADMIN_URL_VAR, AdminClient, AdminError, AdminUrl, Auth, Ca};
+use crate::dlq::admin::{AdminError, Auth, ServeUrlArgs};
 
 /// Options of `twice reset`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ResetArgs {
-    /// `twice serve`'s HTTP port (its `--http`), as `http://HOST:PORT`, or `https://…` when it
-    /// serves TLS. Default: the TWICE_ADMIN_URL variable, else `http://127.0.0.1:5300`.
-    #[arg(
-        long,
-        env = ADMIN_URL_VAR,
-        value_name = "URL",
-        default_value = "http://127.0.0.1:5300",
-        value_parser = AdminUrl::parse
-    )]
-    url: AdminUrl,
+    #[command(flatten)]
+    serve: ServeUrlArgs,
     /// The key to sign with, as NAME=KEY (it needs the Manage claim on the whole namespace).
     /// Default: the emulator's RootManageSharedAccessKey=SAS_KEY_VALUE, `twice serve`'s default.
     #[arg(long, value_name = "NAME=KEY", value_parser = parse_key)]
     sas_key: Option<(String, String)>,
-    /// Trust only the CA certificates in this PEM file for https.
-    #[arg(long, value_name = "FILE")]
-    ca_file: Option<PathBuf>,
     /// Print nothing on success.
     #[arg(long, short)]
     quiet: bool,
@@ -45,9 +33,7 @@ pub(crate) async fn run(args: ResetArgs) -> anyhow::Result<ExitCode> {
     let (name, key) = args
         .sas_key
         .unwrap_or_else(|| ("RootManageSharedAccessKey".to_owned(), "SAS_KEY_VALUE".to_owned()));
-    let ca = args.ca_file.as_deref().map(Ca::load).transpose().map_err(anyhow::Error::msg)?;
-    let client =
-        Ca::admin(ca.as_ref(), AdminClient::new(args.url.clone(), Auth::Key { name, key }));
+    let client = args.serve.client(Auth::Key { name, key })?;
     let (entities, elapsed_ms) = match client.reset().await {
         Ok(done) => done,
         // Named with this command's own option.
@@ -66,7 +52,7 @@ pub(crate) async fn run(args: ResetArgs) -> anyhow::Result<ExitCode> {
     if !args.quiet {
         println!(
             "reset {entities} entities at {} in {elapsed_ms:.1} ms: every message, lock, session state and remembered id is gone; the entities and their rules stay",
-            args.url
+            args.serve.url
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -72,6 +72,33 @@ impl std::fmt::Debug for Auth {
     }
 }
 
+/// Where `twice serve`'s HTTP port is, for the commands that talk to it alone (`twice health`,
+/// `twice reset`).
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeUrlArgs {
+    /// `twice serve`'s HTTP port (its `--http`), as `http://HOST:PORT`, or `https://…` when it
+    /// serves TLS. Default: the TWICE_ADMIN_URL variable, else `http://127.0.0.1:5300`.
+    #[arg(
+        long,
+        env = ADMIN_URL_VAR,
+        value_name = "URL",
+        default_value = "http://127.0.0.1:5300",
+        value_parser = AdminUrl::parse
+    )]
+    pub(crate) url: AdminUrl,
+    /// Trust only the CA certificates in this PEM file for https.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) ca_file: Option<std::path::PathBuf>,
+}
+
+impl ServeUrlArgs {
+    /// An administration client for the URL, trusting `--ca-file` when given.
+    pub(crate) fn client(&self, auth: Auth) -> anyhow::Result<AdminClient> {
+        let ca = self.ca_file.as_deref().map(Ca::load).transpose().map_err(anyhow::Error::msg)?;
+        Ok(Ca::admin(ca.as_ref(), AdminClient::new(self.url.clone(), auth)))
+    }
+}
+
 /// Where the administration API is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct AdminUrl {
