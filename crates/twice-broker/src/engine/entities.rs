@@ -31,6 +31,12 @@ impl Engine {
         self.resolve(&path)
     }
 
+    /// The entity at `path` (any case), which must exist.
+    fn existing(&self, path: &str) -> Result<&Entity, Error> {
+        let slot = self.by_path.get(&path.to_ascii_lowercase());
+        slot.and_then(|&slot| self.ent(slot)).ok_or_else(|| Error::EntityNotFound(path.to_owned()))
+    }
+
     /// Changes the properties (and a subscription's rules) of an existing entity.
     /// `RequiresDuplicateDetection` and `RequiresSession` cannot change.
     pub(crate) fn update_entity(
@@ -41,11 +47,7 @@ impl Engine {
         self.tick(now);
         self.check_definition(&definition, &[])?;
         let path = definition.path();
-        let slot = *self
-            .by_path
-            .get(&path.to_ascii_lowercase())
-            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        let e = self.existing(&path)?;
         check_immutable(e, &definition)?;
         self.check_limits(std::slice::from_ref(&definition))?;
         let (id, next_sequence) = (e.id, e.next_seq);
@@ -63,11 +65,7 @@ impl Engine {
         self.tick(now);
         self.check_definition(&definition, &[])?;
         let path = definition.path();
-        let slot = *self
-            .by_path
-            .get(&path.to_ascii_lowercase())
-            .ok_or_else(|| Error::EntityNotFound(path.clone()))?;
-        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.clone()))?;
+        let e = self.existing(&path)?;
         if !matches!(e.kind, Kind::Subscription { .. }) {
             return Err(Error::InvalidOperation("only subscriptions have rules".to_owned()));
         }
