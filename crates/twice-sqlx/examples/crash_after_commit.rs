@@ -6,7 +6,12 @@
 //! The broker is the embedded one, durable in `<broker dir>`, so the parent test reopens it
 //! after the kill and gets the message redelivered.
 //!
-//! Usage: `crash_after_commit <sqlite|postgres|mariadb> <url or file> <inbox table> <broker dir>`
+//! With a batch size `n` (the fifth argument) it sends orders 1 to `n` and processes them as
+//! one batch: the first `committed <id>` comes after the batch's one commit, and none of the
+//! `n` messages is completed.
+//!
+//! Usage: `crash_after_commit <sqlite|postgres|mariadb> <url or file> <inbox table> <broker dir>
+//! [batch size]`
 
 use std::io::Write as _;
 use std::time::Duration;
@@ -21,8 +26,8 @@ struct OrderPlaced {
     order_id: i64,
 }
 
-/// The durable broker in `dir` with one `OrderPlaced` in queue `orders`.
-async fn queue(dir: &str) -> anyhow::Result<Receiver> {
+/// The durable broker in `dir` with `orders` messages `OrderPlaced` in queue `orders`.
+async fn queue(dir: &str, orders: usize) -> anyhow::Result<Receiver> {
     let broker = Broker::open(BrokerOptions::durable(dir)).await?;
     broker
         .create_queue(
@@ -30,9 +35,12 @@ async fn queue(dir: &str) -> anyhow::Result<Receiver> {
             QueueProperties::default().with_lock_duration(Duration::from_secs(30)),
         )
         .await?;
-    broker
-        .send("orders", Message::new(r#"{"order_id":1}"#).with_message_id("order-1-placed"))
-        .await?;
+    for n in 1..=orders {
+        let body = format!(r#"{{"order_id":{n}}}"#);
+        broker
+            .send("orders", Message::new(body).with_message_id(format!("order-{n}-placed")))
+            .await?;
+    }
     Ok(broker.receiver("orders").await?)
 }
 
@@ -47,7 +55,7 @@ fn die_here(message: &twice::ReceivedMessage) {
 }
 
 macro_rules! run {
-    ($db:ty, $pool:expr, $table:expr, $dir:expr, $sql:expr) => {{
+    ($db:ty, $pool:expr, $table:expr, $dir:expr, $batch:expr, $sql:expr) => {{
         let inbox = SqlxInbox::<$db>::new($pool, InboxOptions::new().table($table)).await?;
         let handler = json_fn(
             |ctx: Context<'_>, order: OrderPlaced, tx: &mut sqlx::Transaction<'static, $db>| {
@@ -62,10 +70,10 @@ macro_rules! run {
             },
         );
         Processor::new(
-            queue($dir).await?,
+            queue($dir, $batch).await?,
             inbox,
             handler,
-            ProcessorOptions::new().consumer("shipping"),
+            ProcessorOptions::new().consumer("shipping").batch_size($batch),
         )
         .on_committed(die_here)
         .run(std::future::pending())
@@ -76,10 +84,13 @@ macro_rules! run {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let [_, store, url, table, dir] = args.as_slice() else {
-        anyhow::bail!(
-            "usage: crash_after_commit <sqlite|postgres|mariadb> <url or file> <table> <broker dir>"
-        );
+    let (store, url, table, dir, batch) = match args.as_slice() {
+        [_, store, url, table, dir] => (store, url, table, dir, 1),
+        [_, store, url, table, dir, batch] => (store, url, table, dir, batch.parse()?),
+        _ => anyhow::bail!(
+            "usage: crash_after_commit <sqlite|postgres|mariadb> <url or file> <table> \
+             <broker dir> [batch size]"
+        ),
     };
     let table = table.clone();
     match store.as_str() {
@@ -91,6 +102,7 @@ async fn main() -> anyhow::Result<()> {
                 pool,
                 table,
                 dir,
+                batch,
                 "INSERT INTO shipments (order_id, message_id) VALUES (?1, ?2)"
             );
         }
@@ -101,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
                 pool,
                 table,
                 dir,
+                batch,
                 "INSERT INTO shipments (order_id, message_id) VALUES ($1, $2)"
             );
         }
@@ -111,6 +124,7 @@ async fn main() -> anyhow::Result<()> {
                 pool,
                 table,
                 dir,
+                batch,
                 "INSERT INTO shipments (order_id, message_id) VALUES (?, ?)"
             );
         }

@@ -148,6 +148,7 @@ impl crate::store::Dialect for MySql {
     // A locking read sees the latest committed row whatever the snapshot of the transaction.
     const READ_LATEST: &'static str = " LOCK IN SHARE MODE";
     const STATE_AND_OWNER: &'static str = "CAST(state AS SIGNED), CAST(owner AS CHAR)";
+    const MESSAGE_ID_TEXT: &'static str = "CAST(message_id AS CHAR)";
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()
@@ -164,6 +165,32 @@ impl crate::store::Dialect for MySql {
     fn begin_statement(lock_wait: Option<Duration>) -> Option<String> {
         let seconds = lock_wait?.as_secs().clamp(1, 1 << 30);
         Some(format!("SET SESSION innodb_lock_wait_timeout = {seconds}; START TRANSACTION"))
+    }
+
+    /// MariaDB has `INSERT .. RETURNING`; MySQL has not.
+    fn returns_inserted(inbox: &SqlxInbox<MySql>) -> bool {
+        inbox.mariadb
+    }
+
+    /// The savepoint and, in the same round trip on MariaDB, `@@in_transaction`: a handler
+    /// before it that swallowed a deadlock error left the transaction rolled back and the
+    /// connection in autocommit, where the next handler's work would commit alone.
+    async fn savepoint(
+        inbox: &SqlxInbox<MySql>,
+        tx: &mut Transaction<'static, MySql>,
+    ) -> Result<(), StoreError> {
+        if !inbox.mariadb {
+            Self::check_committable(inbox, tx).await?;
+            sqlx::Executor::execute(&mut **tx, crate::store::SAVEPOINT).await?;
+            return Ok(());
+        }
+        let sql = format!("{}; SELECT CAST(@@in_transaction AS SIGNED)", crate::store::SAVEPOINT);
+        let open: Option<i64> = sqlx::Executor::fetch_all(&mut **tx, sql.as_str())
+            .await?
+            .last()
+            .map(|row| sqlx::Row::try_get(row, 0))
+            .transpose()?;
+        if open == Some(1) { Ok(()) } else { Err(StoreError::TransactionAborted) }
     }
 
     /// Asks the server whether the transaction is still open: InnoDB rolls back a deadlock

@@ -41,6 +41,8 @@ pub trait Dialect: Database {
     const READ_LATEST: &'static str;
     /// A dedup-only record's `state` and `owner`, as a BIGINT and a text.
     const STATE_AND_OWNER: &'static str;
+    /// The `message_id` column as a text.
+    const MESSAGE_ID_TEXT: &'static str = "message_id";
 
     /// How many rows a statement changed.
     fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -58,6 +60,31 @@ pub trait Dialect: Database {
         inbox: &SqlxInbox<Self>,
         tx: &mut sqlx::Transaction<'static, Self>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether [`Inbox::claim_batch`] can claim many ids in one `INSERT .. RETURNING` on this
+    /// server (MySQL has no `RETURNING`: it claims them one by one).
+    fn returns_inserted(inbox: &SqlxInbox<Self>) -> bool {
+        let _ = inbox;
+        true
+    }
+
+    /// Sets the savepoint of one handler of a batch (`SAVEPOINT twice_item`), and fails with
+    /// [`StoreError::TransactionAborted`] where the server may have ended the transaction
+    /// under an earlier handler without refusing the statements after it (InnoDB's deadlock
+    /// victims), so that no handler's work runs in autocommit.
+    fn savepoint(
+        inbox: &SqlxInbox<Self>,
+        tx: &mut sqlx::Transaction<'static, Self>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send
+    where
+        for<'c> &'c mut Self::Connection: Executor<'c, Database = Self>,
+    {
+        let _ = inbox;
+        async move {
+            (&mut **tx).execute(SAVEPOINT).await?;
+            Ok(())
+        }
+    }
 
     /// Whether a statement that succeeded inside `tx` proves that it can still commit, so that
     /// writing the outbox rows makes [`Dialect::check_committable`] needless (and a failed
@@ -77,6 +104,11 @@ pub trait Dialect: Database {
         error: &(dyn DatabaseError + 'static),
     ) -> ErrorClass;
 }
+
+/// The savepoint each handler of a batch runs under. One name for all: a savepoint set again
+/// under the same name hides (PostgreSQL, SQLite) or replaces (MariaDB) the one before, and
+/// `ROLLBACK TO` goes to the latest, so none needs releasing.
+pub(crate) const SAVEPOINT: &str = "SAVEPOINT twice_item";
 
 /// An insert into `t` of `columns` with `values` that does nothing when the key is present.
 fn insert<DB: Dialect>(t: &str, columns: &str, values: &[&str]) -> String {
@@ -213,7 +245,82 @@ where
         .await?;
         Ok(Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) })
     }
+
+    /// Claims `ids` (distinct) in `conn`'s transaction with one `INSERT .. RETURNING` (per
+    /// [`CLAIM_CHUNK`] ids), then reads the winners' times of those not inserted.
+    async fn claim_batch_in(
+        &self,
+        conn: &mut DB::Connection,
+        consumer: &str,
+        ids: &[MessageId],
+        now: Timestamp,
+    ) -> Result<Vec<Claim>, StoreError> {
+        for id in ids {
+            validate_key(consumer, id)?;
+        }
+        let t = self.table();
+        let mut inserted = std::collections::HashSet::new();
+        for chunk in ids.chunks(CLAIM_CHUNK) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|k| {
+                    let p = |n: usize| DB::param(4 * k + n);
+                    format!("({}, {}, {}, {} + {})", p(1), p(2), p(3), DB::DB_NOW_MS, p(4))
+                })
+                .collect();
+            let sql = format!(
+                "{} {t} (consumer, message_id, processed_at_ms, purge_after_ms) VALUES {}{} \
+                 RETURNING {}",
+                DB::INSERT,
+                rows.join(", "),
+                DB::ON_CONFLICT,
+                DB::MESSAGE_ID_TEXT
+            );
+            let mut query = sqlx::query_scalar::<_, String>(&sql);
+            for id in chunk {
+                query = query
+                    .bind(consumer.to_owned())
+                    .bind(id.as_str().to_owned())
+                    .bind(millis(now))
+                    .bind(self.retention_ms());
+            }
+            inserted.extend(query.fetch_all(&mut *conn).await?);
+        }
+        let taken: Vec<&MessageId> =
+            ids.iter().filter(|id| !inserted.contains(id.as_str())).collect();
+        let mut claimed_at = std::collections::HashMap::new();
+        for chunk in taken.chunks(CLAIM_CHUNK) {
+            // The insert waited for the holders, if any, to end; this read sees their rows.
+            let list: Vec<String> = (0..chunk.len()).map(|k| DB::param(k + 2)).collect();
+            let sql = format!(
+                "SELECT {}, processed_at_ms FROM {t} WHERE consumer = {} \
+                 AND message_id IN ({}){}",
+                DB::MESSAGE_ID_TEXT,
+                DB::param(1),
+                list.join(", "),
+                DB::READ_LATEST
+            );
+            let mut query = sqlx::query_as::<_, (String, i64)>(&sql).bind(consumer.to_owned());
+            for id in chunk {
+                query = query.bind(id.as_str().to_owned());
+            }
+            claimed_at.extend(query.fetch_all(&mut *conn).await?);
+        }
+        Ok(ids
+            .iter()
+            .map(|id| {
+                if inserted.contains(id.as_str()) {
+                    Claim::Claimed
+                } else {
+                    let at = claimed_at.get(id.as_str()).copied();
+                    Claim::Duplicate { claimed_at: at.map(Timestamp::from_millis) }
+                }
+            })
+            .collect())
+    }
 }
+
+/// The most ids one claim statement of a batch inserts.
+const CLAIM_CHUNK: usize = 500;
 
 impl<DB: OutboxDialect> Inbox for SqlxInbox<DB>
 where
@@ -262,6 +369,54 @@ where
 
     async fn check_committable<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
         DB::check_committable(self, tx).await
+    }
+
+    fn supports_batches(&self) -> bool {
+        true
+    }
+
+    /// One `INSERT .. ON CONFLICT DO NOTHING RETURNING message_id` (MariaDB: `INSERT IGNORE ..
+    /// RETURNING`) for up to 500 ids, then one read of the winners' times for the ids it did
+    /// not insert; MySQL, without `RETURNING`, claims one by one.
+    async fn claim_batch<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_ids: &'a [MessageId],
+        now: Timestamp,
+    ) -> Result<Vec<Claim>, StoreError> {
+        if DB::returns_inserted(self) {
+            return self.claim_batch_in(tx, consumer, message_ids, now).await;
+        }
+        let mut claims = Vec::with_capacity(message_ids.len());
+        for id in message_ids {
+            claims.push(self.claim_in(tx, consumer, id, now).await?);
+        }
+        Ok(claims)
+    }
+
+    async fn savepoint<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        DB::savepoint(self, tx).await
+    }
+
+    async fn rollback_to_savepoint<'a>(&'a self, tx: &'a mut Self::Tx) -> Result<(), StoreError> {
+        (&mut **tx).execute("ROLLBACK TO SAVEPOINT twice_item").await?;
+        Ok(())
+    }
+
+    async fn unclaim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+    ) -> Result<(), StoreError> {
+        let sql = format!("DELETE FROM {} WHERE {}", self.table(), key_is::<DB>(false));
+        sqlx::query(&sql)
+            .bind(consumer.to_owned())
+            .bind(message_id.as_str().to_owned())
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     fn has_outbox(&self) -> bool {

@@ -20,6 +20,7 @@
 //! | `twice_processor_released_total` | counter | messages released uncounted: prefetched ones at shutdown, and those whose begin or claim failed through every retry |
 //! | `twice_processor_lock_lost_total` | counter | messages whose lock was lost while processed |
 //! | `twice_processor_expired_in_buffer_total` | counter | received messages whose lock ran out before a handler took them |
+//! | `twice_processor_batches_split_total` | counter | batches whose transaction failed as a whole, their messages then processed one at a time |
 //! | `twice_processor_lock_renewals_total` | counter | lock renewals |
 //! | `twice_processor_handler_errors_total` | counter | handler errors |
 //! | `twice_processor_handler_panics_total` | counter | handler panics |
@@ -47,6 +48,7 @@ pub struct Counters {
     released: AtomicU64,
     lock_lost: AtomicU64,
     expired_in_buffer: AtomicU64,
+    batches_split: AtomicU64,
     renewals: AtomicU64,
     handler_errors: AtomicU64,
     handler_panics: AtomicU64,
@@ -77,6 +79,7 @@ pub(crate) enum Counter {
     Released,
     LockLost,
     ExpiredInBuffer,
+    BatchesSplit,
     Renewals,
     HandlerErrors,
     HandlerPanics,
@@ -101,6 +104,7 @@ impl Counters {
             Counter::Released => &self.released,
             Counter::LockLost => &self.lock_lost,
             Counter::ExpiredInBuffer => &self.expired_in_buffer,
+            Counter::BatchesSplit => &self.batches_split,
             Counter::Renewals => &self.renewals,
             Counter::HandlerErrors => &self.handler_errors,
             Counter::HandlerPanics => &self.handler_panics,
@@ -150,6 +154,7 @@ impl Counters {
             Counter::Released => ("twice_processor_released_total", None),
             Counter::LockLost => ("twice_processor_lock_lost_total", None),
             Counter::ExpiredInBuffer => ("twice_processor_expired_in_buffer_total", None),
+            Counter::BatchesSplit => ("twice_processor_batches_split_total", None),
             Counter::Renewals => ("twice_processor_lock_renewals_total", None),
             Counter::HandlerErrors => ("twice_processor_handler_errors_total", None),
             Counter::HandlerPanics => ("twice_processor_handler_panics_total", None),
@@ -217,6 +222,7 @@ impl Counters {
             released: get(&self.released),
             lock_lost: get(&self.lock_lost),
             expired_in_buffer: get(&self.expired_in_buffer),
+            batches_split: get(&self.batches_split),
             renewals: get(&self.renewals),
             handler_errors: get(&self.handler_errors),
             handler_panics: get(&self.handler_panics),
@@ -287,6 +293,9 @@ pub struct CounterSnapshot {
     /// prefetch buffer): skipped, since the broker delivers them again, with a delivery
     /// counted. A rising count means the prefetch is too deep for the handlers' pace.
     pub expired_in_buffer: u64,
+    /// Batches ([`ProcessorOptions::batch_size`](crate::ProcessorOptions::batch_size))
+    /// whose transaction failed as a whole, their messages then processed one at a time.
+    pub batches_split: u64,
     /// Successful lock renewals (message or session).
     pub renewals: u64,
     /// Errors returned by handlers (business-key duplicates excluded).

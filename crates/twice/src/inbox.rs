@@ -145,6 +145,87 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
         async { Ok(()) }
     }
 
+    /// Whether the store can process a batch of messages in one transaction
+    /// ([`ProcessorOptions::batch_size`](crate::ProcessorOptions::batch_size)): claim them in
+    /// one operation ([`Inbox::claim_batch`]), run each handler under a savepoint
+    /// ([`Inbox::savepoint`]), roll one handler's work back alone
+    /// ([`Inbox::rollback_to_savepoint`]) and take its claim back ([`Inbox::unclaim`]). The
+    /// default is no; a store that says yes must implement those three.
+    fn supports_batches(&self) -> bool {
+        false
+    }
+
+    /// Claims each of `message_ids` (distinct) for `consumer` inside `tx`, recording `now`,
+    /// and returns one [`Claim`] per id, in the same order. It waits on ids that other
+    /// transactions hold, as [`Inbox::claim`] does. The default claims them one by one; a
+    /// store does better with one statement.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn claim_batch<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_ids: &'a [MessageId],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Vec<Claim>, Self::Error>> + Send + 'a {
+        async move {
+            let mut claims = Vec::with_capacity(message_ids.len());
+            for id in message_ids {
+                claims.push(self.claim(tx, consumer, id, now).await?);
+            }
+            Ok(claims)
+        }
+    }
+
+    /// Sets a savepoint inside `tx`, where one handler's work in a batch begins. Called only
+    /// when [`Inbox::supports_batches`] says yes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn savepoint<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
+    /// Rolls `tx` back to the last [savepoint](Inbox::savepoint), which stays set: one
+    /// handler's work is undone, the rest of the batch is kept. Called only when
+    /// [`Inbox::supports_batches`] says yes. An error (the database rolled the whole
+    /// transaction back, as InnoDB does to a deadlock's victim) fails the whole batch.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn rollback_to_savepoint<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
+    /// Takes back, inside `tx`, the claim of `message_id` that `tx` made: the message's work
+    /// was rolled back, and a redelivery must run it again. Called only when
+    /// [`Inbox::supports_batches`] says yes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in effect, as [`Inbox::claim`].
+    fn unclaim<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        message_id: &'a MessageId,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+        let _ = (tx, consumer, message_id);
+        async { Ok(()) }
+    }
+
     /// Told after a transaction that [staged](Inbox::stage) messages has committed, so that
     /// the store can wake a relay in this process at once. The default does nothing.
     fn outbox_committed(&self) {}

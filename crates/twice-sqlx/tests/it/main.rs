@@ -6,6 +6,7 @@
 
 mod support;
 
+mod batch;
 mod business_keys;
 mod classify;
 mod crash;

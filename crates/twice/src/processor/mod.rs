@@ -89,6 +89,37 @@
 //! settlement has finished. The [`SessionProcessor`](crate::SessionProcessor) settles in line,
 //! because its next message must not overtake this one's settlement.
 //!
+//! # Batches
+//!
+//! With [`ProcessorOptions::batch_size`] above 1, one call processes up to that many messages
+//! that are already received (it never waits to fill a batch) in one transaction:
+//!
+//! 1. Messages without an id are dead-lettered as above; a second copy of an id in the same
+//!    batch is set aside and processed alone after the batch's transaction has ended, so it
+//!    waits for its twin exactly as a concurrent copy does.
+//! 2. Begin, and claim every id in one statement ([`Inbox::claim_batch`]), sorted so that two
+//!    batches never wait on each other's claims in a cycle. Ids claimed and committed before
+//!    are duplicates: completed, their handlers not run.
+//! 3. For each claimed message in the order received: a savepoint ([`Inbox::savepoint`]),
+//!    then its handler, raced against the loss of *its* lock. A handler that returns anything
+//!    but `Complete`, fails, panics or loses its lock has its work rolled back to the savepoint
+//!    ([`Inbox::rollback_to_savepoint`]) and its claim taken back ([`Inbox::unclaim`]); only
+//!    that message is settled as the table above says. Immediate retries rerun it under the
+//!    same savepoint.
+//! 4. Write every outgoing message of the completed handlers into the outbox in one insert
+//!    (or check that the transaction can commit), commit once, then settle each message.
+//!
+//! What stays as it is without batches: a message is completed only after the commit; its
+//! lock is renewed until its settlement is done; a crash after the commit and before the
+//! settlements leaves claims that the redeliveries meet. What differs: a message whose lock
+//! runs out after its handler has finished and before the batch commits is committed with
+//! the batch (its completion then fails as a lock lost, and its redelivery meets the claim),
+//! where a message alone would be rolled back; and any failure of the transaction as a whole
+//! (a deadlock, a lost connection, an error the store calls transient, a failed savepoint
+//! rollback, a commit refused or of unknown outcome) rolls the batch back and processes its
+//! messages again one at a time, each with the retries above. Batches need [`Mode::Claim`]
+//! and are not available on the [`SessionProcessor`](crate::SessionProcessor).
+//!
 //! # Retries
 //!
 //! See [`RetryPolicy`]. Failures that are not the message's fault (no pooled connection in
@@ -203,6 +234,7 @@
 //! message, and whether its inbox answers.
 
 mod base;
+mod batch;
 mod dedup;
 mod lock;
 mod options;

@@ -129,6 +129,7 @@ pub struct ProcessorOptions {
     consumer: Option<String>,
     max_concurrent_calls: usize,
     prefetch_count: usize,
+    batch_size: usize,
     max_auto_lock_renewal_duration: Duration,
     max_wait: Duration,
     mode: Mode,
@@ -142,6 +143,7 @@ impl Default for ProcessorOptions {
             consumer: None,
             max_concurrent_calls: 1,
             prefetch_count: 0,
+            batch_size: 1,
             max_auto_lock_renewal_duration: Duration::from_secs(300),
             max_wait: Duration::from_secs(60),
             mode: Mode::Claim,
@@ -187,6 +189,25 @@ impl ProcessorOptions {
     /// How many messages to receive ahead of the handlers.
     pub fn get_prefetch_count(&self) -> usize {
         self.prefetch_count
+    }
+
+    /// How many received messages one transaction may process (default 1: a transaction per
+    /// message). Above 1, a call takes up to `n` messages that are already received, claims
+    /// them in one statement, runs each handler under a savepoint of its own, commits once and
+    /// then settles each message as its handler said; see [batches](crate::processor#batches).
+    /// It needs [`Mode::Claim`] and an inbox that
+    /// [supports batches](crate::Inbox::supports_batches); [`Processor::run`](super::Processor::run)
+    /// refuses to start otherwise. MaxConcurrentCalls then counts transactions: up to
+    /// MaxConcurrentCalls × `n` messages are in flight.
+    #[must_use]
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How many received messages one transaction may process.
+    pub fn get_batch_size(&self) -> usize {
+        self.batch_size
     }
 }
 

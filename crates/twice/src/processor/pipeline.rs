@@ -74,13 +74,7 @@ where
     ) -> Verdict {
         self.counters.inc(Counter::Received);
         if msg.message.message_id.as_ref().is_none_or(|id| id.as_str().is_empty()) {
-            // Without an id every such message would share one inbox key, and all but the
-            // first would be completed unprocessed as its duplicates.
-            return Verdict::DeadLetter(DeadLetterReason::new(
-                MISSING_MESSAGE_ID,
-                "the message has no message id, so twice cannot tell its copies from other \
-                 messages; senders must set a stable message id (or the transport derive one)",
-            ));
+            return missing_message_id();
         }
         self.transactional(msg, received_at, lock, lock_lost).await
     }
@@ -480,6 +474,16 @@ where
             self.report(ProcessError::new(ErrorSource::Commit, Some(id), e));
         }
     }
+}
+
+/// The verdict on a message without a message id: without one every such message would share
+/// one inbox key, and all but the first would be completed unprocessed as its duplicates.
+pub(super) fn missing_message_id() -> Verdict {
+    Verdict::DeadLetter(DeadLetterReason::new(
+        MISSING_MESSAGE_ID,
+        "the message has no message id, so twice cannot tell its copies from other messages; \
+         senders must set a stable message id (or the transport derive one)",
+    ))
 }
 
 /// What the transaction phase produced.

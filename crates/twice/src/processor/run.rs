@@ -9,7 +9,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
+use super::Mode;
 use super::base::{processor_type, report_join};
+use super::batch::process_batch;
 use super::lock::{LockState, fixed_limit, keep_lock, renewal_margin};
 use super::options::ProcessorOptions;
 use super::settle::TransportSettler;
@@ -69,6 +71,8 @@ where
         core: Arc<Core<I, H>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ProcessorError> {
+        let batch_size = options.get_batch_size();
+        check_batch_size(batch_size, core.mode, core.inbox.supports_batches())?;
         let clock = options.get_clock().clone();
         let semaphore = Arc::new(Semaphore::new(options.get_max_concurrent_calls()));
         // Settlements pending after their transaction has ended, counted apart from the calls.
@@ -91,7 +95,8 @@ where
                 },
             };
             if buffer.is_empty() {
-                let want = (semaphore.available_permits() + 1).max(options.get_prefetch_count());
+                let want = ((semaphore.available_permits() + 1) * batch_size)
+                    .max(options.get_prefetch_count());
                 core.activity.receive_started(clock.now());
                 let received = tokio::select! {
                     biased;
@@ -118,20 +123,37 @@ where
                     }
                 }
             }
-            let Some((delivery, received_at)) = buffer.pop_front() else { continue };
-            if let Some(until) = delivery.message().locked_until.filter(|u| *u <= clock.now()) {
-                // Its lock ran out while it waited in the prefetch buffer: the broker delivers
-                // it again (with a delivery counted), so it must not be processed here. Counted,
-                // since a prefetch too deep for the handlers' pace burns deliveries this way.
-                core.counters.inc(Counter::ExpiredInBuffer);
-                tracing::debug!(
-                    message_id = %delivery.message().message_id(),
-                    locked_until = %until,
-                    delivery_count = delivery.message().delivery_count,
-                    "the lock of a received message ran out before a handler took it; skipped"
-                );
+            // Up to a batch of the messages already received, skipping those whose lock ran
+            // out while they waited in the prefetch buffer: the broker delivers them again
+            // (with a delivery counted), so they must not be processed here. Counted, since a
+            // prefetch too deep for the handlers' pace burns deliveries this way.
+            let mut taken = Vec::new();
+            while taken.len() < batch_size {
+                let Some((delivery, received_at)) = buffer.pop_front() else { break };
+                if let Some(until) = delivery.message().locked_until.filter(|u| *u <= clock.now()) {
+                    core.counters.inc(Counter::ExpiredInBuffer);
+                    tracing::debug!(
+                        message_id = %delivery.message().message_id(),
+                        locked_until = %until,
+                        delivery_count = delivery.message().delivery_count,
+                        "the lock of a received message ran out before a handler took it; skipped"
+                    );
+                    continue;
+                }
+                taken.push((delivery, received_at));
+            }
+            if taken.len() > 1 {
+                tasks.spawn(process_batch(
+                    Arc::clone(&core),
+                    Arc::clone(&transport),
+                    taken,
+                    options.get_max_auto_lock_renewal_duration(),
+                    permit,
+                    Arc::clone(&settlements),
+                ));
                 continue;
             }
+            let Some((delivery, received_at)) = taken.pop() else { continue };
             let span = core.span(delivery.message());
             tasks.spawn(
                 process_one(
@@ -220,4 +242,22 @@ async fn process_one<T, I, H>(
         () = settle => {}
         () = keep => {}
     }
+}
+
+/// Refuses a batch size of 0, and batches where they cannot be kept: outside [`Mode::Claim`],
+/// or with an inbox that cannot roll one handler's work back alone.
+fn check_batch_size(batch_size: usize, mode: Mode, supported: bool) -> Result<(), ProcessorError> {
+    let refused = match batch_size {
+        0 => "the batch size must be at least 1",
+        1 => return Ok(()),
+        _ if mode != Mode::Claim => {
+            "batches need Mode::Claim: a batch claims its messages in one statement"
+        }
+        _ if !supported => {
+            "this inbox does not support batches (Inbox::supports_batches): it cannot roll one \
+             handler's work back alone"
+        }
+        _ => return Ok(()),
+    };
+    Err(ProcessorError::InvalidOptions(format!("batch_size {batch_size}: {refused}")))
 }
