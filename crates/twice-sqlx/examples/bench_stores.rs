@@ -1,8 +1,9 @@
 //! Throughput of the processor on the embedded broker, with the inbox claim and without it
 //! (the same handler in [`Mode::NaturallyIdempotent`]), on SQLite and PostgreSQL.
 //!
-//! Usage: `bench_stores <sqlite|postgres> <messages> <max concurrent calls> <claim|noclaim>`
-//! (PostgreSQL: database `test` on 127.0.0.1:5432). Prints one line of results.
+//! Usage: `bench_stores <sqlite|postgres|mariadb> <messages> <max concurrent calls>
+//! <claim|noclaim> [batch size]` (PostgreSQL and MariaDB: database `test` on their usual
+//! ports). Prints one line of results.
 
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ struct OrderPlaced {
 }
 
 macro_rules! bench {
-    ($db:ty, $pool:expr, $sql:expr, $n:expr, $calls:expr, $mode:expr) => {{
+    ($db:ty, $pool:expr, $sql:expr, $n:expr, $calls:expr, $mode:expr, $batch:expr) => {{
         let pool = $pool;
         let table = format!("bench_inbox_{}", std::process::id());
         let shipments = format!("bench_shipments_{}", std::process::id());
@@ -49,7 +50,11 @@ macro_rules! bench {
             receiver,
             inbox,
             handler,
-            ProcessorOptions::new().max_concurrent_calls($calls).prefetch_count($calls * 2).mode($mode),
+            ProcessorOptions::new()
+                .max_concurrent_calls($calls)
+                .prefetch_count($calls * 2)
+                .batch_size($batch)
+                .mode($mode),
         );
         let counters = p.counters();
         let done = {
@@ -74,8 +79,8 @@ macro_rules! bench {
             0
         };
         println!(
-            "messages={} calls={} mode={:?} seconds={secs:.2} msgs_per_s={:.0} committed={} claim_mean_us={mean_claim_us} claim_max_us={}",
-            $n, $calls, $mode, f64::from(u32::try_from($n).unwrap_or(u32::MAX)) / secs, s.committed, s.claim_latency_max.as_micros()
+            "messages={} calls={} batch={} mode={:?} seconds={secs:.2} msgs_per_s={:.0} committed={} claim_mean_us={mean_claim_us} claim_max_us={}",
+            $n, $calls, $batch, $mode, f64::from(u32::try_from($n).unwrap_or(u32::MAX)) / secs, s.committed, s.claim_latency_max.as_micros()
         );
         sqlx::query(&format!("DROP TABLE {shipments}")).execute(&pool).await?;
         sqlx::query(&format!("DROP TABLE {table}")).execute(&pool).await?;
@@ -86,8 +91,13 @@ macro_rules! bench {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let [_, store, n, calls, mode] = args.as_slice() else {
-        anyhow::bail!("usage: bench_stores <sqlite|postgres> <messages> <calls> <claim|noclaim>");
+    let (store, n, calls, mode, batch) = match args.as_slice() {
+        [_, store, n, calls, mode] => (store, n, calls, mode, 1),
+        [_, store, n, calls, mode, batch] => (store, n, calls, mode, batch.parse()?),
+        _ => anyhow::bail!(
+            "usage: bench_stores <sqlite|postgres|mariadb> <messages> <calls> <claim|noclaim> \
+             [batch size]"
+        ),
     };
     let n: u64 = n.parse()?;
     let calls: usize = calls.parse()?;
@@ -105,7 +115,8 @@ async fn main() -> anyhow::Result<()> {
                 "INSERT INTO {s} (order_id, message_id) VALUES (?1, ?2)",
                 n,
                 calls,
-                mode
+                mode,
+                batch
             );
         }
         "postgres" => {
@@ -119,7 +130,23 @@ async fn main() -> anyhow::Result<()> {
                 "INSERT INTO {s} (order_id, message_id) VALUES ($1, $2)",
                 n,
                 calls,
-                mode
+                mode,
+                batch
+            );
+        }
+        "mariadb" => {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(u32::try_from(calls).unwrap_or(16))
+                .connect("mysql://root@127.0.0.1:3306/test")
+                .await?;
+            bench!(
+                sqlx::MySql,
+                pool,
+                "INSERT INTO {s} (order_id, message_id) VALUES (?, ?)",
+                n,
+                calls,
+                mode,
+                batch
             );
         }
         other => anyhow::bail!("unknown store {other}"),

@@ -3,7 +3,11 @@
 //!
 //! ```sh
 //! cargo run --release -p twice-testkit --example bench_transports -- 10000
+//! cargo run --release -p twice-testkit --example bench_transports -- 10000 32
 //! ```
+//!
+//! With a second argument `b`, each transport's processor also runs with batches of up to `b`
+//! messages per transaction (`ProcessorOptions::batch_size`), in a column of its own.
 //!
 //! Needs PostgreSQL, RabbitMQ and NATS on their usual ports. Prints numbers; nothing passes or
 //! fails.
@@ -63,6 +67,11 @@ async fn consume<T: Transport>(t: &T, n: usize) -> anyhow::Result<f64> {
     Ok(rate(n, clock))
 }
 
+/// The rates as the cells of a markdown row.
+fn row(rates: &[f64]) -> String {
+    rates.iter().map(|r| format!(" {r:.0} |")).collect()
+}
+
 fn rate(n: usize, clock: Stopwatch) -> f64 {
     #[allow(clippy::cast_precision_loss)] // reason: a count far below 2^52
     let n = n as f64;
@@ -71,7 +80,7 @@ fn rate(n: usize, clock: Stopwatch) -> f64 {
 
 /// Runs the processor with a PostgreSQL inbox and a handler that only completes, until `n`
 /// messages are done; messages per second.
-async fn process<T: Transport>(t: T, n: usize) -> anyhow::Result<f64> {
+async fn process<T: Transport>(t: T, n: usize, batch: usize) -> anyhow::Result<f64> {
     let db = PgDatabase::create("twice_bench").await?;
     let inbox = SqlxInbox::<sqlx::Postgres>::new(db.pool(40).await?, InboxOptions::new()).await?;
     let handler = handler_fn::<sqlx::Transaction<'static, sqlx::Postgres>, _>(|_ctx, _tx| {
@@ -80,6 +89,7 @@ async fn process<T: Transport>(t: T, n: usize) -> anyhow::Result<f64> {
     let options = ProcessorOptions::new()
         .consumer("bench")
         .max_concurrent_calls(CONCURRENCY)
+        .batch_size(batch)
         .max_wait(Duration::from_millis(200));
     let processor = Processor::new(t, inbox, handler, options);
     let counters = processor.counters();
@@ -100,17 +110,26 @@ async fn process<T: Transport>(t: T, n: usize) -> anyhow::Result<f64> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let n: usize = std::env::args().nth(1).map_or(Ok(10_000), |s| s.parse())?;
+    let batch: usize = std::env::args().nth(2).map_or(Ok(1), |s| s.parse())?;
     println!(
         "{n} messages of 256 bytes; processor: PostgreSQL inbox, {CONCURRENCY} concurrent calls"
     );
-    println!("| transport | consume+complete, msg/s | processor, msg/s |");
-    println!("|---|---|---|");
+    if batch > 1 {
+        println!("| transport | consume+complete, msg/s | processor, msg/s | processor, batches of {batch}, msg/s |");
+        println!("|---|---|---|---|");
+    } else {
+        println!("| transport | consume+complete, msg/s | processor, msg/s |");
+        println!("|---|---|---|");
+    }
 
     // The embedded broker, durable, in a temporary directory.
     let dir = tempfile::tempdir()?;
     let broker = Broker::open(BrokerOptions::durable(dir.path())).await?;
     let mut rates = Vec::new();
-    for q in ["raw", "processor"] {
+    for q in ["raw", "processor", "batches"] {
+        if q == "batches" && batch == 1 {
+            continue;
+        }
         broker.create_queue(q, QueueProperties::default()).await?;
         let b = broker.clone();
         fill(n, move |m| {
@@ -123,12 +142,15 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     }
     rates.push(consume(&broker.receiver("raw").await?, n).await?);
-    rates.push(process(broker.receiver("processor").await?, n).await?);
-    println!("| embedded (durable) | {:.0} | {:.0} |", rates[0], rates[1]);
+    rates.push(process(broker.receiver("processor").await?, n, 1).await?);
+    if batch > 1 {
+        rates.push(process(broker.receiver("batches").await?, n, batch).await?);
+    }
+    println!("| embedded (durable) |{}", row(&rates));
 
     // The Service Bus client against `twice serve` on the same durable broker.
     let mut rates = Vec::new();
-    for q in ["sb-raw", "sb-processor"] {
+    for q in ["sb-raw", "sb-processor", "sb-batches"] {
         broker.create_queue(q, QueueProperties::default()).await?;
     }
     let options = twice_servicebus::ServerOptions::new()
@@ -139,7 +161,10 @@ async fn main() -> anyhow::Result<()> {
         &server.connection_string(),
     )?;
     tokio::spawn(server.run(std::future::pending()));
-    for q in ["sb-raw", "sb-processor"] {
+    for q in ["sb-raw", "sb-processor", "sb-batches"] {
+        if q == "sb-batches" && batch == 1 {
+            continue;
+        }
         let sender = std::sync::Arc::new(client.sender(q));
         fill(n, move |m| {
             let s = std::sync::Arc::clone(&sender);
@@ -153,14 +178,19 @@ async fn main() -> anyhow::Result<()> {
     let receiver_options =
         || twice_servicebus_client::ReceiverOptions::new().max_concurrent_calls(CONCURRENCY);
     rates.push(consume(&client.receiver("sb-raw", receiver_options().prefetch(200)), n).await?);
-    rates.push(process(client.receiver("sb-processor", receiver_options()), n).await?);
-    println!("| Service Bus client → twice serve (durable) | {:.0} | {:.0} |", rates[0], rates[1]);
+    rates.push(process(client.receiver("sb-processor", receiver_options()), n, 1).await?);
+    if batch > 1 {
+        let options = receiver_options().max_concurrent_calls(CONCURRENCY * batch);
+        rates.push(process(client.receiver("sb-batches", options), n, batch).await?);
+    }
+    println!("| Service Bus client → twice serve (durable) |{}", row(&rates));
     client.close().await;
     broker.shutdown().await;
 
     // RabbitMQ, quorum queues.
     let mut rates = Vec::new();
-    let queues = [TestQueue::new("twice-bench"), TestQueue::new("twice-bench")];
+    let queues: Vec<TestQueue> =
+        (0..2 + usize::from(batch > 1)).map(|_| TestQueue::new("twice-bench")).collect();
     let mut transports = Vec::new();
     for q in &queues {
         let t =
@@ -177,14 +207,18 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         transports.push(t);
     }
-    let processor_transport = transports.pop().expect("two transports");
-    rates.push(consume(&transports[0], n).await?);
-    rates.push(process(processor_transport, n).await?);
-    println!("| RabbitMQ 3.10 (quorum queue) | {:.0} | {:.0} |", rates[0], rates[1]);
+    let mut transports = transports.into_iter();
+    rates.push(consume(&transports.next().expect("raw"), n).await?);
+    rates.push(process(transports.next().expect("processor"), n, 1).await?);
+    if let Some(t) = transports.next() {
+        rates.push(process(t, n, batch).await?);
+    }
+    println!("| RabbitMQ (quorum queue) |{}", row(&rates));
 
     // NATS JetStream, file storage.
     let mut rates = Vec::new();
-    let streams = [TestStream::new("TWICE_BENCH"), TestStream::new("TWICE_BENCH")];
+    let streams: Vec<TestStream> =
+        (0..2 + usize::from(batch > 1)).map(|_| TestStream::new("TWICE_BENCH")).collect();
     let mut transports = Vec::new();
     for s in &streams {
         let t = NatsTransport::connect(NatsOptions::new(NATS_URL, s.name())).await?;
@@ -199,10 +233,13 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         transports.push(t);
     }
-    let processor_transport = transports.pop().expect("two transports");
-    rates.push(consume(&transports[0], n).await?);
-    rates.push(process(processor_transport, n).await?);
-    println!("| NATS 2.9 JetStream (file) | {:.0} | {:.0} |", rates[0], rates[1]);
+    let mut transports = transports.into_iter();
+    rates.push(consume(&transports.next().expect("raw"), n).await?);
+    rates.push(process(transports.next().expect("processor"), n, 1).await?);
+    if let Some(t) = transports.next() {
+        rates.push(process(t, n, batch).await?);
+    }
+    println!("| NATS JetStream (file) |{}", row(&rates));
 
     // pgbench with the processor's transaction (the claim alone: the handler only completes),
     // at the same concurrency, in the same run.
