@@ -28,9 +28,10 @@
 //!
 //! [`twice::ReceivedMessage::delivery_count`] is 1-based: a message's first delivery carries 1.
 //! The count rises by one when a peek-lock delivery ends without settling the message: an
-//! abandon, a lock that expired, a session lock that was lost or released with the message
-//! still locked, and a restart that found the message locked. It does not rise on `release`
-//! (the message never reached a handler), on `defer`, nor on receive-and-delete. When the count
+//! abandon, a lock that expired, a session lock that expired with the message still locked,
+//! and a restart that found the message locked. It does not rise on `release` (the message
+//! never reached a handler), on the release of a session, on `defer`, nor on
+//! receive-and-delete. When the count
 //! of the next delivery would exceed the entity's `MaxDeliveryCount`, the message goes to the
 //! dead-letter queue instead, with `DeadLetterReason` `MaxDeliveryCountExceeded` (it keeps that
 //! count there). The Service Bus AMQP header `delivery-count` is 0-based: it carries the count
@@ -67,8 +68,9 @@
 //!   complete it; it expires when its lock ends.
 //! - A deferred message whose time to live passes stays deferred until a receive by its
 //!   sequence number tries it; that receive expires it and finds no message.
-//! - Releasing a session (or losing its lock) counts a delivery for each message still locked
-//!   in it, as an abandon would. Renewing the lock of a session message renews the session.
+//! - Losing a session's lock (it expired) counts a delivery for each message still locked in
+//!   it, as an abandon would; releasing the session leaves their counts as they were.
+//!   Renewing the lock of a session message renews the session.
 //!   Accept-next takes the free session whose oldest available message is oldest.
 //! - Resubmitting a dead-lettered message clears its dead-letter fields, keeps the properties
 //!   changed by abandon, and starts its delivery count again at 1.

@@ -248,11 +248,10 @@ impl Engine {
         Some(AcceptedSession { lock, session_id, locked_until: until })
     }
 
-    /// Frees a session lock: its locked messages are unlocked with their count raised, its
-    /// parked receivers are served with nothing.
     /// Frees a held session. Its messages still locked become available again: with their
     /// delivery count raised when the session lock `expired`, unchanged when the receiver let
-    /// the session go (as Service Bus does: only a lock that runs out counts a delivery).
+    /// the session go (as Service Bus does: only a lock that runs out counts a delivery). Its
+    /// parked receivers are served with nothing.
     pub(super) fn free_session(
         &mut self,
         now: Timestamp,
