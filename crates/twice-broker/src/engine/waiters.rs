@@ -13,6 +13,8 @@ impl Engine {
     /// Serves the parked waiters of every store that got available messages since they were
     /// last served. With [`EngineOptions::deferred_serving`], call it after each batch of
     /// calls, before [`Engine::take_ready`]; otherwise every call already did.
+    ///
+    /// [`EngineOptions::deferred_serving`]: super::EngineOptions::deferred_serving
     pub(crate) fn serve_waiters(&mut self, now: Timestamp) {
         if self.waiters.is_empty() {
             self.aux.dirty.clear();
