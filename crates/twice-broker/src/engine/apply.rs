@@ -6,16 +6,30 @@ use std::sync::Arc;
 
 use twice::Timestamp;
 
+use super::bodies::BodyData;
 use super::record::{BodyKey, EntityId, PlacedState, Placement, Record, StoreKey, live_rules};
 use super::state::{
-    BodyData, Dedup, Entity, Kind, Meta, NO_SESSION, St, Store, StoreIx, attach, detach, place,
-    unplace,
+    Dedup, Entity, Kind, Meta, NO_SESSION, St, Store, StoreIx, attach, detach, place, unplace,
 };
 use super::{Counters, Engine, Location, Lock, WaitKind, message_size};
 use crate::config::{EntityDefinition, Rule};
 use crate::error::Error;
 
 impl Engine {
+    /// Applies a record made by a call and keeps it for the log.
+    pub(super) fn emit(&mut self, mut rec: Record) -> Result<(), Error> {
+        self.apply(&mut rec, None)?;
+        if self.opts.durable {
+            self.records.push(rec);
+        }
+        Ok(())
+    }
+
+    /// Emits records in order.
+    pub(super) fn emit_all(&mut self, recs: impl IntoIterator<Item = Record>) -> Result<(), Error> {
+        recs.into_iter().try_for_each(|rec| self.emit(rec))
+    }
+
     /// Applies a record. `loc` is where it is stored during replay, `None` for a record a call
     /// just made (its body stays in memory until [`Engine::set_location`]).
     pub(super) fn apply(&mut self, rec: &mut Record, loc: Option<Location>) -> Result<(), Error> {

@@ -1,13 +1,12 @@
 //! Durability: the records the engine hands to the log, replay, recovery, checkpoints and
-//! compaction.
+//! compaction, with the recorded form of a message's placement.
 
 use std::sync::Arc;
 
 use twice::{Message, Timestamp};
 
-use super::internals::placement_of;
-use super::record::{self, BodyKey, Record};
-use super::state::StoreIx;
+use super::record::{self, BodyKey, Placement, Record, StoreKey};
+use super::state::{Meta, StoreIx};
 use super::{Engine, Location, MessageRef};
 use crate::error::Error;
 use std::collections::HashMap;
@@ -184,5 +183,18 @@ impl Engine {
         if self.opts.durable {
             self.records.push(rec);
         }
+    }
+}
+
+/// The recorded form of a message's current state in a store.
+pub(super) fn placement_of(store: StoreKey, seq: i64, m: &Meta) -> Placement {
+    Placement {
+        store,
+        sequence: seq,
+        enqueued: m.enqueued,
+        expires: (m.expires != Timestamp::MAX).then_some(m.expires),
+        delivery_count: m.delivery_count,
+        state: m.state.into(),
+        extra: m.extra.as_deref().cloned().map(Box::new),
     }
 }

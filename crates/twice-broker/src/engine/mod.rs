@@ -28,9 +28,10 @@
 //!
 //! [`twice::ReceivedMessage::delivery_count`] is 1-based: a message's first delivery carries 1.
 //! The count rises by one when a peek-lock delivery ends without settling the message: an
-//! abandon, a lock that expired, a session lock that was lost or released with the message
-//! still locked, and a restart that found the message locked. It does not rise on `release`
-//! (the message never reached a handler), on `defer`, nor on receive-and-delete. When the count
+//! abandon, a lock that expired, a session lock that expired with the message still locked,
+//! and a restart that found the message locked. It does not rise on `release` (the message
+//! never reached a handler), on the release of a session, on `defer`, nor on
+//! receive-and-delete. When the count
 //! of the next delivery would exceed the entity's `MaxDeliveryCount`, the message goes to the
 //! dead-letter queue instead, with `DeadLetterReason` `MaxDeliveryCountExceeded` (it keeps that
 //! count there). The Service Bus AMQP header `delivery-count` is 0-based: it carries the count
@@ -47,7 +48,7 @@
 //! durable either. A record that settles, locks or moves a message the engine does not have is
 //! ignored: its message was written in a segment that compaction removed after the message
 //! left. Any other inconsistency (a message for an unknown entity, a message placed twice, a
-//! lock on a message in the wrong state) is [`Error::Corrupt`]. The records of one send batch
+//! lock on a message in the wrong state) is [`Error::Corrupt`](crate::error::Error::Corrupt). The records of one send batch
 //! are all-or-nothing: a batch cut short at the end of the log was never acknowledged and is
 //! dropped.
 //!
@@ -67,8 +68,9 @@
 //!   complete it; it expires when its lock ends.
 //! - A deferred message whose time to live passes stays deferred until a receive by its
 //!   sequence number tries it; that receive expires it and finds no message.
-//! - Releasing a session (or losing its lock) counts a delivery for each message still locked
-//!   in it, as an abandon would. Renewing the lock of a session message renews the session.
+//! - Losing a session's lock (it expired) counts a delivery for each message still locked in
+//!   it, as an abandon would; releasing the session leaves their counts as they were.
+//!   Renewing the lock of a session message renews the session.
 //!   Accept-next takes the free session whose oldest available message is oldest.
 //! - Resubmitting a dead-lettered message clears its dead-letter fields, keeps the properties
 //!   changed by abandon, and starts its delivery count again at 1.
@@ -82,16 +84,21 @@
 //! records (a raised delivery count, a deferral) only make sense on top of earlier ones.
 
 mod apply;
+mod bodies;
+mod deliver;
 mod durability;
 mod entities;
-mod internals;
+mod fasthash;
+mod lookups;
 mod record;
 mod route;
+mod send;
 mod seqmap;
 mod sessions;
 mod settle;
 mod state;
 mod timers;
+mod waiters;
 
 #[cfg(test)]
 mod tests;
@@ -100,21 +107,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use rand::RngCore;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
-use twice::{
-    EntityInfo, LockToken, Message, MessageState, ReceivedMessage, SequenceNumber, SessionId,
-    Timestamp, Value,
-};
+use twice::{LockToken, Message, MessageState, SequenceNumber, SessionId, Timestamp};
 
+pub(crate) use self::deliver::{received_message, received_message_owned};
+pub(crate) use self::send::message_size;
 pub(crate) use record::{BodyKey, EntityId, Extra, PlacedState, Placement, Record, StoreKey};
 
-use self::internals::check_max;
-use self::state::{Aux, Bodies, Entity, FastMap, NO_SESSION, St, StoreIx};
+use self::bodies::Bodies;
+use self::fasthash::FastMap;
+use self::state::{Aux, Entity, StoreIx};
 use self::timers::{LockTimers, TimerKey};
 use crate::config::{EntityDefinition, Rule};
-use crate::error::Error;
 // The engine speaks the public words for these: they are plain data, with no I/O behind them.
 pub(crate) use crate::vocabulary::{ReceiveMode, SendOutcome};
 
@@ -184,7 +191,7 @@ pub(crate) enum RuleChange {
 }
 
 /// How many entities a namespace, subscriptions a topic and rules a subscription may hold;
-/// past them a create is refused with [`Error::LimitExceeded`]. The defaults are Service Bus
+/// past them a create is refused with [`Error::LimitExceeded`](crate::error::Error::LimitExceeded). The defaults are Service Bus
 /// Standard's quotas.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Limits {
@@ -434,337 +441,15 @@ impl Engine {
         }
     }
 
-    // ----- entities -----------------------------------------------------------------------
-
-    /// Resolves `queue`, `topic`, `topic/Subscriptions/sub`, and any of these followed by
-    /// `/$DeadLetterQueue` (case-insensitive, as every entity path).
-    pub(crate) fn resolve(&self, path: &str) -> Result<EntityRef, Error> {
-        let n = path.len().saturating_sub(DEAD_LETTER_SUFFIX.len());
-        let (base, dead_letter) = match (path.get(..n), path.get(n..)) {
-            (Some(base), Some(tail)) if tail.eq_ignore_ascii_case(DEAD_LETTER_SUFFIX) => {
-                (base, true)
-            }
-            _ => (path, false),
-        };
-        // Most paths are already lower case: look them up without a copy.
-        let slot = if base.bytes().any(|b| b.is_ascii_uppercase()) {
-            self.by_path.get(&base.to_ascii_lowercase())
-        } else {
-            self.by_path.get(base)
-        };
-        let slot = *slot.ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
-        let e = self.ent(slot).ok_or_else(|| Error::EntityNotFound(path.to_owned()))?;
-        if dead_letter && e.is_topic() {
-            return Err(Error::EntityNotFound(path.to_owned()));
-        }
-        Ok(EntityRef { slot, id: e.id, dead_letter })
+    pub(super) fn next_u64(&mut self) -> u64 {
+        self.rng.next_u64()
     }
 
-    /// The definition of an entity as it is now.
-    pub(crate) fn definition(&self, entity: EntityRef) -> Result<EntityDefinition, Error> {
-        let e = self.entity(entity)?;
-        Ok(self.definition_of(e))
-    }
-
-    /// What a processor needs to know about the entity.
-    pub(crate) fn entity_info(&self, entity: EntityRef) -> Result<EntityInfo, Error> {
-        let e = self.entity(entity)?;
-        let mut path = e.path.clone();
-        if entity.dead_letter {
-            path.push_str(DEAD_LETTER_SUFFIX);
-        }
-        let mut info = EntityInfo::new(path);
-        info.lock_duration = e.lock_duration();
-        info.max_delivery_count =
-            (!entity.dead_letter && !e.is_topic()).then(|| e.max_delivery_count());
-        info.duplicate_detection_window = e.dedup_window();
-        info.requires_session = !entity.dead_letter && e.requires_session();
-        Ok(info)
-    }
-
-    /// Every entity with its path, in creation order.
-    pub(crate) fn entities(&self) -> Vec<(EntityRef, String)> {
-        self.entities
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, e)| {
-                let e = e.as_ref()?;
-                let slot = u32::try_from(slot).ok()?;
-                Some((EntityRef { slot, id: e.id, dead_letter: false }, e.path.clone()))
-            })
-            .collect()
-    }
-
-    /// Runtime counts of an entity (of a topic: its scheduled messages). O(1).
-    pub(crate) fn counts(&self, entity: EntityRef) -> Result<EntityCounts, Error> {
-        let e = self.entity(entity)?;
-        let c = e.main.counts;
-        Ok(EntityCounts {
-            active: c.active,
-            locked: c.locked,
-            deferred: c.deferred,
-            scheduled: c.scheduled,
-            dead_letter: e.dlq.msgs.len() as u64,
-        })
-    }
-
-    /// Monotone counters of an entity since the engine started.
-    pub(crate) fn counters(&self, entity: EntityRef) -> Result<Counters, Error> {
-        Ok(self.entity(entity)?.counters)
-    }
-
-    /// Monotone counters of the whole engine since it started.
-    pub(crate) fn total_counters(&self) -> Counters {
-        self.totals
-    }
-
-    // ----- send -----------------------------------------------------------------------------
-
-    /// Sends a batch to a queue or topic, all or nothing: every message is checked first
-    /// (size, batch size, ids, session id on a session queue), then each is enqueued (or
-    /// scheduled, if its `scheduled_enqueue_time` is in the future). A message without a
-    /// message id gets a random one (32 hex digits).
-    ///
-    /// Batch rules (Service Bus): at most 4500 messages, and the batch's total size at most
-    /// the maximum message size.
-    #[cfg(test)]
-    pub(crate) fn send(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        messages: Vec<Message>,
-    ) -> Result<Vec<SendOutcome>, Error> {
-        self.send_shared(now, entity, messages.into_iter().map(Arc::new).collect())
-    }
-
-    /// [`Engine::send`] of messages already shared: the engine keeps them as they are (a
-    /// message without a message id is copied once to get one).
-    pub(crate) fn send_shared(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        mut messages: Vec<Arc<Message>>,
-    ) -> Result<Vec<SendOutcome>, Error> {
-        self.tick(now);
-        let slot = self.send_target(entity)?;
-        self.validate_batch(slot, &messages)?;
-        for m in &mut messages {
-            if m.message_id.is_none() {
-                let id = self.random_message_id();
-                Arc::make_mut(m).message_id = Some(id);
-            }
-        }
-        let out = self.enqueue(now, slot, messages, true)?;
-        self.pump(now);
-        Ok(out)
-    }
-
-    /// Schedules messages for `at`; returns their sequence numbers (to cancel them).
-    pub(crate) fn schedule(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        messages: Vec<Message>,
-        at: Timestamp,
-    ) -> Result<Vec<SequenceNumber>, Error> {
-        self.tick(now);
-        let slot = self.send_target(entity)?;
-        let mut messages: Vec<Arc<Message>> = messages.into_iter().map(Arc::new).collect();
-        self.validate_batch(slot, &messages)?;
-        for m in &mut messages {
-            let m = Arc::make_mut(m);
-            m.scheduled_enqueue_time = Some(at);
-            if m.message_id.is_none() {
-                m.message_id = Some(self.random_message_id());
-            }
-        }
-        // Scheduling is not subject to duplicate detection: the caller needs a sequence number
-        // for every message.
-        let out = self.enqueue(now, slot, messages, false)?;
-        self.pump(now);
-        Ok(out
-            .into_iter()
-            .filter_map(|o| match o {
-                SendOutcome::Enqueued(s) => Some(s),
-                SendOutcome::Duplicate => None,
-            })
-            .collect())
-    }
-
-    /// Cancels scheduled messages of a queue or topic, all or nothing.
-    pub(crate) fn cancel_scheduled(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        sequence_numbers: &[SequenceNumber],
-    ) -> Result<(), Error> {
-        self.tick(now);
-        let slot = self.send_target(entity)?;
-        let six = StoreIx::new(slot, false);
-        let store =
-            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
-        let mut seqs = Vec::with_capacity(sequence_numbers.len());
-        for s in sequence_numbers {
-            let seq = s.get();
-            match store.msgs.get(seq) {
-                Some(m) if m.state == St::Scheduled && !seqs.contains(&seq) => seqs.push(seq),
-                _ => return Err(Error::MessageNotFound(seq)),
-            }
-        }
-        if !seqs.is_empty() {
-            let key = self.key(six)?;
-            self.emit(Record::Removed { store: key, sequences: seqs })?;
-        }
-        self.pump(now);
-        Ok(())
-    }
-
-    // ----- receive --------------------------------------------------------------------------
-
-    /// Receives up to `max` available messages of a queue or subscription (or a dead-letter
-    /// queue), oldest first. When there are none and `waiter` is given, the waiter is parked:
-    /// the next arrival serves it through [`Engine::take_ready`] (in the order waiters
-    /// parked), until [`Engine::cancel_waiter`].
-    pub(crate) fn receive(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        mode: ReceiveMode,
-        max: usize,
-        waiter: Option<WaiterId>,
-    ) -> Result<Vec<Delivery>, Error> {
-        self.tick(now);
-        // Waiters parked earlier come first.
-        self.serve_waiters(now);
-        let six = self.receive_store(entity)?;
-        check_max(max)?;
-        self.check_waiter(waiter)?;
-        if self.store(six).is_some_and(|s| s.sessions.is_some()) {
-            let e = self.entity(entity)?;
-            return Err(Error::SessionRequired(e.path.clone()));
-        }
-        let out = self.take_from(now, six, NO_SESSION, mode, max, None)?;
-        if out.is_empty()
-            && let Some(w) = waiter
-        {
-            self.park(w, Waiter { kind: WaitKind::Receive, six, mode, max });
-        }
-        self.pump(now);
-        Ok(out)
-    }
-
-    /// Receives deferred messages by sequence number, all or nothing. On a session entity the
-    /// caller must hold the messages' session.
-    pub(crate) fn receive_deferred(
-        &mut self,
-        now: Timestamp,
-        entity: EntityRef,
-        sequence_numbers: &[SequenceNumber],
-        mode: ReceiveMode,
-        session: Option<SessionLock>,
-    ) -> Result<Vec<Delivery>, Error> {
-        self.tick(now);
-        let six = self.receive_store(entity)?;
-        let store =
-            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
-        let held = match (&store.sessions, session) {
-            (Some(_), Some(lock)) => match self.session_locks.get(&lock) {
-                Some(&(s6, sid)) if s6 == six => Some((lock, sid)),
-                _ => return Err(Error::SessionLockLost),
-            },
-            (Some(_), None) => {
-                return Err(Error::SessionRequired(self.entity(entity)?.path.clone()));
-            }
-            (None, Some(_)) => {
-                return Err(Error::SessionsNotEnabled(self.entity(entity)?.path.clone()));
-            }
-            (None, None) => None,
-        };
-        // A deferred message's time to live is checked only now, when a receive tries it (as
-        // in Service Bus): one that passed it expires, and is not found.
-        let expired: Vec<i64> = sequence_numbers
-            .iter()
-            .map(|s| s.get())
-            .filter(|&seq| {
-                store.msgs.get(seq).is_some_and(|m| {
-                    m.state == St::Deferred
-                        && m.expires <= now
-                        && held.is_none_or(|(_, sid)| m.session == sid)
-                })
-            })
-            .collect();
-        if !expired.is_empty() && !six.is_dlq() {
-            for &seq in &expired {
-                self.expire(now, six, seq)?;
-            }
-            self.pump(now);
-            return Err(Error::MessageNotFound(expired[0]));
-        }
-        let store =
-            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
-        let mut seqs = Vec::with_capacity(sequence_numbers.len());
-        for s in sequence_numbers {
-            let seq = s.get();
-            match store.msgs.get(seq) {
-                Some(m)
-                    if m.state == St::Deferred
-                        && !seqs.contains(&seq)
-                        && held.is_none_or(|(_, sid)| m.session == sid) =>
-                {
-                    seqs.push(seq);
-                }
-                _ => return Err(Error::MessageNotFound(seq)),
-            }
-        }
-        let out = self.deliver(now, six, seqs, mode, held.map(|(l, _)| l))?;
-        self.pump(now);
-        Ok(out)
-    }
-
-    /// Browses messages from a sequence number on, without locking: available, locked,
-    /// deferred and scheduled ones (not expired ones, except deferred ones, which expire only
-    /// when a receive tries them). On a session entity, `session` limits
-    /// it to one session (that filter scans the store).
-    pub(crate) fn peek(
-        &self,
-        now: Timestamp,
-        entity: EntityRef,
-        from: SequenceNumber,
-        max: usize,
-        session: Option<&SessionId>,
-    ) -> Result<Vec<Delivery>, Error> {
-        let six = self.receive_store(entity)?;
-        check_max(max)?;
-        let store =
-            self.store(six).ok_or_else(|| Error::EntityNotFound("(deleted entity)".to_owned()))?;
-        let sid = match session {
-            None => None,
-            Some(s) => match self.aux.names.lookup(s) {
-                Some(sid) => Some(sid),
-                None => return Ok(Vec::new()),
-            },
-        };
-        Ok(store
-            .msgs
-            .range_from(from.get())
-            .filter(|(_, m)| {
-                (m.expires > now || m.state == St::Deferred)
-                    && sid.is_none_or(|sid| m.session == sid)
-            })
-            .take(max)
-            .map(|(seq, m)| self.delivery(seq, m, None))
-            .collect())
-    }
-
-    /// Serves the parked waiters of every store that got available messages since they were
-    /// last served. With [`EngineOptions::deferred_serving`], call it after each batch of
-    /// calls, before [`Engine::take_ready`]; otherwise every call already did.
-    pub(crate) fn serve_waiters(&mut self, now: Timestamp) {
-        if self.waiters.is_empty() {
-            self.aux.dirty.clear();
-        } else {
-            self.serve_dirty(now);
-        }
+    /// A fresh lock token: a version-4 UUID of 122 bits from the engine's CSPRNG.
+    pub(super) fn next_token(&mut self) -> LockToken {
+        let mut bytes = [0u8; 16];
+        self.rng.fill_bytes(&mut bytes);
+        LockToken::from_uuid(uuid::Builder::from_random_bytes(bytes).into_uuid())
     }
 
     /// Messages the engine let go of since the last call, with
@@ -780,67 +465,6 @@ impl Engine {
     pub(crate) fn set_turn(&mut self, turn: u64) {
         self.aux.turn = u16::try_from(turn & 0xffff).unwrap_or(0);
     }
-
-    /// Parked waiters that were served since the last call, with their messages (empty when
-    /// their entity or session went away).
-    pub(crate) fn take_ready(&mut self) -> Vec<(WaiterId, Vec<Delivery>)> {
-        std::mem::take(&mut self.ready)
-    }
-
-    /// Parked accept-next-session waiters that got a session (`None`: their entity went
-    /// away).
-    pub(crate) fn take_ready_sessions(&mut self) -> Vec<(WaiterId, Option<AcceptedSession>)> {
-        std::mem::take(&mut self.ready_sessions)
-    }
-
-    /// Unparks a waiter (its timeout fired or its caller left); false if it was not parked.
-    pub(crate) fn cancel_waiter(&mut self, waiter: WaiterId) -> bool {
-        let Some(w) = self.waiters.remove(&waiter) else { return false };
-        let Some(store) = self.store_mut(w.six) else { return true };
-        match w.kind {
-            WaitKind::Receive => store.waiters.retain(|&x| x != waiter),
-            WaitKind::Accept => store.accept_waiters.retain(|&x| x != waiter),
-            WaitKind::Session(lock) => {
-                if let Some(&(_, sid)) = self.session_locks.get(&lock)
-                    && let Some(s) = self
-                        .store_mut(w.six)
-                        .and_then(|s| s.sessions.as_mut())
-                        .and_then(|ss| ss.table.get_mut(&sid))
-                {
-                    s.waiters.retain(|&x| x != waiter);
-                }
-            }
-        }
-        true
-    }
-
-    // ----- time -----------------------------------------------------------------------------
-
-    /// The earliest time at which [`Engine::tick`] has something to do.
-    pub(crate) fn next_deadline(&self) -> Option<Timestamp> {
-        [
-            self.lock_timers.first(),
-            self.session_timers.first().map(|t| t.0),
-            self.aux.ttl_timers.first().map(|t| t.0),
-            self.aux.sched_timers.first().map(|t| t.0),
-            self.dedup_timers.first().map(|t| t.0),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
-    }
-
-    /// Processes everything due at `now`: scheduled messages, expired locks and session locks,
-    /// expired messages, and the duplicate-detection purge. Every other call does this first,
-    /// so a late tick never lets an expired lock settle or an expired message be delivered.
-    pub(crate) fn tick(&mut self, now: Timestamp) {
-        if self.next_deadline().is_some_and(|d| d <= now) {
-            // Errors here are internal inconsistencies of records the engine itself built; the
-            // timers are popped before acting, so a failure cannot loop.
-            let _ = self.run_timers(now);
-        }
-        self.pump(now);
-    }
 }
 
 /// A subscription created without rules gets the `$Default` rule, as in Service Bus.
@@ -851,78 +475,4 @@ fn with_default_rule(definition: EntityDefinition) -> EntityDefinition {
         }
         d => d,
     }
-}
-
-/// The size a message counts for against the size limit: its body, its header strings, and
-/// its application property names and values.
-pub(crate) fn message_size(m: &Message) -> usize {
-    let strings = [
-        m.message_id.as_ref().map(|i| i.as_str().len()),
-        m.session_id.as_ref().map(|i| i.as_str().len()),
-        m.correlation_id.as_ref().map(String::len),
-        m.subject.as_ref().map(String::len),
-        m.content_type.as_ref().map(String::len),
-        m.to.as_ref().map(String::len),
-        m.reply_to.as_ref().map(String::len),
-        m.reply_to_session_id.as_ref().map(String::len),
-        m.partition_key.as_ref().map(String::len),
-    ];
-    let props: usize = m.application_properties.iter().map(|(k, v)| k.len() + value_size(v)).sum();
-    m.body.len() + strings.into_iter().flatten().sum::<usize>() + props
-}
-
-fn value_size(v: &Value) -> usize {
-    match v {
-        Value::Null | Value::Bool(_) | Value::Ubyte(_) | Value::Byte(_) => 1,
-        Value::Ushort(_) | Value::Short(_) => 2,
-        Value::Uint(_) | Value::Int(_) | Value::Float(_) | Value::Char(_) => 4,
-        Value::Uuid(_) => 16,
-        Value::Binary(b) => b.len(),
-        Value::String(s) | Value::Symbol(s) => s.len(),
-        _ => 8,
-    }
-}
-
-/// A delivered message as the `twice` vocabulary has it: the stored message with the
-/// broker-set fields, and the properties changed by abandon, defer or dead-letter merged into
-/// its application properties. As in Service Bus, a dead-lettered message also carries its
-/// reason and description as the application properties `DeadLetterReason` and
-/// `DeadLetterErrorDescription` (which is where the AMQP wire has them).
-pub(crate) fn received_message(message: &Message, meta: &DeliveryMeta) -> ReceivedMessage {
-    received_message_owned(message.clone(), meta)
-}
-
-/// [`received_message`] of a message the caller owns.
-pub(crate) fn received_message_owned(message: Message, meta: &DeliveryMeta) -> ReceivedMessage {
-    let mut m = message;
-    let mut r_extra = None;
-    if let Some(extra) = &meta.extra {
-        if let Some(changes) = &extra.action {
-            changes.replay(&mut m);
-        }
-        let props = &mut m.application_properties;
-        props.extend(extra.properties.iter().map(|(k, v)| (k.clone(), v.clone())));
-        if let Some(reason) = &extra.dead_letter_reason {
-            props.insert("DeadLetterReason".to_owned(), Value::String(reason.clone()));
-        }
-        if let Some(description) = &extra.dead_letter_description {
-            props.insert(
-                "DeadLetterErrorDescription".to_owned(),
-                Value::String(description.clone()),
-            );
-        }
-        r_extra = Some(extra);
-    }
-    let mut r = ReceivedMessage::new(m, meta.sequence_number, meta.enqueued_time);
-    r.expires_at = meta.expires_at;
-    r.lock_token = meta.lock_token;
-    r.locked_until = meta.locked_until;
-    r.delivery_count = meta.delivery_count;
-    r.state = meta.state;
-    if let Some(extra) = r_extra {
-        r.dead_letter_reason = extra.dead_letter_reason.clone();
-        r.dead_letter_error_description = extra.dead_letter_description.clone();
-        r.dead_letter_source = extra.dead_letter_source.clone();
-    }
-    r
 }

@@ -1,13 +1,16 @@
-//! Sessions: accept, renew and release session locks, list sessions, and their state.
+//! Sessions: accept, renew and release session locks, list sessions, and their state; locking a
+//! session and freeing it again.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use twice::{SessionId, Timestamp};
 
-use super::internals::{check_id, check_max};
+use super::deliver::check_max;
+use super::fasthash::FastMap;
 use super::record::Record;
-use super::state::{Entity, FastMap};
+use super::send::check_id;
+use super::state::{Entity, Store, StoreIx};
 use super::{
     AcceptedSession, Delivery, Engine, EntityRef, ReceiveMode, SessionLock, SessionSummary,
     WaitKind, Waiter, WaiterId,
@@ -219,5 +222,85 @@ impl Engine {
         let session = self.aux.names.name(sid).cloned().ok_or(Error::SessionLockLost)?;
         let entity = self.key(six)?.entity;
         self.emit(Record::SessionState { entity, session, state })
+    }
+
+    pub(super) fn lock_session(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        sid: u32,
+    ) -> Option<AcceptedSession> {
+        let duration = self.ent(six.slot()).map_or(Duration::ZERO, Entity::lock_duration);
+        let lock = SessionLock(self.next_u64());
+        let until = now + duration;
+        let Engine { entities, aux, .. } = self;
+        let store = entities.get_mut(six.slot() as usize)?.as_mut()?.store_mut(six.is_dlq());
+        let ss = store.sessions.as_mut()?;
+        let s = Store::session_entry(ss, &mut aux.names, sid);
+        s.holder = Some(lock);
+        s.locked_until = until;
+        if let Some(first) = s.avail.first() {
+            ss.ready.remove(&(first, sid));
+        }
+        self.session_locks.insert(lock, (six, sid));
+        self.session_timers.insert((until, lock));
+        let session_id = self.aux.names.name(sid)?.clone();
+        Some(AcceptedSession { lock, session_id, locked_until: until })
+    }
+
+    /// Frees a held session. Its messages still locked become available again: with their
+    /// delivery count raised when the session lock `expired`, unchanged when the receiver let
+    /// the session go (as Service Bus does: only a lock that runs out counts a delivery). Its
+    /// parked receivers are served with nothing.
+    pub(super) fn free_session(
+        &mut self,
+        now: Timestamp,
+        lock: SessionLock,
+        expired: bool,
+    ) -> Result<(), Error> {
+        let Some((six, sid)) = self.session_locks.remove(&lock) else { return Ok(()) };
+        let Some(s) = self.session_mut(six, sid) else { return Ok(()) };
+        let until = s.locked_until;
+        let tokens = std::mem::take(&mut s.locks);
+        let waiters = std::mem::take(&mut s.waiters);
+        s.holder = None;
+        self.session_timers.remove(&(until, lock));
+        for w in waiters {
+            if self.waiters.remove(&w).is_some() {
+                self.ready.push((w, Vec::new()));
+            }
+        }
+        let mut seqs = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            if let Some(l) = self.locks.remove(&t) {
+                seqs.push(l.seq);
+            }
+        }
+        // The session is unlocked before its messages are, so they go back to `ready`.
+        {
+            let Engine { entities, aux, .. } = self;
+            if let Some(store) = entities.get_mut(six.slot() as usize).and_then(Option::as_mut) {
+                let store = store.store_mut(six.is_dlq());
+                if let Some(ss) = store.sessions.as_mut()
+                    && let Some(first) = ss.table.get(&sid).and_then(|s| s.avail.first())
+                {
+                    ss.ready.insert((first, sid));
+                    aux.dirty.push((six, sid));
+                }
+            }
+        }
+        seqs.sort_unstable();
+        for seq in seqs {
+            if expired {
+                self.unlock_counted(now, six, seq, None)?;
+            } else {
+                self.unlock_uncounted(now, six, seq)?;
+            }
+        }
+        let Engine { entities, aux, .. } = self;
+        if let Some(e) = entities.get_mut(six.slot() as usize).and_then(Option::as_mut) {
+            e.store_mut(six.is_dlq()).drop_session_if_idle(&mut aux.names, sid);
+        }
+        Ok(())
     }
 }

@@ -1,15 +1,16 @@
 //! Settlement: complete, abandon, dead-letter, defer, release and renew locks, and resubmit
-//! dead-lettered messages.
+//! dead-lettered messages; and the ways a lock ends: unlocked with or without a delivery
+//! counted, or moved to the dead-letter queue.
 
 use std::time::Duration;
 
 use twice::{LockToken, Properties, SequenceNumber, Timestamp};
 
-use super::internals::non_empty;
 use super::record::{PlacedState, Record};
 use super::route::{Item, Router};
 use super::state::{Entity, NO_SESSION, St, StoreIx};
-use super::{Engine, EntityRef};
+use super::{Engine, EntityRef, Lock};
+use crate::dead_letter_reasons;
 use crate::error::Error;
 
 impl Engine {
@@ -227,4 +228,146 @@ impl Engine {
         self.pump(now);
         Ok(out)
     }
+
+    pub(super) fn check_tokens(&self, tokens: &[LockToken]) -> Result<(), Error> {
+        for (i, t) in tokens.iter().enumerate() {
+            if !self.locks.contains_key(t) || tokens[..i].contains(t) {
+                return Err(Error::MessageLockLost);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn remove_lock(&mut self, token: &LockToken) -> Option<Lock> {
+        let lock = self.locks.remove(token)?;
+        match lock.session {
+            None => {
+                if let Some(key) = lock.timer {
+                    let locks = &self.locks;
+                    self.lock_timers.remove(key, lock.until, *token, |k, u| {
+                        locks.get(k).is_some_and(|l| l.until == u)
+                    });
+                }
+            }
+            Some(sl) => {
+                if let Some(&(six, sid)) = self.session_locks.get(&sl)
+                    && let Some(s) = self.session_mut(six, sid)
+                {
+                    s.locks.retain(|t| t != token);
+                }
+            }
+        }
+        Some(lock)
+    }
+
+    /// Ends a delivery that never reached a handler (a release): the message is available again
+    /// with its delivery count unchanged.
+    pub(super) fn unlock_uncounted(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        seq: i64,
+    ) -> Result<(), Error> {
+        let Some(meta) = self.meta(six, seq) else { return Ok(()) };
+        let (dc, state) = (meta.delivery_count, unlocked_state(meta.state));
+        let key = self.key(six)?;
+        self.emit(Record::Updated {
+            store: key,
+            sequence: seq,
+            delivery_count: dc,
+            state,
+            properties: None,
+        })?;
+        self.expire_if_due(now, six, seq)
+    }
+
+    /// Ends a delivery that did not settle the message: the count rises, and past
+    /// `MaxDeliveryCount` the message is dead-lettered.
+    pub(super) fn unlock_counted(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        seq: i64,
+        properties: Option<Properties>,
+    ) -> Result<(), Error> {
+        let Some(m) = self.meta(six, seq) else { return Ok(()) };
+        let dc = m.delivery_count.saturating_add(1);
+        let state = unlocked_state(m.state);
+        let max = self.ent(six.slot()).map_or(u32::MAX, Entity::max_delivery_count);
+        if !six.is_dlq() && dc > max {
+            let description =
+                format!("Message could not be consumed after {max} delivery attempts.");
+            return self.dead_letter_move(
+                now,
+                six,
+                seq,
+                dc,
+                Some(dead_letter_reasons::MAX_DELIVERY_COUNT_EXCEEDED.to_owned()),
+                Some(description),
+                properties,
+            );
+        }
+        let key = self.key(six)?;
+        self.emit(Record::Updated {
+            store: key,
+            sequence: seq,
+            delivery_count: dc,
+            state,
+            properties,
+        })?;
+        self.expire_if_due(now, six, seq)
+    }
+
+    #[allow(clippy::too_many_arguments)] // reason: one call site per dead-letter cause, each needs all of them
+    pub(super) fn dead_letter_move(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        seq: i64,
+        delivery_count: u32,
+        reason: Option<String>,
+        description: Option<String>,
+        properties: Option<Properties>,
+    ) -> Result<(), Error> {
+        let Some(m) = self.meta(six, seq) else { return Ok(()) };
+        let mut extra = m.extra.as_deref().cloned().unwrap_or_default();
+        if let Some(p) = properties {
+            extra.properties.extend(p);
+        }
+        extra.dead_letter_reason = reason;
+        extra.dead_letter_description = description;
+        let message = self.aux.bodies.message(m.body);
+        let ttl = match &message {
+            Some(msg) => msg.time_to_live,
+            None => (m.expires != Timestamp::MAX).then(|| m.expires.duration_since(m.enqueued)),
+        };
+        extra.time_to_live = ttl;
+        let item = Item {
+            ttl,
+            message,
+            has_session: m.session != NO_SESSION,
+            delivery_count,
+            extra: Some(extra),
+            enqueued: Some(m.enqueued),
+        };
+        let mut router = Router::new(now);
+        let mut to = Vec::new();
+        self.route_dead_letter(&mut router, six.slot(), seq, 0, &item, &mut to);
+        let key = self.key(six)?;
+        self.emit(Record::Moved { from: key, sequence: seq, to })?;
+        self.count(six.slot(), |c| c.dead_lettered += 1);
+        Ok(())
+    }
+}
+
+/// What a message's state becomes when its lock ends.
+pub(super) fn unlocked_state(s: St) -> PlacedState {
+    match s {
+        St::DeferredLocked | St::Deferred => PlacedState::Deferred,
+        _ => PlacedState::Active,
+    }
+}
+
+pub(super) fn non_empty(p: Properties) -> Option<Properties> {
+    (!p.is_empty()).then_some(p)
 }

@@ -1,4 +1,6 @@
-//! The deadlines of peek-locks.
+//! Time: the engine's next deadline and the tick that processes what is due (scheduled
+//! messages activated, expired locks and session locks, expired messages, the purge of
+//! duplicate-detection history), and the deadlines of peek-locks.
 //!
 //! Every peek-lock delivery adds a deadline and nearly every one is settled long before it, so
 //! adding and removing must be cheap. Locks of one lock duration are taken in time order, so
@@ -13,6 +15,12 @@ use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;
 
 use twice::{LockToken, Timestamp};
+
+use super::route::{Item, Router};
+use super::state::{Entity, NO_SESSION, St, StoreIx};
+use super::{Engine, PlacedState, Placement, Record};
+use crate::dead_letter_reasons;
+use crate::error::Error;
 
 /// Where a deadline was filed, to remove it again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +139,165 @@ impl LockTimers {
                 (_, Some(u)) if u <= now => return self.unordered.pop_first(),
                 _ => return None,
             }
+        }
+    }
+}
+
+impl Engine {
+    /// The earliest time at which [`Engine::tick`] has something to do.
+    pub(crate) fn next_deadline(&self) -> Option<Timestamp> {
+        [
+            self.lock_timers.first(),
+            self.session_timers.first().map(|t| t.0),
+            self.aux.ttl_timers.first().map(|t| t.0),
+            self.aux.sched_timers.first().map(|t| t.0),
+            self.dedup_timers.first().map(|t| t.0),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Processes everything due at `now`: scheduled messages, expired locks and session locks,
+    /// expired messages, and the duplicate-detection purge. Every other call does this first,
+    /// so a late tick never lets an expired lock settle or an expired message be delivered.
+    pub(crate) fn tick(&mut self, now: Timestamp) {
+        if self.next_deadline().is_some_and(|d| d <= now) {
+            // Errors here are internal inconsistencies of records the engine itself built; the
+            // timers are popped before acting, so a failure cannot loop.
+            let _ = self.run_timers(now);
+        }
+        self.pump(now);
+    }
+
+    pub(super) fn run_timers(&mut self, now: Timestamp) -> Result<(), Error> {
+        while let Some(&(t, six, seq)) = self.aux.sched_timers.first() {
+            if t > now {
+                break;
+            }
+            self.aux.sched_timers.pop_first();
+            self.activate(now, six, seq)?;
+        }
+        loop {
+            let locks = &self.locks;
+            let due =
+                self.lock_timers.pop_due(now, |k, u| locks.get(k).is_some_and(|l| l.until == u));
+            let Some((_, token)) = due else { break };
+            if let Some(lock) = self.locks.remove(&token) {
+                self.count(lock.six.slot(), |c| c.lock_lost += 1);
+                self.unlock_counted(now, lock.six, lock.seq, None)?;
+            }
+        }
+        while let Some(&(t, lock)) = self.session_timers.first() {
+            if t > now {
+                break;
+            }
+            self.session_timers.pop_first();
+            if let Some(&(six, _)) = self.session_locks.get(&lock) {
+                self.count(six.slot(), |c| c.lock_lost += 1);
+            }
+            self.free_session(now, lock, true)?;
+        }
+        while let Some(&(t, six, seq)) = self.aux.ttl_timers.first() {
+            if t > now {
+                break;
+            }
+            self.aux.ttl_timers.pop_first();
+            self.expire(now, six, seq)?;
+        }
+        while let Some(&(t, slot)) = self.dedup_timers.first() {
+            if t > now {
+                break;
+            }
+            self.dedup_timers.pop_first();
+            let Some(e) = self.ent_mut(slot) else { continue };
+            while let Some((end, _)) = e.dedup.order.front() {
+                if *end > now {
+                    break;
+                }
+                if let Some((end, id)) = e.dedup.order.pop_front()
+                    && e.dedup.ids.get(&id) == Some(&end)
+                {
+                    e.dedup.ids.remove(&id);
+                }
+            }
+            if let Some(&(end, _)) = e.dedup.order.front() {
+                self.dedup_timers.insert((end, slot));
+            }
+        }
+        Ok(())
+    }
+
+    /// A scheduled message reached its time: it becomes available, or is routed (a topic's
+    /// to its subscriptions, a forwarding queue's to its target). Either way it takes a new
+    /// sequence number, as in Service Bus, so it queues behind every message sent before this
+    /// moment rather than ahead of them.
+    pub(super) fn activate(&mut self, now: Timestamp, six: StoreIx, seq: i64) -> Result<(), Error> {
+        let Some(m) = self.meta(six, seq) else { return Ok(()) };
+        if m.state != St::Scheduled {
+            return Ok(());
+        }
+        let key = self.key(six)?;
+        let Some(e) = self.ent(six.slot()) else { return Ok(()) };
+        let routes = e.is_topic() || self.forward_target(e.forward_to()).is_some();
+        let mut router = Router::new(now);
+        let new_seq = router.alloc(self, six.slot());
+        if !routes {
+            let to = vec![Placement {
+                store: key,
+                sequence: new_seq,
+                enqueued: m.enqueued,
+                expires: (m.expires != Timestamp::MAX).then_some(m.expires),
+                delivery_count: m.delivery_count,
+                state: PlacedState::Active,
+                extra: m.extra.as_deref().cloned().map(Box::new),
+            }];
+            self.emit(Record::Moved { from: key, sequence: seq, to })?;
+            return self.expire_if_due(now, six, new_seq);
+        }
+        let message = self.aux.bodies.message(m.body);
+        let item = Item {
+            ttl: message.as_ref().and_then(|m| m.time_to_live),
+            message,
+            has_session: m.session != NO_SESSION,
+            delivery_count: m.delivery_count,
+            extra: m.extra.as_deref().cloned(),
+            enqueued: None,
+        };
+        let mut to = Vec::new();
+        self.land(&mut router, six.slot(), new_seq, 0, &item, &mut to);
+        self.emit(Record::Moved { from: key, sequence: seq, to })
+    }
+
+    /// Removes or dead-letters an expired message.
+    pub(super) fn expire(&mut self, now: Timestamp, six: StoreIx, seq: i64) -> Result<(), Error> {
+        let Some(m) = self.meta(six, seq) else { return Ok(()) };
+        let dc = m.delivery_count;
+        self.count(six.slot(), |c| c.expired += 1);
+        if self.ent(six.slot()).is_some_and(Entity::dead_letter_on_expiry) && !six.is_dlq() {
+            return self.dead_letter_move(
+                now,
+                six,
+                seq,
+                dc,
+                Some(dead_letter_reasons::TTL_EXPIRED_EXCEPTION.to_owned()),
+                Some("The message expired and was dead lettered.".to_owned()),
+                None,
+            );
+        }
+        let key = self.key(six)?;
+        self.emit(Record::Removed { store: key, sequences: vec![seq] })
+    }
+
+    pub(super) fn expire_if_due(
+        &mut self,
+        now: Timestamp,
+        six: StoreIx,
+        seq: i64,
+    ) -> Result<(), Error> {
+        match self.meta(six, seq) {
+            Some(m) if m.expires <= now && m.state == St::Available => self.expire(now, six, seq),
+            _ => Ok(()),
         }
     }
 }
