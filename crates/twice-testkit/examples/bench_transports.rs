@@ -115,7 +115,9 @@ async fn main() -> anyhow::Result<()> {
         "{n} messages of 256 bytes; processor: PostgreSQL inbox, {CONCURRENCY} concurrent calls"
     );
     if batch > 1 {
-        println!("| transport | consume+complete, msg/s | processor, msg/s | processor, batches of {batch}, msg/s |");
+        println!(
+            "| transport | consume+complete, msg/s | processor, msg/s | processor, batches of {batch}, msg/s |"
+        );
         println!("|---|---|---|---|");
     } else {
         println!("| transport | consume+complete, msg/s | processor, msg/s |");

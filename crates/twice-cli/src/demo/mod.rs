@@ -99,6 +99,10 @@ pub(crate) struct DemoArgs {
     /// MaxConcurrentCalls of each consumer.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=256))]
     concurrency: u64,
+    /// How many received messages the twice processor handles in one transaction (1: one
+    /// transaction per message); each handler runs under a savepoint of its own.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    batch: u64,
     /// The queues' LockDuration, in seconds (Service Bus allows 5 to 300).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(5..=300))]
     lock_seconds: u64,
@@ -274,8 +278,9 @@ where
         args.queues.clone(),
     )
     .await?;
-    let concurrency = usize::try_from(args.concurrency).unwrap_or(16);
-    let queue = |name| broker.queue(name, lock, &clock, concurrency);
+    // A batch takes that many messages per call: the transports' windows grow with it.
+    let window = usize::try_from(args.concurrency * args.batch).unwrap_or(16);
+    let queue = |name| broker.queue(name, lock, &clock, window);
     let queues = Queues {
         naive: Arc::new(queue(NAIVE_QUEUE).await?),
         twice: Arc::new(queue(TWICE_QUEUE).await?),
@@ -444,6 +449,7 @@ where
     let options = ProcessorOptions::new()
         .consumer("shipping")
         .max_concurrent_calls(concurrency)
+        .batch_size(usize::try_from(args.batch).unwrap_or(1))
         .max_wait(Duration::from_millis(200))
         .clock(clock.clone());
     let errors: Arc<std::sync::Mutex<BTreeMap<String, u64>>> = Arc::default();

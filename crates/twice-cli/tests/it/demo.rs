@@ -116,6 +116,15 @@ fn demo_on_postgres_keeps_every_invariant_and_naive_double_charges() {
 }
 
 #[test]
+fn demo_with_batches_on_postgres_keeps_every_invariant() {
+    if !reachable("127.0.0.1:5432") {
+        return;
+    }
+    let (success, json) = run_demo(&["--store", POSTGRES_URL, "--batch", "16"]);
+    check(success, &json);
+}
+
+#[test]
 fn demo_on_mariadb_keeps_every_invariant_and_naive_double_charges() {
     if !reachable("127.0.0.1:3306") {
         return;
