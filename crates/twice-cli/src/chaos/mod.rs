@@ -103,6 +103,10 @@ pub(crate) struct ChaosArgs {
     /// acknowledged its relay's sends, before the relay deleted their rows.
     #[arg(long, default_value_t = 0.02, value_parser = crate::demo::rate)]
     relay_abort_rate: f64,
+    /// How many received orders each processor handles in one transaction (1: one
+    /// transaction per order); each handler runs under a savepoint of its own.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    batch: u64,
     /// Share of orders the handler rejects (they must end in the dead-letter queue).
     #[arg(long, default_value_t = 0.02, value_parser = crate::demo::rate)]
     poison_rate: f64,
@@ -142,6 +146,8 @@ struct Report {
     /// killed with SIGKILL): not delivered again, not left undone.
     kept_after_settlement: u64,
     processors: u64,
+    /// Orders per transaction in each processor.
+    batch: u64,
     seed: u64,
     elapsed_seconds: f64,
     faults: Faults,
@@ -176,6 +182,7 @@ struct WorkerSpec {
     abort_rate: f64,
     relay_abort_rate: f64,
     seed: u64,
+    batch: u64,
 }
 
 /// One processor slot: its current process (restarted after each kill).
@@ -204,6 +211,7 @@ impl WorkerSpec {
             .args(["--payments", &self.payments.to_string(), "--mail", &self.mail.to_string()])
             .args(["--abort-after-commit", &self.abort_rate.to_string()])
             .args(["--relay-abort-after-ack", &self.relay_abort_rate.to_string()])
+            .args(["--batch", &self.batch.to_string()])
             .args([
                 "--seed",
                 &(self.seed * 1_000_003 + index as u64 * 1_009 + incarnation).to_string(),
@@ -451,6 +459,7 @@ async fn run_in(
             mail: mail.addr(),
             abort_rate: args.abort_rate,
             relay_abort_rate: args.relay_abort_rate,
+            batch: args.batch,
             seed: args.seed,
         },
         events: Arc::default(),
@@ -645,6 +654,7 @@ async fn run_in(
         completions_confirmed: broker.completions_confirmed(),
         kept_after_settlement,
         processors: args.processors,
+        batch: args.batch,
         seed: args.seed,
         elapsed_seconds: stopwatch.elapsed().as_secs_f64(),
         faults,
@@ -660,8 +670,15 @@ fn render(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "twice chaos on {}: {} orders ({} sent without a message id), {} processors, seed {}, {:.1} s",
-        r.broker, r.orders, r.orders_without_id, r.processors, r.seed, r.elapsed_seconds
+        "twice chaos on {}: {} orders ({} sent without a message id), {} processors, {}, seed {}, \
+         {:.1} s",
+        r.broker,
+        r.orders,
+        r.orders_without_id,
+        r.processors,
+        if r.batch > 1 { format!("batches of {}", r.batch) } else { "no batches".to_owned() },
+        r.seed,
+        r.elapsed_seconds
     );
     let lines: [(&str, u64); 24] = [
         ("kills: processor SIGKILL", f.processor_sigkill),

@@ -69,6 +69,9 @@ pub(crate) struct WorkerArgs {
     seed: u64,
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Orders per transaction (`ProcessorOptions::batch_size`).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
 }
 
 /// The message body of the chaos run's orders.
@@ -187,7 +190,8 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     // An abort leaves no core file behind.
     let _ = rlimit::setrlimit(rlimit::Resource::CORE, 0, 0);
     let clock = SharedClock::system();
-    let calls = args.concurrency;
+    // A batch takes that many messages per call: the transports' windows grow with it.
+    let calls = args.concurrency * args.batch.max(1);
     let kind = if args.broker.to_ascii_lowercase().starts_with("endpoint=") {
         None
     } else {
@@ -323,6 +327,7 @@ where
     let options = ProcessorOptions::new()
         .consumer("shipping")
         .max_concurrent_calls(args.concurrency)
+        .batch_size(args.batch)
         .max_wait(Duration::from_millis(200))
         .clock(clock.clone());
     let rate = args.abort_after_commit;
@@ -386,6 +391,7 @@ where
         ProcessorOptions::new()
             .consumer("loyalty")
             .max_concurrent_calls(args.concurrency)
+            .batch_size(args.batch)
             .max_wait(Duration::from_millis(200))
             .clock(clock.clone()),
     )
