@@ -12,6 +12,9 @@
 //!    own transactions (a producer outside a handler): p50, p99 and the maximum, on the durable
 //!    embedded broker and over AMQP to `twice serve` (the Service Bus client).
 //!
+//! With `TWICE_BENCH_BATCH=N` the processor of part 1 handles up to `N` messages per
+//! transaction (`ProcessorOptions::batch_size`), with and without the outbox alike.
+//!
 //! With `TWICE_BENCH_NO_RELAY=1` no relay runs in part 1 (the rows stay in the table): what
 //! the rows' writes alone cost. Needs PostgreSQL on its usual port. Prints numbers; nothing
 //! passes or fails.
@@ -113,6 +116,7 @@ async fn process(
     let options = ProcessorOptions::new()
         .consumer("bench")
         .max_concurrent_calls(CONCURRENCY)
+        .batch_size(batch_size()?)
         .max_wait(Duration::from_millis(200));
     let processor = Processor::new(broker.receiver(queue).await?, inbox, handler, options);
     let counters = processor.counters();
@@ -219,6 +223,11 @@ fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1_000.0)
 }
 
+/// `TWICE_BENCH_BATCH`, or 1.
+fn batch_size() -> anyhow::Result<usize> {
+    Ok(std::env::var("TWICE_BENCH_BATCH").map_or(Ok(1), |s| s.parse())?)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -230,7 +239,9 @@ async fn main() -> anyhow::Result<()> {
     broker.create_queue("events", QueueProperties::default()).await?;
     println!(
         "1. the processor, PostgreSQL inbox, {CONCURRENCY} concurrent calls, durable embedded broker, \
-         {n} messages of 256 bytes per run, {rounds} rounds, which runs first alternating"
+         {n} messages of 256 bytes per run, {rounds} rounds, which runs first alternating, \
+         batches of {}",
+        batch_size()?
     );
     println!(
         "| round | no outbox, msg/s | one message through the outbox, msg/s | ratio | CPU µs/msg without: twice / PostgreSQL | with: twice / PostgreSQL |"
