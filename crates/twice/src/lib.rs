@@ -138,6 +138,7 @@
 
 pub mod clock;
 pub mod counters;
+pub mod dead_letter;
 pub mod dead_letter_reasons;
 pub mod error;
 pub mod export;

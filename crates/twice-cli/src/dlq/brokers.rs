@@ -21,12 +21,12 @@ use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
-use twice::{Delivery as _, Message, MessageId, Receive as _, ReceivedMessage, Value};
+use twice::{Delivery as _, Message, MessageId, Receive as _, ReceivedMessage};
 use twice_nats::{NatsOptions, NatsTransport, dead_letter_stream_name};
 use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport, dead_letter_queue_name};
 
 use super::admin::EntityCounts;
-use super::{DlqArgs, DlqCommand, ResubmitArgs, preview, progress, properties_json, to_json};
+use super::{DlqArgs, DlqCommand, ResubmitArgs, progress, properties_json, to_json};
 
 /// How long a receive waits for the next message before the queue counts as drained.
 const DRAIN_WAIT: Duration = Duration::from_secs(1);
@@ -314,7 +314,7 @@ async fn show(broker: &Broker, entity: &str, max: usize, json: bool) -> anyhow::
         if props.as_object().is_some_and(|p| !p.is_empty()) {
             writeln!(out, "    properties: {props}")?;
         }
-        writeln!(out, "    body: {}", preview(&m.message.body))?;
+        writeln!(out, "    body: {}", twice::dead_letter::preview(&m.message.body))?;
     }
     Ok(())
 }
@@ -345,21 +345,6 @@ async fn export(
         println!("exported {} message(s) of {path} to {}", messages.len(), p.display());
     }
     Ok(())
-}
-
-/// The message to send again: the original with its id (or a new one, the old kept in
-/// `OriginalMessageId`).
-fn copy_of(m: &Message, new_id: bool) -> Message {
-    let mut copy = m.clone();
-    copy.scheduled_enqueue_time = None;
-    if new_id {
-        if let Some(old) = copy.message_id.take() {
-            copy.application_properties
-                .insert("OriginalMessageId".into(), Value::from(old.as_str()));
-        }
-        copy.message_id = Some(MessageId::new(uuid::Uuid::new_v4().to_string()));
-    }
-    copy
 }
 
 /// What happened to one chosen message.
@@ -524,7 +509,7 @@ fn copy_or_keep(m: &ReceivedMessage, new_id: bool, path: &str) -> Option<Message
         );
         return None;
     }
-    Some(copy_of(&m.message, new_id))
+    Some(twice::dead_letter::resubmit_copy(&m.message, new_id))
 }
 
 async fn purge(broker: &Broker, entity: &str, yes: bool) -> anyhow::Result<()> {

@@ -417,23 +417,9 @@ async fn show(ctx: &Ctx, entity: &str, max: usize, json: bool) -> anyhow::Result
         if props.as_object().is_some_and(|p| !p.is_empty()) {
             writeln!(out, "    properties: {props}")?;
         }
-        writeln!(out, "    body: {}", preview(&m.message.body))?;
+        writeln!(out, "    body: {}", twice::dead_letter::preview(&m.message.body))?;
     }
     Ok(())
-}
-
-/// The first 200 characters of a body, as text; `<N bytes of binary>` if it is not UTF-8.
-fn preview(body: &[u8]) -> String {
-    match std::str::from_utf8(body) {
-        Ok(text) => {
-            let mut p: String = text.chars().take(200).collect();
-            if p.len() < text.len() {
-                p.push('…');
-            }
-            p
-        }
-        Err(_) => format!("<{} bytes of binary>", body.len()),
-    }
 }
 
 fn value_json(v: &Value) -> serde_json::Value {
@@ -454,33 +440,15 @@ fn properties_json(m: &ReceivedMessage, without_reason: bool) -> serde_json::Val
 }
 
 /// A message as one JSON object: for an export, as `twice data export` writes it
-/// ([`twice::export::to_json`]); with a preview of its body instead otherwise.
+/// ([`twice::export::to_json`]); otherwise as the console shows it, with a preview of its body
+/// ([`twice::dead_letter::view_json`]).
 fn to_json(m: &ReceivedMessage, whole_body: bool) -> serde_json::Value {
-    let mut o = twice::export::to_json(m);
-    if let (false, Some(map)) = (whole_body, o.as_object_mut()) {
-        map.remove("body");
-        map.remove("body_encoding");
-        map.insert("body_preview".into(), preview(&m.message.body).into());
-    }
-    o
+    if whole_body { twice::export::to_json(m) } else { twice::dead_letter::view_json(m) }
 }
 
-/// The message to send again: the original with its id (or a new one, the old kept in
-/// `OriginalMessageId`), without the dead-letter properties.
+/// The copy a resubmit sends ([`twice::dead_letter::resubmit_copy`]).
 fn copy_of(m: &ReceivedMessage, new_id: bool) -> Message {
-    let mut copy = m.message.clone();
-    for p in DEAD_LETTER_PROPERTIES {
-        copy.application_properties.remove(p);
-    }
-    copy.scheduled_enqueue_time = None;
-    if new_id {
-        if let Some(old) = copy.message_id.take() {
-            copy.application_properties
-                .insert("OriginalMessageId".into(), Value::from(old.as_str()));
-        }
-        copy.message_id = Some(MessageId::new(uuid::Uuid::new_v4().to_string()));
-    }
-    copy
+    twice::dead_letter::resubmit_copy(&m.message, new_id)
 }
 
 fn now() -> Timestamp {

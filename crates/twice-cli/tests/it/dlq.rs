@@ -633,3 +633,54 @@ async fn dlq_export_and_data_export_write_one_shape() {
     assert_eq!(from_dlq[0]["dead_letter_reason"], "Poison");
     assert_eq!(from_dlq[0]["properties"]["tenant"], "t1");
 }
+
+/// The console's JSON API and `twice dlq show --json` show a dead-lettered message as one
+/// and the same object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_and_dlq_show_render_a_message_identically() {
+    let s = Serve::start();
+    let client = s.client();
+    let mut message = Message::new("same everywhere")
+        .with_message_id("id-same")
+        .with_subject("s")
+        .with_correlation_id("c-1");
+    message.application_properties.insert("tenant".into(), twice::Value::from("t1"));
+    message.application_properties.insert("n".into(), twice::Value::Long(7));
+    client.sender("orders").send_message(message).await.unwrap();
+    let receiver = client.receiver("orders", ReceiverOptions::new());
+    let d = receiver.receive_messages(1, WAIT).await.unwrap().pop().expect("the message");
+    receiver.dead_letter_message(&d, DeadLetterReason::new("Poison", "it failed")).await.unwrap();
+    receiver.close().await;
+    client.close().await;
+
+    let shown = json_lines(&ok(&s.dlq(&["show", "orders", "--json"])));
+    let http = s.admin_url.trim_start_matches("http://").to_owned();
+    let expiry = twice::Clock::now(&twice::SystemClock).as_millis() / 1000 + 600;
+    let token = twice_servicebus::sas::sign(
+        &format!("http://{http}/"),
+        "RootManageSharedAccessKey",
+        "SAS_KEY_VALUE",
+        expiry,
+    );
+    let mut stream = std::net::TcpStream::connect(&http).unwrap();
+    std::io::Write::write_all(
+        &mut stream,
+        format!(
+            "GET /$console/api/peek?entity=orders&dlq=1 HTTP/1.1\r\nHost: localhost\r\n\
+             Authorization: {token}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{response}");
+    let console: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    let from_console = &console["messages"][0];
+    assert_eq!(shown.len(), 1);
+    assert_eq!(&shown[0], from_console);
+    assert_eq!(shown[0]["body_preview"], "same everywhere");
+    assert_eq!(shown[0]["dead_letter_reason"], "Poison");
+    assert_eq!(shown[0]["properties"], serde_json::json!({ "tenant": "t1", "n": 7 }));
+}

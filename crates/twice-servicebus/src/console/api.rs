@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use twice::{Message, MessageId, ReceivedMessage, SequenceNumber, SessionId, Value};
+use twice::SequenceNumber;
 use twice_broker::config::EntityDefinition;
 
 use super::auth::{authorize, reads_need_token};
@@ -26,12 +26,8 @@ const MAX_SEQUENCES: usize = 100;
 const MAX_SCAN: usize = 5_000;
 /// Messages locked per receive while looking.
 const SCAN_BATCH: usize = 100;
-/// The characters of a body (or session state) shown in a preview.
-const PREVIEW_CHARS: usize = 1_000;
 /// The longest entity path accepted.
 const MAX_PATH: usize = 260;
-/// Application properties the service adds when it dead-letters; a resubmitted copy drops them.
-const DEAD_LETTER_PROPERTIES: [&str; 2] = ["DeadLetterReason", "DeadLetterErrorDescription"];
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::BadRequest(message.into())
@@ -163,58 +159,6 @@ pub(super) async fn entities<B: Backend>(shared: &Shared<B>) -> Response {
     Response::json("200 OK", &body)
 }
 
-fn value_json(v: &Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::Null => J::Null,
-        Value::Bool(b) => J::Bool(*b),
-        Value::Long(n) => J::from(*n),
-        Value::Int(n) => J::from(*n),
-        Value::Double(f) => J::from(*f),
-        Value::String(s) | Value::Symbol(s) => J::String(s.clone()),
-        // The other AMQP types are shown as their debug text: the page only displays them.
-        other => J::String(format!("{other:?}")),
-    }
-}
-
-/// The first [`PREVIEW_CHARS`] characters of a body, or a note when it is not UTF-8.
-fn preview(body: &[u8]) -> String {
-    match std::str::from_utf8(body) {
-        Ok(text) if text.chars().count() > PREVIEW_CHARS => {
-            text.chars().take(PREVIEW_CHARS).chain(std::iter::once('…')).collect()
-        }
-        Ok(text) => text.to_owned(),
-        Err(_) => format!("<{} bytes of binary>", body.len()),
-    }
-}
-
-fn message_json(m: &ReceivedMessage) -> serde_json::Value {
-    let msg = &m.message;
-    let properties: serde_json::Map<String, serde_json::Value> = msg
-        .application_properties
-        .iter()
-        .filter(|(k, _)| !DEAD_LETTER_PROPERTIES.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), value_json(v)))
-        .collect();
-    serde_json::json!({
-        "sequence_number": m.sequence_number.get(),
-        "message_id": msg.message_id.as_ref().map(MessageId::as_str),
-        "session_id": msg.session_id.as_ref().map(SessionId::as_str),
-        "state": format!("{:?}", m.state).to_ascii_lowercase(),
-        "dead_letter_reason": m.dead_letter_reason,
-        "dead_letter_description": m.dead_letter_error_description,
-        "dead_letter_source": m.dead_letter_source,
-        "delivery_count": m.delivery_count,
-        "enqueued_time": m.enqueued_time.to_string(),
-        "subject": msg.subject,
-        "content_type": msg.content_type,
-        "correlation_id": msg.correlation_id,
-        "properties": properties,
-        "body_size": msg.body.len(),
-        "body_preview": preview(&msg.body),
-    })
-}
-
 /// `GET /$console/api/peek`: up to `max` messages of an entity (or, with `dlq=1`, of its
 /// dead-letter queue) from sequence number `from` on, without locking them.
 pub(super) async fn peek<B: Backend>(
@@ -237,7 +181,7 @@ pub(super) async fn peek<B: Backend>(
     let body = serde_json::json!({
         "entity": entity,
         "path": path,
-        "messages": messages.iter().map(message_json).collect::<Vec<_>>(),
+        "messages": messages.iter().map(twice::dead_letter::view_json).collect::<Vec<_>>(),
         "next_from": next,
     });
     Ok(Response::json("200 OK", &body))
@@ -280,7 +224,7 @@ pub(super) async fn sessions<B: Backend>(
                 serde_json::json!({
                     "locked": false,
                     "state_size": state.as_ref().map(|s| s.len()),
-                    "state_preview": state.as_deref().map(preview),
+                    "state_preview": state.as_deref().map(twice::dead_letter::preview),
                 })
             }
             Ok(None) | Err(BackendError::SessionCannotBeLocked(_)) => {
@@ -372,24 +316,6 @@ struct Outcome {
     failure: Option<ApiError>,
 }
 
-/// The copy a resubmit sends: the original with its id (or a new one, the old kept in
-/// `OriginalMessageId`), without the dead-letter properties or a schedule.
-fn copy_of(m: &ReceivedMessage, new_id: bool) -> Message {
-    let mut copy = m.message.clone();
-    for p in DEAD_LETTER_PROPERTIES {
-        copy.application_properties.remove(p);
-    }
-    copy.scheduled_enqueue_time = None;
-    if new_id {
-        if let Some(old) = copy.message_id.take() {
-            let old = Value::from(old.as_str());
-            copy.application_properties.insert("OriginalMessageId".into(), old);
-        }
-        copy.message_id = Some(MessageId::new(uuid::Uuid::new_v4().to_string()));
-    }
-    copy
-}
-
 /// Locks the dead-lettered messages of `dlq` batch by batch until every wanted one was seen
 /// (or [`MAX_SCAN`] were), acts on the wanted ones, and releases the others at the end, so
 /// each is seen once.
@@ -430,7 +356,10 @@ async fn settle_wanted<B: Backend>(
                     held.push(lock);
                     continue;
                 }
-                if let Err(e) = backend.send(target, vec![copy_of(&m, *new_id)]).await {
+                if let Err(e) = backend
+                    .send(target, vec![twice::dead_letter::resubmit_copy(&m.message, *new_id)])
+                    .await
+                {
                     let prefix = format!("sending the copy of #{seq} to '{target}' failed: ");
                     let e = ApiError::from(e).around(&prefix, "; it stays dead-lettered");
                     out.failure = Some(e);
