@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
-use twice::{DeadLetterReason, LockToken};
+use twice::LockToken;
+use twice_amqp::servicebus::Settle;
 
 use crate::address::Node;
 use crate::backend::{Backend, Settlement};
@@ -16,6 +17,7 @@ use crate::mgmt;
 use crate::performative::{
     AmqpError, Disposition, Flow, Outcome, Performative, ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
+use crate::settle;
 
 use super::links::{request_task, sender_task};
 use super::state::{Echo, Job, Out, Partial, PendingSend, need_of, update_pump};
@@ -395,31 +397,5 @@ fn send_echoes(out: &mut Out, channel: u16, role: bool, echoes: impl Iterator<It
 /// What a client's outcome asks of the broker, and the outcome to echo (research §8.3): the
 /// same type, without the dead-letter error a `rejected` came with.
 fn settlement_of(outcome: &Outcome) -> (Option<Settlement>, Outcome) {
-    match outcome {
-        Outcome::Accepted => (Some(Settlement::Complete), Outcome::Accepted),
-        Outcome::Released => (Some(Settlement::Release), Outcome::Released),
-        Outcome::Modified { undeliverable_here: true, message_annotations, .. } => (
-            Some(Settlement::Defer(mapping::properties_of(message_annotations.as_ref(), &[]))),
-            outcome.clone(),
-        ),
-        Outcome::Modified { message_annotations, .. } => (
-            Some(Settlement::Abandon(mapping::properties_of(message_annotations.as_ref(), &[]))),
-            outcome.clone(),
-        ),
-        Outcome::Rejected(err) => (Some(dead_letter_of(err.as_ref())), Outcome::Rejected(None)),
-        Outcome::Other => (None, Outcome::Accepted),
-    }
-}
-
-/// The dead-letter settlement a `rejected` outcome asks for.
-fn dead_letter_of(err: Option<&AmqpError>) -> Settlement {
-    let info = err.and_then(|e| e.info.as_ref());
-    let text = |k: &str| info.and_then(|i| i.get(k)).and_then(|v| v.as_str()).map(str::to_owned);
-    let reason = text("DeadLetterReason");
-    let description =
-        text("DeadLetterErrorDescription").or_else(|| err.and_then(|e| e.description.clone()));
-    let properties =
-        mapping::properties_of(info, &["DeadLetterReason", "DeadLetterErrorDescription"]);
-    let why = DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
-    Settlement::DeadLetter(why, properties)
+    (Settle::from_outcome(outcome).map(settle::settlement_of), Settle::echo_of(outcome))
 }
