@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 use twice::LockToken;
+use twice_amqp::reassembly::{Partial, Step, reassemble};
 use twice_amqp::servicebus::Settle;
 
 use crate::address::Node;
@@ -20,7 +21,7 @@ use crate::performative::{
 use crate::settle;
 
 use super::links::{request_task, sender_task};
-use super::state::{Echo, Job, Out, Partial, PendingSend, need_of, update_pump};
+use super::state::{Echo, Job, Out, PendingSend, need_of, update_pump};
 use super::{Conn, SENDER_CREDIT, SESSION_WINDOW};
 
 impl<B: Backend> Conn<B> {
@@ -72,31 +73,10 @@ impl<B: Backend> Conn<B> {
             l.rx_credit -= 1;
             l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
         }
-        let partial = l.partial.get_or_insert_with(|| Partial {
-            delivery_id: t.delivery_id.unwrap_or(0),
-            format: t.message_format.unwrap_or(0),
-            settled: t.settled.unwrap_or(false),
-            ..Partial::default()
-        });
-        if let Some(id) = t.delivery_id {
-            partial.delivery_id = id;
-        }
-        if t.settled == Some(true) {
-            partial.settled = true;
-        }
-        if partial.buf.len() + payload.len() > max_size {
-            partial.oversize = true;
-            partial.buf.clear();
-        } else if !partial.oversize {
-            partial.buf.extend_from_slice(payload);
-        }
-        if t.more && !t.aborted {
-            return;
-        }
-        let Some(done) = l.partial.take() else { return };
-        if t.aborted {
-            return;
-        }
+        let done = match reassemble(&mut l.partial, &t, payload, max_size) {
+            Step::More | Step::Aborted => return,
+            Step::Done(done) => done,
+        };
         let node = l.node.clone();
         let link_id = l.id;
         let outcome = if done.oversize {
@@ -108,7 +88,7 @@ impl<B: Backend> Conn<B> {
             )))
         } else {
             match &node {
-                Node::Entity(e) => match mapping::messages_of(&done.buf, done.format) {
+                Node::Entity(e) => match mapping::messages_of(&done.payload, done.format) {
                     Err(err) => {
                         Outcome::Rejected(Some(AmqpError::new(cond::DECODE_ERROR, err.to_string())))
                     }
@@ -118,7 +98,7 @@ impl<B: Backend> Conn<B> {
                         let pending = PendingSend {
                             delivery_id: done.delivery_id,
                             settled: done.settled,
-                            bytes: done.buf.len(),
+                            bytes: done.payload.len(),
                             messages,
                         };
                         // Its credit comes back once it is stored (see `on_sent`).
@@ -127,7 +107,7 @@ impl<B: Backend> Conn<B> {
                     }
                 },
                 Node::Cbs => {
-                    let reply = self.on_cbs(&done.buf);
+                    let reply = self.on_cbs(&done.payload);
                     self.settle_received(ch, &done, &Outcome::Accepted);
                     if let Some(reply) = reply {
                         self.reply(link_id, reply);
@@ -138,7 +118,7 @@ impl<B: Backend> Conn<B> {
                     // The request is settled at once; its reply follows from the link's
                     // request task, as a request/response peer expects.
                     self.settle_received(ch, &done, &Outcome::Accepted);
-                    match mgmt::Request::parse(&done.buf) {
+                    match mgmt::Request::parse(&done.payload) {
                         Ok(req)
                             if !self.authorized(
                                 &format!("{e}/$management"),
