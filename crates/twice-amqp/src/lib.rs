@@ -12,11 +12,15 @@
 //!
 //! The layers, bottom up: [`codec`] (AMQP types; decoding is total: bad input is a typed error,
 //! never a panic), [`frame`] (framing, protocol headers, size limits), [`performative`] (typed
-//! frame bodies), [`mapping`] (AMQP messages to and from twice's [`twice::Message`]) and [`sas`]
-//! (shared access signatures: signing and checking tokens).
+//! frame bodies), [`reassembly`] (a delivery from its transfer frames), [`mapping`] (AMQP
+//! messages to and from twice's [`twice::Message`]), [`sas`] (shared access signatures: signing
+//! and checking tokens), and on top [`servicebus`]: the Service Bus vocabulary (conditions,
+//! `$management` operations, settlements) both sides speak.
 
 pub mod codec;
 pub mod frame;
 pub mod mapping;
 pub mod performative;
+pub mod reassembly;
 pub mod sas;
+pub mod servicebus;

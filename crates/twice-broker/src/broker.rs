@@ -411,6 +411,20 @@ impl Broker {
         self.call(|reply| Command::ChangeSubscription { topic, subscription, change, reply }).await
     }
 
+    /// Replaces the rule of the same name (compared without case) of a subscription, in one
+    /// turn of the broker: rules added or removed meanwhile stay as they are. A subscription
+    /// without a rule of that name fails with [`Error::EntityNotFound`].
+    pub async fn replace_rule(
+        &self,
+        topic: &str,
+        subscription: &str,
+        rule: Rule,
+    ) -> Result<(), Error> {
+        let (topic, subscription) = (topic.to_owned(), subscription.to_owned());
+        let change = SubscriptionChange::ReplaceRule(rule);
+        self.call(|reply| Command::ChangeSubscription { topic, subscription, change, reply }).await
+    }
+
     /// Removes a rule from a subscription (a subscription without rules receives nothing).
     pub async fn delete_rule(
         &self,

@@ -9,8 +9,11 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::sync::oneshot;
 use twice::{SharedClock, Timestamp};
-use twice_amqp::codec::{Decoder, Value};
+use twice_amqp::codec::Value;
 use twice_amqp::performative::{ROLE_RECEIVER, ROLE_SENDER, desc, described_list};
+use twice_amqp::servicebus::{
+    ManagementReply, ManagementRequest, OPERATION, Reply, Request, SERVER_TIMEOUT,
+};
 use uuid::Uuid;
 
 use crate::connstr::ConnectionString;
@@ -345,20 +348,25 @@ impl Conn {
                 }
             }
         };
-        let props = put_token_properties(&token, audience);
-        let reply = rpc
-            .request(props, Value::string(token.token()), inner.options.operation_timeout)
-            .await?;
-        reply.ok("put-token")?;
+        let request = put_token_request(&token, audience);
+        let reply = rpc.request(request, inner.options.operation_timeout).await?;
+        reply_ok(reply, "put-token")?;
         Ok(token.expires_at())
     }
+}
+
+/// A `$cbs` put-token request.
+fn put_token_request(token: &crate::token::AccessToken, audience: &str) -> Request {
+    let mut request = Request::new("put-token", Value::string(token.token()));
+    request.properties = put_token_properties(token, audience);
+    request
 }
 
 /// The application properties of a `$cbs` put-token request: the token's type tells the
 /// service how to read it (a shared access signature, or an Entra ID `jwt`).
 fn put_token_properties(token: &crate::token::AccessToken, audience: &str) -> Vec<(Value, Value)> {
     vec![
-        (Value::string("operation"), Value::string("put-token")),
+        (Value::string(OPERATION), Value::string("put-token")),
         (Value::string("type"), Value::string(token.token_type().as_cbs_type())),
         (Value::string("name"), Value::string(audience)),
         (Value::string("expiration"), Value::Timestamp(token.expires_at().as_millis())),
@@ -394,64 +402,21 @@ async fn refresh(
     }
 }
 
-/// The reply to a `$management` or `$cbs` request.
-#[derive(Debug, Clone)]
-pub(crate) struct RpcReply {
-    pub(crate) status: i32,
-    pub(crate) condition: Option<String>,
-    pub(crate) description: String,
-    pub(crate) body: Value,
-}
-
-impl RpcReply {
-    /// The reply as a result: a 2xx status is success.
-    pub(crate) fn ok(self, operation: &str) -> Result<Self, Error> {
-        if (200..300).contains(&self.status) {
-            Ok(self)
-        } else {
-            Err(Error::Management {
-                operation: operation.to_owned(),
-                status: self.status,
-                condition: self.condition,
-                description: self.description,
-            })
-        }
-    }
-
-    fn parse(payload: &[u8]) -> Option<(Uuid, Self)> {
-        let mut d = Decoder::new(payload);
-        let (mut correlation, mut props, mut body) = (None, Value::Map(vec![]), Value::Null);
-        while !d.is_empty() {
-            let v = d.value().ok()?;
-            match v.descriptor_code() {
-                Some(0x73) => {
-                    correlation = match v.undescribed().as_seq().and_then(|f| f.get(5)) {
-                        Some(Value::Uuid(u)) => Some(*u),
-                        _ => None,
-                    }
-                }
-                Some(0x74) => props = v.undescribed().clone(),
-                Some(0x77) => body = v.undescribed().clone(),
-                _ => {}
-            }
-        }
-        // `$management` spells the status one way and `$cbs` another; accept both.
-        let get = |a: &str, b: &str| props.get(a).or_else(|| props.get(b)).cloned();
-        let status = get("statusCode", "status-code").and_then(|v| v.as_i64()).unwrap_or(0);
-        let reply = RpcReply {
-            status: i32::try_from(status).unwrap_or(0),
-            condition: get("errorCondition", "error-condition")
-                .and_then(|v| v.as_str().map(str::to_owned)),
-            description: get("statusDescription", "status-description")
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default(),
-            body,
-        };
-        Some((correlation?, reply))
+/// A `$management` or `$cbs` reply as a result: a 2xx status is success.
+fn reply_ok(reply: Reply, operation: &str) -> Result<Reply, Error> {
+    if reply.is_success() {
+        Ok(reply)
+    } else {
+        Err(Error::Management {
+            operation: operation.to_owned(),
+            status: reply.status,
+            condition: reply.condition,
+            description: reply.description,
+        })
     }
 }
 
-type Pending = Arc<Mutex<HashMap<Uuid, oneshot::Sender<RpcReply>>>>;
+type Pending = Arc<Mutex<HashMap<Uuid, oneshot::Sender<Reply>>>>;
 
 /// A request/response link pair on a node (`$cbs`, `<entity>/$management`).
 #[derive(Debug, Clone)]
@@ -502,7 +467,8 @@ impl Rpc {
         let routes = pending.clone();
         tokio::spawn(async move {
             while let Some(LinkEvent::Delivery(d)) = events.recv().await {
-                let Some((id, reply)) = RpcReply::parse(&d.payload) else { continue };
+                let Ok(reply) = Reply::parse(&d.payload) else { continue };
+                let Value::Uuid(id) = reply.correlation_id else { continue };
                 let waiter =
                     routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
                 if let Some(w) = waiter {
@@ -530,25 +496,13 @@ impl Rpc {
     /// Not cancel safe: the request may still be carried out after the future is dropped.
     pub(crate) async fn request(
         &self,
-        properties: Vec<(Value, Value)>,
-        body: Value,
+        mut request: Request,
         timeout: Duration,
-    ) -> Result<RpcReply, Error> {
+    ) -> Result<Reply, Error> {
         let id = Uuid::new_v4();
-        let mut payload = Vec::new();
-        described_list(
-            0x73,
-            vec![
-                Value::Uuid(id),
-                Value::Null,
-                Value::Null,
-                Value::Null,
-                Value::string(self.reply_to.clone()),
-            ],
-        )
-        .encode(&mut payload);
-        Value::described(0x74, Value::Map(properties)).encode(&mut payload);
-        Value::described(0x77, body).encode(&mut payload);
+        request.message_id = Value::Uuid(id);
+        request.reply_to = Some(self.reply_to.clone());
+        let payload = request.encode();
         let (tx, rx) = oneshot::channel();
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id, tx);
         let result = tokio::time::timeout(timeout, async {
@@ -587,30 +541,28 @@ impl Management {
         Ok(r)
     }
 
-    /// Runs an operation on the entity's management node; 204 (nothing found) is a success
-    /// with an empty body.
+    /// Runs an operation on the entity's management node and reads its reply; 204 (nothing
+    /// found) is a success with an empty body.
     pub(crate) async fn call(
         &self,
         inner: &Arc<Inner>,
         conn: &Arc<Conn>,
         entity: &str,
-        operation: &str,
-        body: Vec<(&str, Value)>,
-    ) -> Result<Value, Error> {
+        request: ManagementRequest,
+    ) -> Result<ManagementReply, Error> {
         let rpc = self.on(inner, conn, entity).await?;
-        let props = vec![
-            (Value::string("operation"), Value::string(operation)),
-            (
-                Value::string("com.microsoft:server-timeout"),
-                Value::Uint(
-                    u32::try_from(inner.options.operation_timeout.as_millis()).unwrap_or(u32::MAX),
-                ),
+        let op = request.operation();
+        let mut envelope = request.to_request();
+        envelope.properties.push((
+            Value::string(SERVER_TIMEOUT),
+            Value::Uint(
+                u32::try_from(inner.options.operation_timeout.as_millis()).unwrap_or(u32::MAX),
             ),
-        ];
-        let body = Value::Map(body.into_iter().map(|(k, v)| (Value::string(k), v)).collect());
-        let reply =
-            rpc.request(props, body, inner.options.operation_timeout).await?.ok(operation)?;
-        Ok(reply.body)
+        ));
+        let reply = rpc.request(envelope, inner.options.operation_timeout).await?;
+        let reply = reply_ok(reply, op.name())?;
+        ManagementReply::parse(op, &reply.body)
+            .map_err(|e| Error::Invalid(format!("{op} reply: {e}")))
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 use twice_amqp::frame::{self, Frame, FrameReader};
@@ -20,6 +20,7 @@ use twice_amqp::performative::{
     AmqpError, Attach, Begin, Detach, Disposition, Flow, Open, Outcome, Performative,
     ROLE_RECEIVER, ROLE_SENDER, SaslInit, Transfer,
 };
+use twice_amqp::reassembly::{Partial, Step, reassemble};
 
 use crate::error::Error;
 
@@ -377,7 +378,7 @@ struct LinkState {
     initial_credit: u32,
     auto_credit: bool,
     queued: VecDeque<PendingSend>,
-    partial: Option<(u32, Bytes, bool, BytesMut)>,
+    partial: Option<Partial>,
     detach_sent: bool,
 }
 
@@ -809,26 +810,22 @@ impl Actor {
         }
         let Some(&handle) = self.by_remote.get(&t.handle) else { return };
         let Some(l) = self.links.get_mut(&handle) else { return };
-        if let (Some(id), true) = (t.delivery_id, l.partial.is_none()) {
-            // The first frame of a delivery: its id and tag.
-            let tag = t.delivery_tag.clone().unwrap_or_default();
-            l.partial = Some((id, tag, t.settled.unwrap_or(false), BytesMut::new()));
-        }
-        let Some(partial) = l.partial.as_mut() else { return };
-        partial.3.extend_from_slice(payload);
-        if t.settled == Some(true) {
-            partial.2 = true;
-        }
-        if t.more && !t.aborted {
+        if l.partial.is_none() && t.delivery_id.is_none() {
+            // A delivery's first frame names its id; without one there is no delivery.
             return;
         }
-        let Some((delivery_id, tag, settled, buf)) = l.partial.take() else { return };
-        if t.aborted {
-            return;
-        }
+        let done = match reassemble(&mut l.partial, &t, payload, usize::MAX) {
+            Step::More | Step::Aborted => return,
+            Step::Done(done) => done,
+        };
         l.delivery_count = l.delivery_count.wrapping_add(1);
         l.credit = l.credit.saturating_sub(1);
-        let incoming = Incoming { delivery_id, tag, settled, payload: buf.freeze() };
+        let incoming = Incoming {
+            delivery_id: done.delivery_id,
+            tag: done.tag,
+            settled: done.settled,
+            payload: done.payload.freeze(),
+        };
         if let Some(tx) = &l.events_tx {
             let _ = tx.send(LinkEvent::Delivery(incoming));
         }

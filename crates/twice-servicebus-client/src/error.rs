@@ -6,32 +6,34 @@ use twice_amqp::performative::AmqpError;
 
 /// AMQP and Service Bus error conditions the client tells apart.
 pub mod condition {
+    use twice_amqp::servicebus::Condition;
+
     /// The message lock expired or the message was settled elsewhere.
-    pub const MESSAGE_LOCK_LOST: &str = "com.microsoft:message-lock-lost";
+    pub const MESSAGE_LOCK_LOST: &str = Condition::MessageLockLost.as_str();
     /// The session lock expired or was taken.
-    pub const SESSION_LOCK_LOST: &str = "com.microsoft:session-lock-lost";
+    pub const SESSION_LOCK_LOST: &str = Condition::SessionLockLost.as_str();
     /// Another receiver holds the session.
-    pub const SESSION_CANNOT_BE_LOCKED: &str = "com.microsoft:session-cannot-be-locked";
+    pub const SESSION_CANNOT_BE_LOCKED: &str = Condition::SessionCannotBeLocked.as_str();
     /// An operation (for example accept-next-session) timed out on the service.
-    pub const TIMEOUT: &str = "com.microsoft:timeout";
+    pub const TIMEOUT: &str = Condition::Timeout.as_str();
     /// No message has the requested sequence number.
-    pub const MESSAGE_NOT_FOUND: &str = "com.microsoft:message-not-found";
+    pub const MESSAGE_NOT_FOUND: &str = Condition::MessageNotFound.as_str();
     /// The entity does not exist.
-    pub const NOT_FOUND: &str = "amqp:not-found";
+    pub const NOT_FOUND: &str = Condition::NotFound.as_str();
     /// The token is missing, expired or does not grant the entity.
-    pub const UNAUTHORIZED: &str = "amqp:unauthorized-access";
+    pub const UNAUTHORIZED: &str = Condition::UnauthorizedAccess.as_str();
     /// The service is busy; retry later.
-    pub const SERVER_BUSY: &str = "com.microsoft:server-busy";
+    pub const SERVER_BUSY: &str = Condition::ServerBusy.as_str();
     /// The service closed the link or connection to move or rebalance it.
-    pub const DETACH_FORCED: &str = "amqp:link:detach-forced";
+    pub const DETACH_FORCED: &str = Condition::DetachForced.as_str();
     /// The connection was closed by the service (for example on idle).
-    pub const CONNECTION_FORCED: &str = "amqp:connection:forced";
+    pub const CONNECTION_FORCED: &str = Condition::ConnectionForced.as_str();
     /// An internal error of the service; retrying may succeed.
-    pub const INTERNAL: &str = "amqp:internal-error";
+    pub const INTERNAL: &str = Condition::InternalError.as_str();
     /// A message or batch larger than the entity allows.
-    pub const MESSAGE_SIZE: &str = "amqp:link:message-size-exceeded";
+    pub const MESSAGE_SIZE: &str = Condition::MessageSizeExceeded.as_str();
     /// A quota (connections, links) is exhausted.
-    pub const RESOURCE_LIMIT: &str = "amqp:resource-limit-exceeded";
+    pub const RESOURCE_LIMIT: &str = Condition::ResourceLimitExceeded.as_str();
 }
 
 /// An error from the Service Bus client.

@@ -10,9 +10,13 @@ use twice::{
     DeadLetterReason, EntityInfo, LockToken, Properties, ReceivedMessage, SequenceNumber,
     SessionId, Timestamp, TransportError,
 };
-use twice_amqp::codec::{Array, Value, code};
+use twice_amqp::codec::Value;
 use twice_amqp::mapping;
-use twice_amqp::performative::{AmqpError, Outcome, ROLE_RECEIVER, desc, described_list};
+use twice_amqp::performative::{ROLE_RECEIVER, desc, described_list};
+pub(crate) use twice_amqp::servicebus::Settle;
+use twice_amqp::servicebus::{
+    ManagementReply, ManagementRequest, ReplyMessage, SESSION_FILTER, TIMEOUT_PROPERTY,
+};
 
 use crate::client::{Conn, Inner, Management, ServiceBusClient};
 use crate::engine::{Engine, Incoming, LinkEvent, LinkSpec};
@@ -60,78 +64,6 @@ impl ServiceBusDelivery {
     pub fn lock_token(&self) -> Option<LockToken> {
         self.message.lock_token
     }
-}
-
-/// A settlement, as an AMQP outcome and as a `$management` disposition.
-pub(crate) enum Settle {
-    Complete,
-    Abandon(Properties),
-    DeadLetter(DeadLetterReason),
-    Defer,
-    Release,
-}
-
-impl Settle {
-    fn outcome(&self) -> Outcome {
-        match self {
-            Settle::Complete => Outcome::Accepted,
-            Settle::Release => Outcome::Released,
-            Settle::Abandon(props) => Outcome::Modified {
-                delivery_failed: true,
-                undeliverable_here: false,
-                message_annotations: (!props.is_empty()).then(|| properties_map(props)),
-            },
-            Settle::Defer => Outcome::Modified {
-                delivery_failed: true,
-                undeliverable_here: true,
-                message_annotations: None,
-            },
-            Settle::DeadLetter(r) => Outcome::Rejected(Some(AmqpError {
-                condition: "com.microsoft:dead-letter".into(),
-                description: Some(r.description.clone()),
-                info: Some(Value::Map(vec![
-                    (Value::symbol("DeadLetterReason"), Value::string(r.reason.clone())),
-                    (
-                        Value::symbol("DeadLetterErrorDescription"),
-                        Value::string(r.description.clone()),
-                    ),
-                ])),
-            })),
-        }
-    }
-
-    fn management(&self) -> Vec<(&'static str, Value)> {
-        match self {
-            Settle::Complete => vec![("disposition-status", Value::string("completed"))],
-            // A lock through `$management` cannot be released without counting; abandon is
-            // the nearest.
-            Settle::Release => vec![("disposition-status", Value::string("abandoned"))],
-            Settle::Abandon(props) => vec![
-                ("disposition-status", Value::string("abandoned")),
-                ("properties-to-modify", properties_map(props)),
-            ],
-            // The service spells it this way.
-            Settle::Defer => vec![("disposition-status", Value::string("defered"))],
-            Settle::DeadLetter(r) => vec![
-                ("disposition-status", Value::string("suspended")),
-                ("deadletter-reason", Value::string(r.reason.clone())),
-                ("deadletter-description", Value::string(r.description.clone())),
-            ],
-        }
-    }
-}
-
-fn properties_map(props: &Properties) -> Value {
-    Value::Map(
-        props
-            .iter()
-            .map(|(k, v)| (Value::string(k.clone()), mapping::from_twice_value(v)))
-            .collect(),
-    )
-}
-
-fn uuid_array(tokens: &[LockToken]) -> Value {
-    Value::Array(Array::new(code::UUID, tokens.iter().map(|t| Value::Uuid(*t.as_uuid())).collect()))
 }
 
 /// The link a receiver reads from.
@@ -217,13 +149,13 @@ pub(crate) async fn attach_receiver(
     conn.authorize(&shared.client, &shared.entity).await?;
     let filter = session.map(|sid| {
         Value::Map(vec![(
-            Value::symbol("com.microsoft:session-filter"),
+            Value::symbol(SESSION_FILTER),
             sid.map_or(Value::Null, |s| Value::string(s.as_str())),
         )])
     });
     let properties = wait.map(|w| {
         Value::Map(vec![(
-            Value::symbol("com.microsoft:timeout"),
+            Value::symbol(TIMEOUT_PROPERTY),
             Value::Uint(u32::try_from(w.as_millis()).unwrap_or(u32::MAX)),
         )])
     });
@@ -336,7 +268,7 @@ impl Shared {
                 if !d.settled {
                     let engine = link.conn.engine.clone();
                     let (handle, id) = (link.handle, link.id);
-                    let outcome = Settle::Abandon(Properties::new()).outcome();
+                    let outcome = Settle::Abandon(Properties::new()).to_outcome();
                     tokio::spawn(async move {
                         let _ = engine.dispose(handle, id, d.delivery_id, outcome).await;
                     });
@@ -447,7 +379,7 @@ impl Shared {
                     return Err(lost(false));
                 }
                 let timeout = self.client.options.get_operation_timeout();
-                let dispose = engine.dispose(*handle, *id, *delivery_id, how.outcome());
+                let dispose = engine.dispose(*handle, *id, *delivery_id, how.to_outcome());
                 let echo = tokio::time::timeout(timeout, dispose)
                     .await
                     .unwrap_or(Err(Error::Timeout))
@@ -456,40 +388,41 @@ impl Shared {
                         Error::ConnectionLost => lost(session.is_some()),
                         e => e,
                     })?;
-                match echo {
-                    Outcome::Rejected(Some(e)) if e.condition != "com.microsoft:dead-letter" => {
-                        Err(Error::from_amqp(&e))
-                    }
-                    _ => Ok(()),
+                match Settle::echo_error(&echo) {
+                    Some(e) => Err(Error::from_amqp(e)),
+                    None => Ok(()),
                 }
             }
             Via::Management => {
                 let lock =
                     d.message.lock_token.ok_or_else(|| Error::Invalid("no lock token".into()))?;
-                let mut body = how.management();
-                body.push(("lock-tokens", uuid_array(&[lock])));
-                self.management(session, "com.microsoft:update-disposition", body).await.map(|_| ())
+                let req = ManagementRequest::UpdateDisposition {
+                    lock_tokens: vec![lock],
+                    settle: how,
+                    session_id: session.map(|s| s.session_id.clone()),
+                };
+                self.management(session, req).await.map(|_| ())
             }
         }
     }
 
+    /// Runs a `$management` request: one of a session through the session's connection,
+    /// while the session is held (the request names it).
     pub(crate) async fn management(
         &self,
         session: Option<&SessionHold>,
-        operation: &str,
-        mut body: Vec<(&str, Value)>,
-    ) -> Result<Value, Error> {
+        req: ManagementRequest,
+    ) -> Result<ManagementReply, Error> {
         match session {
             Some(s) => {
                 if s.conn.engine.is_closed() || !s.attached.load(Ordering::Acquire) {
                     return Err(lost(true));
                 }
-                body.push(("session-id", Value::string(s.session_id.as_str())));
-                self.mgmt.call(&self.client, &s.conn, &self.entity, operation, body).await
+                self.mgmt.call(&self.client, &s.conn, &self.entity, req).await
             }
             None => {
                 let conn = self.client.connection().await?;
-                self.mgmt.call(&self.client, &conn, &self.entity, operation, body).await
+                self.mgmt.call(&self.client, &conn, &self.entity, req).await
             }
         }
     }
@@ -505,10 +438,9 @@ impl Shared {
             // never be settled; so the lock is lost here, at once.
             return Err(lost(false));
         }
-        let body = vec![("lock-tokens", uuid_array(&[lock]))];
-        let reply = self.management(None, "com.microsoft:renew-lock", body).await?;
-        match reply.get("expirations").and_then(Value::as_seq).and_then(|s| s.first()) {
-            Some(Value::Timestamp(t)) => Ok(Timestamp::from_millis(*t)),
+        let req = ManagementRequest::RenewLock { lock_tokens: vec![lock] };
+        match self.management(None, req).await? {
+            ManagementReply::Expirations(t) if !t.is_empty() => Ok(t[0]),
             _ => Err(Error::Invalid("renew-lock reply without an expiration".into())),
         }
     }
@@ -519,16 +451,15 @@ impl Shared {
         from: Option<SequenceNumber>,
         max: u32,
     ) -> Result<Vec<ReceivedMessage>, Error> {
-        let body = vec![
-            ("from-sequence-number", Value::Long(from.map_or(1, SequenceNumber::get).max(0))),
-            ("message-count", Value::Int(i32::try_from(max.max(1)).unwrap_or(i32::MAX))),
-        ];
-        let reply = self.management(session, "com.microsoft:peek-message", body).await?;
+        let req = ManagementRequest::PeekMessage {
+            from: from.map_or(1, SequenceNumber::get).max(0),
+            count: i64::from(max.max(1)),
+            session_id: session.map(|s| s.session_id.clone()),
+        };
         let mut out = Vec::new();
-        for item in reply.get("messages").and_then(Value::as_seq).unwrap_or(&[]) {
-            let Some(raw) = item.get("message").and_then(Value::as_binary) else { continue };
-            let mut message =
-                mapping::decode_received(raw).map_err(|e| Error::Invalid(e.to_string()))?;
+        for item in messages(self.management(session, req).await?) {
+            let mut message = mapping::decode_received(&item.message)
+                .map_err(|e| Error::Invalid(e.to_string()))?;
             // A peeked message is not locked, whatever its annotations say.
             message.lock_token = None;
             message.locked_until = None;
@@ -542,28 +473,30 @@ impl Shared {
         session: Option<&SessionHold>,
         seqs: &[SequenceNumber],
     ) -> Result<Vec<ServiceBusDelivery>, Error> {
-        let mode = match self.options.mode {
-            ReceiveMode::PeekLock => 1,
-            ReceiveMode::ReceiveAndDelete => 0,
+        let req = ManagementRequest::ReceiveBySequenceNumber {
+            sequence_numbers: seqs.to_vec(),
+            receive_and_delete: self.options.mode == ReceiveMode::ReceiveAndDelete,
+            session_id: session.map(|s| s.session_id.clone()),
         };
-        let body = vec![
-            ("sequence-numbers", Value::long_array(seqs.iter().map(|s| s.get()))),
-            ("receiver-settle-mode", Value::Uint(mode)),
-        ];
-        let reply =
-            self.management(session, "com.microsoft:receive-by-sequence-number", body).await?;
         let mut out = Vec::new();
-        for item in reply.get("messages").and_then(Value::as_seq).unwrap_or(&[]) {
-            let Some(raw) = item.get("message").and_then(Value::as_binary) else { continue };
-            let mut message =
-                mapping::decode_received(raw).map_err(|e| Error::Invalid(e.to_string()))?;
-            if let Some(Value::Uuid(u)) = item.get("lock-token") {
-                message.lock_token = Some(LockToken::from_uuid(*u));
+        for item in messages(self.management(session, req).await?) {
+            let mut message = mapping::decode_received(&item.message)
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+            if let Some(lock) = item.lock_token {
+                message.lock_token = Some(lock);
             }
             let via = if message.lock_token.is_some() { Via::Management } else { Via::Unlocked };
             out.push(ServiceBusDelivery { message, via, settled: Default::default() });
         }
         Ok(out)
+    }
+}
+
+/// The messages of a `peek-message` or `receive-by-sequence-number` reply.
+fn messages(reply: ManagementReply) -> Vec<ReplyMessage> {
+    match reply {
+        ManagementReply::Messages(m) => m,
+        _ => Vec::new(),
     }
 }
 
@@ -662,12 +595,12 @@ impl Receiver {
         d: &ServiceBusDelivery,
         reason: DeadLetterReason,
     ) -> Result<(), Error> {
-        self.shared.settle(d, Settle::DeadLetter(reason), None).await
+        self.shared.settle(d, Settle::DeadLetter(reason, Properties::new()), None).await
     }
 
     /// Defers a message: it stays, receivable only by sequence number.
     pub async fn defer_message(&self, d: &ServiceBusDelivery) -> Result<(), Error> {
-        self.shared.settle(d, Settle::Defer, None).await
+        self.shared.settle(d, Settle::Defer(Properties::new()), None).await
     }
 
     /// Renews a message's lock through `$management`; returns the new locked-until time.

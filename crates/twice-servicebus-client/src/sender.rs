@@ -9,6 +9,7 @@ use twice::{Message, MessageId, SequenceNumber, Timestamp};
 use twice_amqp::codec::Value;
 use twice_amqp::mapping::{self, BATCH_FORMAT};
 use twice_amqp::performative::{Outcome, ROLE_SENDER, desc, described_list};
+use twice_amqp::servicebus::{Condition, ManagementReply, ManagementRequest, Scheduled};
 
 use crate::client::{Conn, Inner, Management, ServiceBusClient};
 use crate::error::Error;
@@ -105,7 +106,7 @@ impl Sender {
             Outcome::Accepted => Ok(()),
             Outcome::Rejected(Some(e)) => Err(Error::from_amqp(&e)),
             other => Err(Error::Amqp {
-                condition: "amqp:internal-error".into(),
+                condition: Condition::InternalError.into(),
                 description: Some(format!("the send was not accepted: {other:?}")),
             }),
         }
@@ -142,9 +143,9 @@ impl Sender {
         self.transfer(payload, BATCH_FORMAT).await
     }
 
-    async fn management(&self, operation: &str, body: Vec<(&str, Value)>) -> Result<Value, Error> {
+    async fn management(&self, req: ManagementRequest) -> Result<ManagementReply, Error> {
         let conn = self.client.connection().await?;
-        self.mgmt.call(&self.client, &conn, &self.entity, operation, body).await
+        self.mgmt.call(&self.client, &conn, &self.entity, req).await
     }
 
     /// Schedules messages to appear at `at`; returns their sequence numbers (for
@@ -154,38 +155,28 @@ impl Sender {
         messages: Vec<Message>,
         at: Timestamp,
     ) -> Result<Vec<SequenceNumber>, Error> {
-        let items = messages
+        let messages = messages
             .into_iter()
             .map(|m| {
                 let m = with_id(m).with_scheduled_enqueue_time(at);
-                let mut entry = vec![(
-                    Value::string("message-id"),
-                    m.message_id.as_ref().map_or(Value::Null, |id| Value::string(id.as_str())),
-                )];
-                if let Some(sid) = &m.session_id {
-                    entry.push((Value::string("session-id"), Value::string(sid.as_str())));
+                Scheduled {
+                    message: Bytes::from(mapping::encode_message(&m)),
+                    message_id: m.message_id.as_ref().map(|id| id.as_str().to_owned()),
+                    session_id: m.session_id.as_ref().map(|s| s.as_str().to_owned()),
+                    partition_key: m.partition_key.clone(),
                 }
-                if let Some(pk) = &m.partition_key {
-                    entry.push((Value::string("partition-key"), Value::string(pk.clone())));
-                }
-                entry.push((
-                    Value::string("message"),
-                    Value::Binary(Bytes::from(mapping::encode_message(&m))),
-                ));
-                Value::Map(entry)
             })
             .collect();
-        let reply = self
-            .management("com.microsoft:schedule-message", vec![("messages", Value::List(items))])
-            .await?;
-        let seqs = reply.get("sequence-numbers").and_then(Value::as_seq).unwrap_or(&[]);
-        Ok(seqs.iter().filter_map(Value::as_i64).map(SequenceNumber::new).collect())
+        match self.management(ManagementRequest::ScheduleMessage { messages }).await? {
+            ManagementReply::SequenceNumbers(seqs) => Ok(seqs),
+            _ => Ok(Vec::new()),
+        }
     }
 
     /// Cancels scheduled messages by sequence number.
     pub async fn cancel_scheduled_messages(&self, seqs: &[SequenceNumber]) -> Result<(), Error> {
-        let body = vec![("sequence-numbers", Value::long_array(seqs.iter().map(|s| s.get())))];
-        self.management("com.microsoft:cancel-scheduled-message", body).await.map(|_| ())
+        let req = ManagementRequest::CancelScheduledMessage { sequence_numbers: seqs.to_vec() };
+        self.management(req).await.map(|_| ())
     }
 
     /// Detaches the link.

@@ -9,6 +9,9 @@ use twice::{
     DeadLetterReason, EntityInfo, Properties, SequenceNumber, SessionId, Timestamp, TransportError,
 };
 use twice_amqp::codec::Value;
+use twice_amqp::servicebus::{
+    LOCKED_UNTIL_UTC, ManagementReply, ManagementRequest, SESSION_FILTER,
+};
 
 use crate::client::ServiceBusClient;
 use crate::error::Error;
@@ -68,7 +71,7 @@ impl SessionClient {
             twice_amqp::performative::Terminus::parse(remote.remote.source.as_ref(), true).filter;
         let granted = filter
             .as_ref()
-            .and_then(|f| f.get("com.microsoft:session-filter"))
+            .and_then(|f| f.get(SESSION_FILTER))
             .and_then(|v| v.undescribed().as_str().map(SessionId::new))
             .or_else(|| sid.cloned())
             .ok_or_else(|| Error::Invalid("the service named no session".into()))?;
@@ -76,7 +79,7 @@ impl SessionClient {
             .remote
             .properties
             .as_ref()
-            .and_then(|p| p.get("com.microsoft:locked-until-utc"))
+            .and_then(|p| p.get(LOCKED_UNTIL_UTC))
             .and_then(|v| match v {
                 Value::Timestamp(t) => Some(Timestamp::from_millis(*t)),
                 other => other.as_i64().map(ticks_to_timestamp),
@@ -154,34 +157,30 @@ impl SessionReceiver {
 
     /// Renews the session lock; returns the new locked-until time.
     pub async fn renew_lock(&self) -> Result<Timestamp, Error> {
-        let reply = self
-            .shared
-            .management(Some(&self.hold), "com.microsoft:renew-session-lock", vec![])
-            .await?;
-        let Some(Value::Timestamp(t)) = reply.get("expiration") else {
+        let req = ManagementRequest::RenewSessionLock { session_id: self.hold.session_id.clone() };
+        let ManagementReply::Expiration(until) =
+            self.shared.management(Some(&self.hold), req).await?
+        else {
             return Err(Error::Invalid("renew-session-lock reply without an expiration".into()));
         };
-        let until = Timestamp::from_millis(*t);
         *self.locked_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = until;
         Ok(until)
     }
 
     /// The session state.
     pub async fn session_state(&self) -> Result<Option<Bytes>, Error> {
-        let reply = self
-            .shared
-            .management(Some(&self.hold), "com.microsoft:get-session-state", vec![])
-            .await?;
-        Ok(reply.get("session-state").and_then(Value::as_binary).cloned())
+        let req = ManagementRequest::GetSessionState { session_id: self.hold.session_id.clone() };
+        match self.shared.management(Some(&self.hold), req).await? {
+            ManagementReply::SessionState(state) => Ok(state),
+            _ => Ok(None),
+        }
     }
 
     /// Sets (or with `None` clears) the session state.
     pub async fn set_session_state(&self, state: Option<Bytes>) -> Result<(), Error> {
-        let body = vec![("session-state", state.map_or(Value::Null, Value::Binary))];
-        self.shared
-            .management(Some(&self.hold), "com.microsoft:set-session-state", body)
-            .await
-            .map(|_| ())
+        let req =
+            ManagementRequest::SetSessionState { session_id: self.hold.session_id.clone(), state };
+        self.shared.management(Some(&self.hold), req).await.map(|_| ())
     }
 
     /// Receives deferred messages of this session by sequence number.
@@ -313,11 +312,11 @@ impl twice::Receive for SessionReceiver {
         d: &ServiceBusDelivery,
         reason: DeadLetterReason,
     ) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::DeadLetter(reason)).await?)
+        Ok(self.settle(d, Settle::DeadLetter(reason, Properties::new())).await?)
     }
 
     async fn defer(&self, d: &ServiceBusDelivery) -> Result<(), TransportError> {
-        Ok(self.settle(d, Settle::Defer).await?)
+        Ok(self.settle(d, Settle::Defer(Properties::new())).await?)
     }
 }
 

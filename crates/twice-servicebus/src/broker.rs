@@ -386,27 +386,7 @@ impl Backend for Broker {
         subscription: &str,
         rule: Rule,
     ) -> Result<(), BackendError> {
-        // The broker replaces a subscription's rules as a whole: read them, swap the one named,
-        // write them back. A rule added by another client in between is overwritten.
-        let path = twice_broker::config::EntityDefinition::subscription(
-            topic,
-            subscription,
-            twice_broker::config::SubscriptionProperties::default(),
-            Vec::new(),
-        )
-        .path();
-        let EntityDefinition::Subscription { topic, name, properties, mut rules } =
-            Broker::get_entity(self, &path).await.map_err(|e| refusal(self, e))?
-        else {
-            return Err(BackendError::EntityNotFound(path));
-        };
-        let Some(slot) = rules.iter_mut().find(|r| r.name.eq_ignore_ascii_case(&rule.name)) else {
-            return Err(BackendError::EntityNotFound(format!("{path}/Rules/{}", rule.name)));
-        };
-        *slot = rule;
-        Broker::update_entity(self, EntityDefinition::subscription(topic, name, properties, rules))
-            .await
-            .map_err(|e| refusal(self, e))
+        Broker::replace_rule(self, topic, subscription, rule).await.map_err(|e| refusal(self, e))
     }
 
     async fn admin_delete_rule(

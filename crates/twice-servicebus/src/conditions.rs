@@ -1,59 +1,51 @@
 //! The AMQP and Service Bus error conditions twice sends, the other `com.microsoft:` names it
 //! reads and writes on links, and the errors it builds from them.
 //!
-//! Every condition string of the crate is written here once. A condition, once shipped, keeps
-//! its meaning.
+//! The names are `twice_amqp::servicebus`'s, which the client shares; this module gives the
+//! server's short names for them and builds its errors. A condition, once shipped, keeps its
+//! meaning.
+
+use twice_amqp::servicebus::Condition;
 
 use crate::backend::BackendError;
 use crate::performative::AmqpError;
 
-pub(crate) const DECODE_ERROR: &str = "amqp:decode-error";
-pub(crate) const FRAME_TOO_LARGE: &str = "amqp:connection:framing-error";
-pub(crate) const NOT_FOUND: &str = "amqp:not-found";
-pub(crate) const NOT_ALLOWED: &str = "amqp:not-allowed";
-pub(crate) const NOT_IMPLEMENTED: &str = "amqp:not-implemented";
-pub(crate) const UNAUTHORIZED: &str = "amqp:unauthorized-access";
-pub(crate) const RESOURCE_LIMIT: &str = "amqp:resource-limit-exceeded";
-pub(crate) const INTERNAL: &str = "amqp:internal-error";
-pub(crate) const MESSAGE_SIZE: &str = "amqp:link:message-size-exceeded";
-pub(crate) const LOCK_LOST: &str = "com.microsoft:message-lock-lost";
-pub(crate) const SESSION_LOCK_LOST: &str = "com.microsoft:session-lock-lost";
-pub(crate) const SESSION_CANNOT_BE_LOCKED: &str = "com.microsoft:session-cannot-be-locked";
-pub(crate) const TIMEOUT: &str = "com.microsoft:timeout";
-pub(crate) const MESSAGE_NOT_FOUND: &str = "com.microsoft:message-not-found";
-pub(crate) const ARGUMENT: &str = "com.microsoft:argument-error";
-pub(crate) const ALREADY_EXISTS: &str = "com.microsoft:entity-already-exists";
-pub(crate) const UNATTACHED_HANDLE: &str = "amqp:session:unattached-handle";
-pub(crate) const TRANSFER_LIMIT: &str = "amqp:link:transfer-limit-exceeded";
-/// The server closes the connection because it is shutting down.
-pub(crate) const FORCED: &str = "amqp:connection:forced";
+pub(crate) use twice_amqp::servicebus::{LOCKED_UNTIL_UTC, SESSION_FILTER, TIMEOUT_PROPERTY};
 
-/// The filter of a receiver link's source that names the session it locks.
-pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
-/// The attach property with how long an accept-next-session may wait, in milliseconds (the
-/// same name as the [`TIMEOUT`] condition, with another meaning).
-pub(crate) const TIMEOUT_PROPERTY: &str = "com.microsoft:timeout";
-/// The attach property with the time a session lock ends, in .NET ticks.
-pub(crate) const LOCKED_UNTIL_UTC: &str = "com.microsoft:locked-until-utc";
+pub(crate) const DECODE_ERROR: &str = Condition::DecodeError.as_str();
+pub(crate) const FRAME_TOO_LARGE: &str = Condition::FramingError.as_str();
+pub(crate) const NOT_FOUND: &str = Condition::NotFound.as_str();
+pub(crate) const NOT_ALLOWED: &str = Condition::NotAllowed.as_str();
+pub(crate) const NOT_IMPLEMENTED: &str = Condition::NotImplemented.as_str();
+pub(crate) const UNAUTHORIZED: &str = Condition::UnauthorizedAccess.as_str();
+pub(crate) const RESOURCE_LIMIT: &str = Condition::ResourceLimitExceeded.as_str();
+pub(crate) const MESSAGE_SIZE: &str = Condition::MessageSizeExceeded.as_str();
+pub(crate) const LOCK_LOST: &str = Condition::MessageLockLost.as_str();
+pub(crate) const SESSION_LOCK_LOST: &str = Condition::SessionLockLost.as_str();
+pub(crate) const TIMEOUT: &str = Condition::Timeout.as_str();
+pub(crate) const UNATTACHED_HANDLE: &str = Condition::UnattachedHandle.as_str();
+pub(crate) const TRANSFER_LIMIT: &str = Condition::TransferLimitExceeded.as_str();
+/// The server closes the connection because it is shutting down.
+pub(crate) const FORCED: &str = Condition::ConnectionForced.as_str();
 
 /// The condition of a broker refusal.
-pub(crate) fn of_backend(e: &BackendError) -> &'static str {
+pub(crate) fn of_backend(e: &BackendError) -> Condition {
     match e {
-        BackendError::LockLost => LOCK_LOST,
-        BackendError::SessionLockLost => SESSION_LOCK_LOST,
-        BackendError::SessionCannotBeLocked(_) => SESSION_CANNOT_BE_LOCKED,
-        BackendError::EntityNotFound(_) => NOT_FOUND,
-        BackendError::MessageNotFound(_) => MESSAGE_NOT_FOUND,
-        BackendError::Invalid(_) => ARGUMENT,
-        BackendError::AlreadyExists(_) => ALREADY_EXISTS,
+        BackendError::LockLost => Condition::MessageLockLost,
+        BackendError::SessionLockLost => Condition::SessionLockLost,
+        BackendError::SessionCannotBeLocked(_) => Condition::SessionCannotBeLocked,
+        BackendError::EntityNotFound(_) => Condition::NotFound,
+        BackendError::MessageNotFound(_) => Condition::MessageNotFound,
+        BackendError::Invalid(_) => Condition::ArgumentError,
+        BackendError::AlreadyExists(_) => Condition::EntityAlreadyExists,
         // The condition the SDKs turn into their quota-exceeded error.
-        BackendError::QuotaExceeded(_) => RESOURCE_LIMIT,
-        BackendError::MessageSizeExceeded(_) => MESSAGE_SIZE,
-        BackendError::Unsupported(_) => NOT_IMPLEMENTED,
-        BackendError::Unavailable(_) => INTERNAL,
+        BackendError::QuotaExceeded(_) => Condition::ResourceLimitExceeded,
+        BackendError::MessageSizeExceeded(_) => Condition::MessageSizeExceeded,
+        BackendError::Unsupported(_) => Condition::NotImplemented,
+        BackendError::Unavailable(_) => Condition::InternalError,
         // A full disk is a quota of the namespace: the SDKs raise their quota-exceeded error,
         // with the reason in the description.
-        BackendError::StorageFailed(_) => RESOURCE_LIMIT,
+        BackendError::StorageFailed(_) => Condition::ResourceLimitExceeded,
     }
 }
 

@@ -104,6 +104,7 @@ mod options;
 mod pending;
 mod request;
 mod server;
+mod settle;
 mod shared;
 
 // The AMQP layer lives in `twice-amqp`, shared with the client; re-exported so paths keep working.

@@ -1,3 +1,5 @@
+//! The Service Bus vocabulary round trip is in [`servicebus`].
+//!
 //! Decoding costs memory linear in its input: decode bombs (zero-width array elements, described
 //! arrays whose descriptor is itself a bomb, nested) and random frames decode within a fixed
 //! number of bytes per input byte, measured by the allocator.
@@ -8,6 +10,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on setup errors
 #![allow(unreachable_pub, missing_docs)] // reason: test modules are not a public API
+
+mod servicebus;
 
 use std::alloc::System;
 use std::sync::Mutex;

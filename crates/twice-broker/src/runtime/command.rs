@@ -131,10 +131,10 @@ commands! {
     } -> () => answer(reply) {
         let eng = &mut rt.engine;
         let path = format!("{topic}/Subscriptions/{subscription}");
-        // A rule change is recorded as that rule; a change of properties restates the
-        // subscription.
+        // A rule added or removed is recorded as that rule; a change of properties, or a
+        // replaced rule, restates the subscription.
         let rule_change = match &change {
-            SubscriptionChange::Properties(_) => None,
+            SubscriptionChange::Properties(_) | SubscriptionChange::ReplaceRule(_) => None,
             SubscriptionChange::CreateRule(rule) => Some(RuleChange::Added(Box::new(rule.clone()))),
             SubscriptionChange::DeleteRule(name) => Some(RuleChange::Removed(name.clone())),
         };
@@ -384,6 +384,8 @@ pub(crate) struct Wait {
 pub(crate) enum SubscriptionChange {
     Properties(SubscriptionProperties),
     CreateRule(Rule),
+    /// The rule of the same name becomes this one.
+    ReplaceRule(Rule),
     DeleteRule(String),
 }
 
@@ -422,6 +424,13 @@ fn change_subscription(
                 return Err(Error::EntityAlreadyExists(rule_path(&rule.name)));
             }
             rules.push(rule);
+        }
+        SubscriptionChange::ReplaceRule(rule) => {
+            let Some(slot) = rules.iter_mut().find(|r| r.name.eq_ignore_ascii_case(&rule.name))
+            else {
+                return Err(Error::EntityNotFound(rule_path(&rule.name)));
+            };
+            *slot = rule;
         }
         SubscriptionChange::DeleteRule(rule) => {
             let before = rules.len();

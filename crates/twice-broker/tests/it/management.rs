@@ -194,3 +194,32 @@ async fn reset_empties_every_entity_and_keeps_their_definitions_across_a_restart
     assert_eq!(held.get_state().await.unwrap(), None);
     broker.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_replaced_rule_filters_in_place_of_the_old_one_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::default();
+    let broker = open(dir.path(), &clock).await;
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    broker.create_subscription("t", "s", SubscriptionProperties::default()).await.unwrap();
+    broker.create_rule("t", "s", Rule::new("other", Filter::False)).await.unwrap();
+
+    // Names compare without case, as in Service Bus; each rule keeps its place.
+    broker.replace_rule("t", "s", Rule::new(Rule::DEFAULT_NAME, Filter::False)).await.unwrap();
+    broker.replace_rule("t", "s", Rule::new("OTHER", Filter::True)).await.unwrap();
+    let names =
+        |rules: Vec<Rule>| rules.into_iter().map(|r| (r.name, r.filter)).collect::<Vec<_>>();
+    let expected =
+        vec![(Rule::DEFAULT_NAME.to_owned(), Filter::False), ("OTHER".to_owned(), Filter::True)];
+    assert_eq!(names(broker.get_rules("t", "s").await.unwrap()), expected);
+    broker.send("t", Message::new("one")).await.unwrap();
+    assert_eq!(broker.counts("t/Subscriptions/s").await.unwrap().active, 1);
+
+    let missing = broker.replace_rule("t", "s", Rule::new("nope", Filter::True)).await;
+    assert!(matches!(missing, Err(twice_broker::Error::EntityNotFound(_))), "{missing:?}");
+    broker.shutdown().await;
+
+    let broker = open(dir.path(), &clock).await;
+    assert_eq!(names(broker.get_rules("t", "s").await.unwrap()), expected);
+    broker.shutdown().await;
+}

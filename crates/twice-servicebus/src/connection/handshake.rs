@@ -7,7 +7,6 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use crate::address::{self, Node};
 use crate::backend::Backend;
-use crate::codec::Value;
 use crate::conditions::{self as cond, token_expired};
 use crate::frame::{self, Frame, FrameReader};
 use crate::grants::{audience_is_ours, same_secret, server_ports};
@@ -15,6 +14,7 @@ use crate::mgmt;
 use crate::performative::{AmqpError, Open, Performative};
 use crate::sas::{Claim, Claims};
 use crate::shared::Shared;
+use twice_amqp::servicebus::StatusKeys;
 
 use super::state::{max_channel, need_of};
 use super::{Conn, End};
@@ -207,19 +207,12 @@ impl<B: Backend> Conn<B> {
         } else {
             (400, "unknown operation".to_owned())
         };
-        let mut props = vec![
-            (Value::string("status-code"), Value::Int(status)),
-            (Value::string("status-description"), Value::String(description)),
-        ];
+        let mut reply = mgmt::Reply::to_request(&req, status, description);
+        reply.keys = StatusKeys::Cbs;
         if status == 401 {
-            props.push((Value::string("error-condition"), Value::symbol(cond::UNAUTHORIZED)));
+            reply.condition = Some(cond::UNAUTHORIZED.to_owned());
         }
-        Some(mgmt::Reply {
-            to: req.reply_to.clone(),
-            correlation_id: req.message_id.clone(),
-            properties: props,
-            body: Value::Null,
-        })
+        Some(reply)
     }
 
     /// Detaches the links whose token has expired (and was not renewed), as Service Bus does.

@@ -5,13 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
-use twice::{LockToken, ReceivedMessage, SharedClock};
+use twice::{ReceivedMessage, SharedClock};
 
 use crate::backend::{Backend, BackendError, BackendSession, ReceiveMode, Settlement};
 use crate::conditions::{self as cond, backend_error};
 use crate::metrics::{Counter, Metrics};
 use crate::mgmt;
 use crate::performative::{AmqpError, Outcome};
+use crate::settle;
 
 use super::delivery::release_all;
 use super::state::{Event, Job, PendingSend, PumpCtl, Source};
@@ -172,7 +173,7 @@ pub(super) async fn settler<B: Backend>(
                             &metrics,
                             &entity,
                             session.is_some(),
-                            Counter::Complete,
+                            Some(Counter::Complete),
                             r,
                             echo,
                         );
@@ -183,7 +184,7 @@ pub(super) async fn settler<B: Backend>(
             }
             match job {
                 Job::Release(lock) => {
-                    let _ = settle_one(
+                    let _ = settle::settle_one(
                         &backend,
                         &entity,
                         session.as_deref(),
@@ -198,13 +199,10 @@ pub(super) async fn settler<B: Backend>(
                     echoes.push((delivery_id, echo, reply));
                 }
                 Job::Settle { delivery_id, lock, how: Some(how), echo, reply } => {
-                    let counter = match &how {
-                        Settlement::Abandon(_) => Counter::Abandon,
-                        Settlement::DeadLetter(..) => Counter::DeadLetter,
-                        // Not counted: completions run above; defer and release have no counter.
-                        _ => Counter::Receive,
-                    };
-                    let r = settle_one(&backend, &entity, session.as_deref(), lock, how).await;
+                    // Completions ran above; defer and release have no counter.
+                    let counter = settle::counter_of(&how);
+                    let r =
+                        settle::settle_one(&backend, &entity, session.as_deref(), lock, how).await;
                     let echo = echo_of(&metrics, &entity, session.is_some(), counter, r, echo);
                     echoes.push((delivery_id, echo, reply));
                 }
@@ -221,40 +219,17 @@ pub(super) async fn settler<B: Backend>(
     }
 }
 
-async fn settle_one<B: Backend>(
-    backend: &B,
-    entity: &str,
-    session: Option<&B::Session>,
-    lock: LockToken,
-    how: Settlement,
-) -> Result<(), BackendError> {
-    match session {
-        Some(s) => s.settle(lock, how).await,
-        None => backend.settle(entity, lock, how).await,
-    }
-}
-
 /// The outcome to echo once the broker answered, counting it.
 fn echo_of(
     metrics: &Metrics,
     entity: &str,
     in_session: bool,
-    counter: Counter,
+    counter: Option<Counter>,
     result: Result<(), BackendError>,
     echo: Outcome,
 ) -> Outcome {
-    let e = match result {
-        Ok(()) => {
-            if counter != Counter::Receive {
-                metrics.add(entity, counter, 1);
-            }
-            return echo;
-        }
-        Err(e) => e,
-    };
-    if matches!(e, BackendError::LockLost | BackendError::SessionLockLost) {
-        metrics.add(entity, Counter::LockLost, 1);
-    }
+    settle::count(metrics, entity, counter, &result);
+    let Err(e) = result else { return echo };
     let cond = if in_session && e == BackendError::SessionLockLost {
         cond::SESSION_LOCK_LOST
     } else if e == BackendError::LockLost || e == BackendError::SessionLockLost {

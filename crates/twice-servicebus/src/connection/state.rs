@@ -57,7 +57,8 @@ pub(super) struct Link<S> {
     /// Deliveries received and handed to the sender or request task, not yet answered: the
     /// credit they took comes back only when they are.
     pub(super) rx_in_flight: u32,
-    pub(super) partial: Option<Partial>,
+    /// The delivery whose transfer frames are coming in.
+    pub(super) partial: Option<twice_amqp::reassembly::Partial>,
     pub(super) sends: Option<mpsc::UnboundedSender<PendingSend>>,
     pub(super) requests: Option<mpsc::UnboundedSender<(mgmt::Request, Option<Arc<S>>)>>,
 }
@@ -417,15 +418,6 @@ impl Job {
 pub(super) struct Unsettled {
     pub(super) link: u64,
     pub(super) lock: LockToken,
-}
-
-#[derive(Default)]
-pub(super) struct Partial {
-    pub(super) delivery_id: u32,
-    pub(super) format: u32,
-    pub(super) settled: bool,
-    pub(super) buf: Vec<u8>,
-    pub(super) oversize: bool,
 }
 
 /// The claim a link needs: sending to an entity, receiving from one, or (for a management

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
-use twice::{DeadLetterReason, LockToken};
+use twice::LockToken;
+use twice_amqp::reassembly::{Partial, Step, reassemble};
+use twice_amqp::servicebus::Settle;
 
 use crate::address::Node;
 use crate::backend::{Backend, Settlement};
@@ -16,9 +18,10 @@ use crate::mgmt;
 use crate::performative::{
     AmqpError, Disposition, Flow, Outcome, Performative, ROLE_RECEIVER, ROLE_SENDER, Transfer,
 };
+use crate::settle;
 
 use super::links::{request_task, sender_task};
-use super::state::{Echo, Job, Out, Partial, PendingSend, need_of, update_pump};
+use super::state::{Echo, Job, Out, PendingSend, need_of, update_pump};
 use super::{Conn, SENDER_CREDIT, SESSION_WINDOW};
 
 impl<B: Backend> Conn<B> {
@@ -70,31 +73,10 @@ impl<B: Backend> Conn<B> {
             l.rx_credit -= 1;
             l.rx_delivery_count = l.rx_delivery_count.wrapping_add(1);
         }
-        let partial = l.partial.get_or_insert_with(|| Partial {
-            delivery_id: t.delivery_id.unwrap_or(0),
-            format: t.message_format.unwrap_or(0),
-            settled: t.settled.unwrap_or(false),
-            ..Partial::default()
-        });
-        if let Some(id) = t.delivery_id {
-            partial.delivery_id = id;
-        }
-        if t.settled == Some(true) {
-            partial.settled = true;
-        }
-        if partial.buf.len() + payload.len() > max_size {
-            partial.oversize = true;
-            partial.buf.clear();
-        } else if !partial.oversize {
-            partial.buf.extend_from_slice(payload);
-        }
-        if t.more && !t.aborted {
-            return;
-        }
-        let Some(done) = l.partial.take() else { return };
-        if t.aborted {
-            return;
-        }
+        let done = match reassemble(&mut l.partial, &t, payload, max_size) {
+            Step::More | Step::Aborted => return,
+            Step::Done(done) => done,
+        };
         let node = l.node.clone();
         let link_id = l.id;
         let outcome = if done.oversize {
@@ -106,7 +88,7 @@ impl<B: Backend> Conn<B> {
             )))
         } else {
             match &node {
-                Node::Entity(e) => match mapping::messages_of(&done.buf, done.format) {
+                Node::Entity(e) => match mapping::messages_of(&done.payload, done.format) {
                     Err(err) => {
                         Outcome::Rejected(Some(AmqpError::new(cond::DECODE_ERROR, err.to_string())))
                     }
@@ -116,7 +98,7 @@ impl<B: Backend> Conn<B> {
                         let pending = PendingSend {
                             delivery_id: done.delivery_id,
                             settled: done.settled,
-                            bytes: done.buf.len(),
+                            bytes: done.payload.len(),
                             messages,
                         };
                         // Its credit comes back once it is stored (see `on_sent`).
@@ -125,7 +107,7 @@ impl<B: Backend> Conn<B> {
                     }
                 },
                 Node::Cbs => {
-                    let reply = self.on_cbs(&done.buf);
+                    let reply = self.on_cbs(&done.payload);
                     self.settle_received(ch, &done, &Outcome::Accepted);
                     if let Some(reply) = reply {
                         self.reply(link_id, reply);
@@ -136,7 +118,7 @@ impl<B: Backend> Conn<B> {
                     // The request is settled at once; its reply follows from the link's
                     // request task, as a request/response peer expects.
                     self.settle_received(ch, &done, &Outcome::Accepted);
-                    match mgmt::Request::parse(&done.buf) {
+                    match mgmt::Request::parse(&done.payload) {
                         Ok(req)
                             if !self.authorized(
                                 &format!("{e}/$management"),
@@ -395,31 +377,5 @@ fn send_echoes(out: &mut Out, channel: u16, role: bool, echoes: impl Iterator<It
 /// What a client's outcome asks of the broker, and the outcome to echo (research §8.3): the
 /// same type, without the dead-letter error a `rejected` came with.
 fn settlement_of(outcome: &Outcome) -> (Option<Settlement>, Outcome) {
-    match outcome {
-        Outcome::Accepted => (Some(Settlement::Complete), Outcome::Accepted),
-        Outcome::Released => (Some(Settlement::Release), Outcome::Released),
-        Outcome::Modified { undeliverable_here: true, message_annotations, .. } => (
-            Some(Settlement::Defer(mapping::properties_of(message_annotations.as_ref(), &[]))),
-            outcome.clone(),
-        ),
-        Outcome::Modified { message_annotations, .. } => (
-            Some(Settlement::Abandon(mapping::properties_of(message_annotations.as_ref(), &[]))),
-            outcome.clone(),
-        ),
-        Outcome::Rejected(err) => (Some(dead_letter_of(err.as_ref())), Outcome::Rejected(None)),
-        Outcome::Other => (None, Outcome::Accepted),
-    }
-}
-
-/// The dead-letter settlement a `rejected` outcome asks for.
-fn dead_letter_of(err: Option<&AmqpError>) -> Settlement {
-    let info = err.and_then(|e| e.info.as_ref());
-    let text = |k: &str| info.and_then(|i| i.get(k)).and_then(|v| v.as_str()).map(str::to_owned);
-    let reason = text("DeadLetterReason");
-    let description =
-        text("DeadLetterErrorDescription").or_else(|| err.and_then(|e| e.description.clone()));
-    let properties =
-        mapping::properties_of(info, &["DeadLetterReason", "DeadLetterErrorDescription"]);
-    let why = DeadLetterReason::new(reason.unwrap_or_default(), description.unwrap_or_default());
-    Settlement::DeadLetter(why, properties)
+    (Settle::from_outcome(outcome).map(settle::settlement_of), Settle::echo_of(outcome))
 }

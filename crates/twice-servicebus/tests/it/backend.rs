@@ -38,3 +38,45 @@ async fn a_lock_token_settles_nothing_through_another_entitys_link() {
     assert_eq!(broker.counts("b").await.unwrap().active, 1);
     broker.shutdown().await;
 }
+
+/// Replacing a rule (the administration API's `PUT` with `If-Match`) changes that rule alone:
+/// rules other clients add to the subscription meanwhile all stay.
+#[tokio::test]
+async fn replacing_a_rule_keeps_the_rules_added_meanwhile() {
+    use twice_broker::config::{Filter, Rule, SubscriptionProperties, TopicProperties};
+    let broker = Broker::open(BrokerOptions::in_memory()).await.unwrap();
+    broker.create_topic("t", TopicProperties::default()).await.unwrap();
+    let first = Rule::new("r", Filter::True);
+    broker
+        .create_subscription_with_rules("t", "s", SubscriptionProperties::default(), vec![first])
+        .await
+        .unwrap();
+    let added: Vec<String> = (0..40).map(|i| format!("added-{i}")).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, name) in added.iter().enumerate() {
+        let b = broker.clone();
+        tasks.spawn(async move {
+            Backend::admin_replace_rule(&b, "t", "s", Rule::new("r", Filter::False)).await
+        });
+        // Each add comes a few scheduling turns later than the replace beside it, so that
+        // some land between a replace's start and its end.
+        let (b, name) = (broker.clone(), name.clone());
+        tasks.spawn(async move {
+            for _ in 0..i % 8 {
+                tokio::task::yield_now().await;
+            }
+            Backend::admin_create_rule(&b, "t", "s", Rule::new(name, Filter::True)).await
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap().unwrap();
+    }
+    let rules = broker.get_rules("t", "s").await.unwrap();
+    let lost: Vec<&String> =
+        added.iter().filter(|n| !rules.iter().any(|r| &r.name == *n)).collect();
+    assert!(lost.is_empty(), "rules lost to a concurrent replace: {lost:?}");
+    let r = rules.iter().find(|r| r.name == "r").expect("the replaced rule");
+    assert_eq!(r.filter, Filter::False);
+    assert_eq!(rules.len(), added.len() + 1);
+    broker.shutdown().await;
+}
