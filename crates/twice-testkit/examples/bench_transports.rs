@@ -194,10 +194,12 @@ async fn main() -> anyhow::Result<()> {
     let queues: Vec<TestQueue> =
         (0..2 + usize::from(batch > 1)).map(|_| TestQueue::new("twice-bench")).collect();
     let mut transports = Vec::new();
-    for q in &queues {
-        let t =
-            RabbitMqTransport::connect(RabbitMqOptions::new(RABBITMQ_URL, q.name()).prefetch(200))
-                .await?;
+    for (i, q) in queues.iter().enumerate() {
+        // The batches' processor takes up to 16 batches at once: its window grows with them.
+        let prefetch = if i == 2 { (CONCURRENCY * batch).clamp(200, 65_535) } else { 200 };
+        let prefetch = u16::try_from(prefetch).unwrap_or(u16::MAX);
+        let options = RabbitMqOptions::new(RABBITMQ_URL, q.name()).prefetch(prefetch);
+        let t = RabbitMqTransport::connect(options).await?;
         let sender = t.clone();
         fill(n, move |m| {
             let s = sender.clone();
