@@ -1,5 +1,5 @@
 //! Reading the administration API's answers: an HTTP/1.1 response read to its end, and the
-//! ATOM entries' elements and durations as Service Bus writes them. The client reads entity
+//! ATOM entries' elements (read with `quick-xml`) and durations as Service Bus writes them. The client reads entity
 //! properties with them, and twice's tools their counts.
 
 use std::time::Duration;
@@ -65,58 +65,80 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
     }
 }
 
-/// The text of the first element `name` (with or without a namespace prefix), unescaped.
+/// The text of the first element `name` (with or without a namespace prefix), unescaped and
+/// trimmed; empty for `<name/>`; `None` when there is none or the XML does not parse.
 pub fn element(xml: &str, name: &str) -> Option<String> {
-    let mut from = 0;
-    while let Some(at) = xml[from..].find('<').map(|i| i + from) {
-        let rest = &xml[at + 1..];
-        let end = rest.find(['>', ' ', '/'])?;
-        let tag = &rest[..end];
-        let local = tag.rsplit(':').next().unwrap_or(tag);
-        if local == name && !tag.starts_with('/') {
-            let open_end = at + 1 + rest.find('>')?;
-            if xml[..open_end].ends_with('/') {
-                return Some(String::new());
+    let mut found = None;
+    each_element(xml, name, |inner| {
+        found = Some(inner.map_or_else(String::new, |raw| {
+            quick_xml::escape::unescape(raw.trim())
+                .map_or_else(|_| raw.trim().to_owned(), |t| t.into_owned())
+        }));
+        false
+    });
+    found
+}
+
+/// The raw content of every element `name` (with or without a namespace prefix), in document
+/// order: an ATOM feed's entries, for example.
+pub fn blocks(xml: &str, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    each_element(xml, name, |inner| {
+        out.push(inner.unwrap_or_default().to_owned());
+        true
+    });
+    out
+}
+
+/// Calls `f` with the raw content of each element `name` (`None` for an empty one), until it
+/// returns `false`, the document ends, or the XML stops parsing.
+fn each_element(xml: &str, name: &str, mut f: impl FnMut(Option<&str>) -> bool) {
+    use quick_xml::events::Event;
+    let mut reader = quick_xml::Reader::from_str(xml);
+    loop {
+        let more = match reader.read_event() {
+            Ok(Event::Start(e)) if e.local_name().as_ref() == name.as_bytes() => {
+                let end = e.to_end().into_owned();
+                match reader.read_text(end.name()) {
+                    Ok(text) => f(Some(&text)),
+                    Err(_) => return,
+                }
             }
-            let body = &xml[open_end + 1..];
-            let close = body.find("</")?;
-            return Some(unescape(&body[..close]));
+            Ok(Event::Empty(e)) if e.local_name().as_ref() == name.as_bytes() => f(None),
+            Ok(Event::Eof) | Err(_) => return,
+            Ok(_) => true,
+        };
+        if !more {
+            return;
         }
-        from = at + 1;
     }
-    None
 }
 
-fn unescape(s: &str) -> String {
-    s.replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&quot;", "\"")
-        .replace("&apos;", "'")
-        .replace("&amp;", "&")
-}
-
-/// An ISO-8601 duration as Service Bus writes them (`PT30S`, `P14D`, `PT1M30.5S`).
+/// An ISO-8601 duration as Service Bus writes them (`PT30S`, `P14D`, `PT1M30.5S`), read with
+/// [`twice::iso_duration::parse_duration`].
 pub fn iso_duration(s: &str) -> Option<Duration> {
-    let rest = s.trim().strip_prefix('P')?;
-    let (date, time) = rest.split_once('T').unwrap_or((rest, ""));
-    let mut secs = 0f64;
-    for (part, units) in [
-        (date, &[('D', 86_400.0), ('W', 604_800.0)][..]),
-        (time, &[('H', 3600.0), ('M', 60.0), ('S', 1.0)][..]),
-    ] {
-        let mut number = String::new();
-        for c in part.chars() {
-            if c.is_ascii_digit() || c == '.' {
-                number.push(c);
-                continue;
-            }
-            let unit = units.iter().find(|(u, _)| *u == c)?.1;
-            secs += number.parse::<f64>().ok()? * unit;
-            number.clear();
-        }
-        if !number.is_empty() {
-            return None;
-        }
+    twice::iso_duration::parse_duration(s.trim()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elements_are_found_by_local_name_unescaped_and_empty_ones_are_empty() {
+        let feed = r#"<feed xmlns="http://www.w3.org/2005/Atom"><entry><title>a &amp; b</title>
+            <content><d:Status xmlns:d="x">Active</d:Status><UserMetadata/></content></entry>
+            <entry><title>c</title></entry></feed>"#;
+        assert_eq!(element(feed, "title").as_deref(), Some("a & b"));
+        assert_eq!(element(feed, "Status").as_deref(), Some("Active"));
+        assert_eq!(element(feed, "UserMetadata").as_deref(), Some(""));
+        assert_eq!(element(feed, "Missing"), None);
+        let entries = blocks(feed, "entry");
+        assert_eq!(entries.len(), 2);
+        assert_eq!(element(&entries[1], "title").as_deref(), Some("c"));
+        // A document cut short yields what came before the cut, and nothing made up.
+        assert_eq!(blocks("<feed><entry>x</entry><entry>y", "entry"), vec!["x".to_owned()]);
+        assert_eq!(iso_duration(" PT1M30.5S "), Some(Duration::from_millis(90_500)));
+        assert_eq!(iso_duration("1M"), None);
     }
-    Duration::try_from_secs_f64(secs).ok()
 }

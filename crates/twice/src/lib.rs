@@ -148,6 +148,7 @@ pub mod idempotency;
 pub mod identity;
 pub mod ids;
 pub mod inbox;
+pub mod iso_duration;
 pub mod message;
 pub mod outbox;
 pub mod outcome;

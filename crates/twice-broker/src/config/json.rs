@@ -8,13 +8,13 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value as Json};
 use twice::{Properties, Value};
 
-use super::duration::parse_duration;
 use super::model::{
     CorrelationFilter, EntityDefinition, Filter, QueueProperties, Rule, SubscriptionProperties,
     TopicProperties, validate_entity_name, validate_subscription_name,
 };
 use crate::error::Error;
 use crate::sql::{SqlAction, SqlFilter};
+use twice::iso_duration::parse_duration;
 
 /// A parsed emulator `Config.json`.
 #[derive(Clone, Debug, PartialEq)]

@@ -45,15 +45,14 @@
 //! ([`parse_duration`], [`format_duration`]), and the `Config.json` reader ([`Config`]), the
 //! only part that reads a file.
 
-mod duration;
 mod json;
 mod model;
 #[cfg(test)]
 mod tests;
 
-pub use self::duration::{format_duration, parse_duration};
 pub use self::json::{
     Config, EMULATOR_DUPLICATE_DETECTION_WINDOW, EMULATOR_MAX_DELIVERY_COUNT,
     EMULATOR_TIME_TO_LIVE, NamespaceConfig, TopicConfig, emulator_defaults,
 };
 pub use self::model::*;
+pub use twice::iso_duration::{format_duration, parse_duration};

@@ -6,9 +6,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use twice::{Message, Properties, Value};
 
-use super::duration::format_duration;
 use crate::error::Error;
 use crate::sql::{SqlAction, SqlFilter};
+use twice::iso_duration::format_duration;
 
 /// The shortest lock a queue or subscription may have.
 pub const MIN_LOCK_DURATION: Duration = Duration::from_secs(5);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use twice_servicebus_client::TlsOptions;
-use twice_servicebus_client::atom::{iso_duration, parse_response};
+use twice_servicebus_client::atom::{blocks, element, iso_duration, parse_response};
 
 /// How long one request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -495,67 +495,6 @@ fn encode_path(target: &str) -> String {
         }
     }
     out
-}
-
-/// The blocks `<name …>…</name>` of a document, whatever their namespace prefix.
-fn blocks(xml: &str, name: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = xml;
-    while let Some((_, inner_start)) = open_tag(rest, name) {
-        let after = &rest[inner_start..];
-        let Some((end, close_len)) = close_tag(after, name) else { break };
-        out.push(after[..end].to_owned());
-        rest = &rest[inner_start + end + close_len..];
-    }
-    out
-}
-
-/// The text of the first element `name` (any prefix), unescaped.
-fn element(xml: &str, name: &str) -> Option<String> {
-    let (_, inner_start) = open_tag(xml, name)?;
-    let after = &xml[inner_start..];
-    let (end, _) = close_tag(after, name)?;
-    Some(unescape(after[..end].trim()))
-}
-
-/// Where the first opening tag of `name` starts and where its content starts.
-fn open_tag(xml: &str, name: &str) -> Option<(usize, usize)> {
-    let mut from = 0;
-    while let Some(i) = xml[from..].find('<') {
-        let at = from + i;
-        let tag_end = at + xml[at..].find('>')?;
-        let tag = &xml[at + 1..tag_end];
-        let tag_name = tag.split(|c: char| c.is_whitespace() || c == '/').next().unwrap_or("");
-        let local = tag_name.rsplit(':').next().unwrap_or("");
-        if local == name && !tag.starts_with('/') && !tag.ends_with('/') {
-            return Some((at, tag_end + 1));
-        }
-        from = tag_end + 1;
-    }
-    None
-}
-
-/// Where the closing tag of `name` starts in `xml`, and its length.
-fn close_tag(xml: &str, name: &str) -> Option<(usize, usize)> {
-    let mut from = 0;
-    while let Some(i) = xml[from..].find("</") {
-        let at = from + i;
-        let end = at + xml[at..].find('>')?;
-        let local = xml[at + 2..end].trim().rsplit(':').next().unwrap_or("");
-        if local == name {
-            return Some((at, end + 1 - at));
-        }
-        from = end + 1;
-    }
-    None
-}
-
-fn unescape(s: &str) -> String {
-    s.replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&quot;", "\"")
-        .replace("&apos;", "'")
-        .replace("&amp;", "&")
 }
 
 fn title(entry: &str) -> String {

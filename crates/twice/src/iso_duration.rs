@@ -1,4 +1,6 @@
-//! ISO-8601 durations, as `Config.json` and the Service Bus management API write them.
+//! ISO-8601 durations, as `Config.json` and the Service Bus management API write them: the
+//! one parser and formatter that the broker's configuration, the administration API and the
+//! Service Bus client's ATOM reader share.
 
 use std::fmt::Write as _;
 use std::time::Duration;
