@@ -6,6 +6,8 @@
 //!   skip with a printed reason otherwise.
 //! - [`process`]: child processes for crash tests: an example binary that is never stale, and
 //!   a child killed with SIGKILL; [`process::ServerRestart`] restarts a server of the machine.
+//! - [`prove`]: a kit that proves a user's own handler has its effects once under every
+//!   fault: concurrent copies, crashes, lock loss, transient errors, resubmits.
 //! - [`conformance`]: the suite every transport passes with each inbox store.
 //! - [`serve`]: `twice serve` as a child process on free ports, ready when it returns.
 //! - [`sdk`]: the official Service Bus SDKs for Python and Node, installed once per machine.
@@ -21,6 +23,7 @@ pub mod conformance;
 pub mod db;
 pub mod nats;
 pub mod process;
+pub mod prove;
 pub mod proxy;
 pub mod rabbitmq;
 pub mod sdk;
