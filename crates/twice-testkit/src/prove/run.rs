@@ -10,8 +10,8 @@ use sqlx::Transaction;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use twice::{
-    Counters, Handler, Inbox, ManualClock, Message, Processor, ProcessorError, ProcessorOptions,
-    RetryPolicy, SequenceNumber, SharedClock,
+    Counters, Handler, Inbox, ManualClock, Message, Mode, Processor, ProcessorError,
+    ProcessorOptions, RetryPolicy, SequenceNumber, SharedClock,
 };
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions};
@@ -26,7 +26,8 @@ const LOCK: Duration = Duration::from_secs(30);
 /// How many times a wait polls (a millisecond apart) before the run gives up with an error.
 const POLLS: usize = 20_000;
 /// How long a handler held by the concurrent-copies scenario waits for the other copy to
-/// reach its handler too, in polls; the other copy never does when the claim holds it back.
+/// reach its handler too, in polls, where the claim (or the store) holds the other copy back
+/// until the first ends; ten times as long where nothing should.
 const RENDEZVOUS_POLLS: usize = 200;
 
 /// A processor of the scenario.
@@ -308,6 +309,33 @@ where
         Ok(())
     }
 
+    /// Lets the other copy of `id` run its handler to its end while the first copy (held by
+    /// processor `first`) has not committed. Under [`Mode::Claim`] and [`Mode::DedupOnly`]
+    /// the claim (or the record) holds the other copy back until the first ends, and so does
+    /// SQLite's write lock in every mode: a short wait lets it get there. Otherwise nothing
+    /// should hold it back: wait longer for it to start, then for it to return (a unique key
+    /// the first copy holds may still stop it, which the bound allows for).
+    async fn rendezvous(&self, env: &Env<DB>, id: &str, first: usize) {
+        let serialised = self.mode != Mode::NaturallyIdempotent || DB::NAME == "SQLite";
+        let polls = if serialised { RENDEZVOUS_POLLS } else { RENDEZVOUS_POLLS * 10 };
+        let started = |e: &Event| matches!(e, Event::HandlerStarted { p, id: d, .. } if d == id && *p != first);
+        let returned = |e: &Event| matches!(e, Event::HandlerReturned { p, id: d, .. } if d == id && *p != first);
+        for _ in 0..polls {
+            if env.probe.saw(started) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if env.probe.saw(started) {
+            for _ in 0..polls {
+                if env.probe.saw(returned) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+
     /// Runs one scenario; returns what it did, its failures and its errors.
     async fn scenario(
         &self,
@@ -457,15 +485,7 @@ where
                         })
                         .await?;
                         exercised = true;
-                        // Let the other copy run its handler to the end too, unless its claim (or the
-                        // store's write lock) holds it back.
-                        let entered = |e: &Event| matches!(e, Event::HandlerReturned { p, id: d, .. } if *d == id && *p != first);
-                        for _ in 0..RENDEZVOUS_POLLS {
-                            if env.probe.saw(entered) {
-                                break;
-                            }
-                            tokio::time::sleep(Duration::from_millis(1)).await;
-                        }
+                        self.rendezvous(env, &id, first).await;
                         env.probe.release();
                     } else {
                         env.send(m.clone()).await?;

@@ -270,7 +270,7 @@ async fn completing_before_the_commit_is_a_lost_message() {
         .run(2)
         .await;
     let f = failure_of(&report, Invariant::LostMessage);
-    assert!(f.detail.contains("completed"), "{report}");
+    assert!(f.detail.contains("before its work committed"), "{report}");
     assert!(!buffer.lock().expect("buffer").is_empty(), "the handler ran");
 }
 
