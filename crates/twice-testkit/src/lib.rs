@@ -17,7 +17,8 @@
 //! - [`tls`]: a CA and a `localhost` certificate made for the test.
 //!
 //! Its doc tests also compile the Rust snippets of the repository's `README.md`
-//! (`cargo test -p twice-testkit --doc`), so what a reader copies builds.
+//! and of `docs/prove.md` (`cargo test -p twice-testkit --doc`), so what a reader copies
+//! builds.
 
 pub mod conformance;
 pub mod db;
@@ -34,6 +35,11 @@ pub mod tls;
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
+
+/// The page `docs/prove.md`, whose example is run here as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/prove.md")]
+pub struct ProveDoctests;
 
 /// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
 /// runtime; failures are printed, since a leftover test queue or stream is harmless.

@@ -55,8 +55,8 @@ impl<DB: Store> Env<DB> {
 
     async fn send(&self, m: Message) -> Result<(), String> {
         let id = m.message_id.as_ref().map(|i| i.as_str().to_owned()).unwrap_or_default();
-        self.broker.send(&self.path, m).await.map_err(|e| format!("send: {e}"))?;
         self.probe.push(Event::Sent { id });
+        self.broker.send(&self.path, m).await.map_err(|e| format!("send: {e}"))?;
         Ok(())
     }
 
