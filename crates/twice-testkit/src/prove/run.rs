@@ -168,6 +168,17 @@ where
                         different messages"
                 .to_owned());
         }
+        let other = generator(&mut Seeded::new(2), 1);
+        if id_of(&other) == id_of(&a) {
+            return Err(format!(
+                "the generator gave two indexes the same message id {:?}: derive it from the \
+                 index",
+                id_of(&a)
+            ));
+        }
+        if self.scenarios.is_empty() {
+            return Err("no scenario to run".to_owned());
+        }
         if self.effects.is_empty() {
             return Err(
                 "no effect declared: call .effect_once(...) or .service_once(...)".to_owned()

@@ -378,7 +378,7 @@ async fn a_store_without_tables_gets_its_inbox_and_a_failing_effect_query_is_rep
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_effect_query_that_fails_and_a_generator_without_ids_are_reported() {
+async fn an_effect_query_that_fails_a_bad_generator_and_no_scenario_are_reported() {
     let shop = shop().await;
     let handler = shipping(shop.payments.client(), Key::Business);
     let report = Prove::new(handler, shop.pool.clone())
@@ -396,6 +396,23 @@ async fn an_effect_query_that_fails_and_a_generator_without_ids_are_reported() {
         .run(1)
         .await;
     assert!(report.errors.iter().any(|e| e.contains("without a message id")), "{report}");
+
+    let handler = shipping(shop.payments.client(), Key::Business);
+    let report = Prove::new(handler, shop.pool.clone())
+        .messages(|_, i| Message::new(i.to_string()).with_message_id("always-the-same"))
+        .effect_once("shipments per order", SHIPMENTS, order_key)
+        .run(1)
+        .await;
+    assert!(report.errors.iter().any(|e| e.contains("the same message id")), "{report}");
+
+    let handler = shipping(shop.payments.client(), Key::Business);
+    let report = Prove::new(handler, shop.pool.clone())
+        .messages(order)
+        .effect_once("shipments per order", SHIPMENTS, order_key)
+        .scenarios(&[])
+        .run(1)
+        .await;
+    assert!(!report.passed(), "an empty schedule proves nothing: {report}");
 }
 
 /// A fault that cannot happen (every message is poison, so nothing ever commits) makes the run
