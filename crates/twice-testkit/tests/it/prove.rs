@@ -177,6 +177,22 @@ async fn an_idempotency_key_from_a_random_value_is_a_double_effect() {
     assert_eq!(f.effect.as_deref(), Some("charges per order"), "{report}");
 }
 
+/// The twice handler's keys only help where the service honours them: against a service that
+/// ignores them, its redeliveries charge again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_that_ignores_keys_defeats_even_the_twice_handler() {
+    let mut shop = shop().await;
+    shop.payments = Arc::new(FakeService::start(Keys::Ignore).await.expect("payments"));
+    let report = shop_kit(&shop, shipping(shop.payments.client(), Key::Business))
+        .scenarios(&[Scenario::TransientError])
+        .run(12)
+        .await;
+    let f = failure_of(&report, Invariant::DoubleEffect);
+    assert_eq!(f.effect.as_deref(), Some("charges per order"), "{report}");
+    let calls = shop.payments.calls();
+    assert!(calls.iter().all(|c| c.idempotency_key.is_some()), "{calls:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replaying_the_seed_reproduces_the_failure() {
     let mut firsts = Vec::new();
