@@ -12,8 +12,6 @@
 
 mod harness;
 mod outbox;
-mod prove;
-mod prove_servers;
 
 use twice_testkit::conformance::sessions::no_sessions;
 use twice_testkit::conformance::{self, Report, not_run};

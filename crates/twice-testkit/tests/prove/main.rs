@@ -1,6 +1,11 @@
 //! The prove kit against handlers with planted bugs (each must be caught, naming the right
 //! invariant), against a correct twice handler (which must pass), and against bad input
 //! (which must give a clear report, never a pass).
+//!
+//! A test binary of its own, so that it does not load the machine while the conformance
+//! kit's wall-clock scenarios run in `it`.
+
+mod servers;
 
 use std::sync::Arc;
 
