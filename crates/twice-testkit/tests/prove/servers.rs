@@ -164,6 +164,7 @@ macro_rules! server_store {
                     .await;
                 assert!(report.errors.is_empty(), "{report}");
                 assert!(report.broke(Invariant::DoubleEffect), "not caught:\n{report}");
+                println!("{report}");
             }
         }
     };
