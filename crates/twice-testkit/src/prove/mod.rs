@@ -260,8 +260,9 @@ pub struct Report {
     pub errors: Vec<String>,
     /// The scenarios run.
     pub scenarios: Vec<ScenarioRun>,
-    /// The smallest schedule found that still fails: a failing scenario run again over its
-    /// faulted message alone, with the invariant it broke.
+    /// The smallest schedule found that still fails, with the invariant it broke: the first
+    /// failing scenario run again over fresh messages, one, then two and so on below the
+    /// number it failed with (none when every smaller schedule passes).
     pub smallest: Option<(Scenario, Vec<String>, Invariant)>,
 }
 

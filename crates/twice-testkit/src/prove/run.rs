@@ -140,15 +140,24 @@ where
         if report.errors.is_empty()
             && let Some(first) = report.failures.first().cloned()
         {
-            // Shrink: the failing scenario again, over one message (the one that broke).
-            let (messages, target) = self.schedule(seed, first.scenario, 1, Some(1));
-            let ids: Vec<String> = messages.iter().map(id_of).collect();
-            let (_, failures, errors) =
-                self.scenario(&inbox, seed, first.scenario, messages, target).await;
-            if errors.is_empty()
-                && let Some(f) = failures.first()
-            {
-                report.smallest = Some((first.scenario, ids, f.invariant));
+            // Shrink: the failing scenario again over fresh messages, one, then two, and so
+            // on below the number it failed with; the first schedule that fails is reported.
+            let failed_with = report
+                .scenarios
+                .iter()
+                .find(|s| s.scenario == first.scenario)
+                .map_or(1, |s| s.messages.len() as u64);
+            for n in 1..failed_with.max(2) {
+                let (messages, target) = self.schedule(seed, first.scenario, n, Some(n));
+                let ids: Vec<String> = messages.iter().map(id_of).collect();
+                let (_, failures, errors) =
+                    self.scenario(&inbox, seed, first.scenario, messages, target).await;
+                if errors.is_empty()
+                    && let Some(f) = failures.first()
+                {
+                    report.smallest = Some((first.scenario, ids, f.invariant));
+                    break;
+                }
             }
         }
         report
