@@ -242,7 +242,8 @@ pub struct ScenarioRun {
     pub target: Option<String>,
     /// Whether the fault was seen to happen.
     pub exercised: bool,
-    /// The history of the scenario, one line per event.
+    /// The history of the scenario, one line per event, then the calls each fake service
+    /// received during it.
     pub history: Vec<String>,
 }
 
@@ -312,7 +313,9 @@ impl fmt::Display for Report {
             )?;
         }
         for s in &self.scenarios {
-            let broken = self.failures.iter().any(|x| x.scenario == s.scenario);
+            let prefix = format!("scenario {}:", s.scenario);
+            let broken = self.failures.iter().any(|x| x.scenario == s.scenario)
+                || self.errors.iter().any(|e| e.starts_with(&prefix));
             if broken {
                 writeln!(f, "  history of {}:", s.scenario)?;
                 for line in &s.history {

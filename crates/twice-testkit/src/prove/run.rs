@@ -233,6 +233,14 @@ where
         (messages, target)
     }
 
+    /// The fake services of the effects, with the effects' names.
+    fn services(&self) -> impl Iterator<Item = (&str, &Arc<super::FakeService>)> {
+        self.effects.iter().filter_map(|e| match &e.source {
+            Source::Service(s) => Some((e.name.as_str(), s)),
+            Source::Sql(_) => None,
+        })
+    }
+
     fn is_poison(&self, m: &Message) -> bool {
         self.poison.as_ref().is_some_and(|p| p(m))
     }
@@ -367,6 +375,7 @@ where
     ) -> (ScenarioRun, Vec<super::Failure>, Vec<String>) {
         let probe = Arc::new(Probe::new(self.completion_check()));
         let clock = ManualClock::default();
+        let calls_before: Vec<usize> = self.services().map(|(_, s)| s.calls().len()).collect();
         let mut run = ScenarioRun {
             scenario,
             messages: messages.iter().map(id_of).collect(),
@@ -457,6 +466,19 @@ where
         let seen = Observed { events: &events, dead_lettered: &dead_lettered, counts: &counts };
         let failures = check(scenario, &infos, &sent, &seen);
         run.history = events.iter().map(ToString::to_string).collect();
+        for ((name, service), before) in self.services().zip(calls_before) {
+            for c in service.calls().iter().skip(before) {
+                run.history.push(format!(
+                    "{name:?} got POST {} with {} ({}{})",
+                    c.path,
+                    c.idempotency_key
+                        .as_deref()
+                        .map_or("no key".to_owned(), |k| format!("key {k}")),
+                    if c.effect { "an effect" } else { "a replay" },
+                    if c.failed { ", answered 503" } else { "" },
+                ));
+            }
+        }
         env.broker.shutdown().await;
         (run, failures, errors)
     }
