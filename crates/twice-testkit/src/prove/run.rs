@@ -27,7 +27,8 @@ const LOCK: Duration = Duration::from_secs(30);
 const POLLS: usize = 20_000;
 /// How long a handler held by the concurrent-copies scenario waits for the other copy to
 /// reach its handler too, in polls, where the claim (or the store) holds the other copy back
-/// until the first ends; ten times as long where nothing should.
+/// until the first ends; where nothing should, the other copy's start is awaited as long as
+/// any step, and its end ten times this.
 const RENDEZVOUS_POLLS: usize = 200;
 
 /// A processor of the scenario.
@@ -341,21 +342,26 @@ where
     /// processor `first`) has not committed. Under [`Mode::Claim`] and [`Mode::DedupOnly`]
     /// the claim (or the record) holds the other copy back until the first ends, and so does
     /// SQLite's write lock in every mode: a short wait lets it get there. Otherwise nothing
-    /// should hold it back: wait longer for it to start, then for it to return (a unique key
-    /// the first copy holds may still stop it, which the bound allows for).
+    /// should hold it back: wait for it to start (as long as any step), then for it to return (a
+    /// unique key the first copy holds may still stop it, which a shorter bound allows for).
     async fn rendezvous(&self, env: &Env<DB>, id: &str, first: usize) {
         let serialised = self.mode != Mode::NaturallyIdempotent || DB::NAME == "SQLite";
-        let polls = if serialised { RENDEZVOUS_POLLS } else { RENDEZVOUS_POLLS * 10 };
+        // Where nothing holds the other copy back it does start; only its end may be held up.
+        let (start, end) = if serialised {
+            (RENDEZVOUS_POLLS, RENDEZVOUS_POLLS)
+        } else {
+            (POLLS, RENDEZVOUS_POLLS * 10)
+        };
         let started = |e: &Event| matches!(e, Event::HandlerStarted { p, id: d, .. } if d == id && *p != first);
         let returned = |e: &Event| matches!(e, Event::HandlerReturned { p, id: d, .. } if d == id && *p != first);
-        for _ in 0..polls {
+        for _ in 0..start {
             if env.probe.saw(started) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         if env.probe.saw(started) {
-            for _ in 0..polls {
+            for _ in 0..end {
                 if env.probe.saw(returned) {
                     break;
                 }
