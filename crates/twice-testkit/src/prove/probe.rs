@@ -344,6 +344,9 @@ fn id(d: &ReceivedMessage) -> String {
 impl Receive for Watched {
     type Delivery = ReceivedMessage;
 
+    /// # Cancel safety
+    ///
+    /// As the broker's receive: messages locked for a dropped receive are released.
     async fn receive(
         &self,
         n: usize,
