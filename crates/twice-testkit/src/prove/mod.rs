@@ -12,7 +12,7 @@
 //! | [`Scenario::CrashAfterCommit`] | the processor dies after the commit, before the completion; another takes the redelivery when the lock runs out |
 //! | [`Scenario::CrashBeforeCommit`] | the processor dies at the end of the handler, before the commit |
 //! | [`Scenario::LockLoss`] | the lock runs out while the handler runs (renewal off); another processor takes the message |
-//! | [`Scenario::TransientError`] | the first call to each fake service takes effect and answers 503 (without services, the handler's attempt fails once after its work) |
+//! | [`Scenario::TransientError`] | the first call to each fake service the message has an effect on takes effect and answers 503 (with no such service, the handler's attempt fails once after its work) |
 //! | [`Scenario::DeadLetterResubmit`] | the message is dead-lettered after its work was rolled back, and sent again from the dead-letter queue with the same id |
 //!
 //! Then it checks the history (deliveries, handler runs, commits, settlements) and the effects
