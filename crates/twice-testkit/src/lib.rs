@@ -6,6 +6,8 @@
 //!   skip with a printed reason otherwise.
 //! - [`process`]: child processes for crash tests: an example binary that is never stale, and
 //!   a child killed with SIGKILL; [`process::ServerRestart`] restarts a server of the machine.
+//! - [`prove`]: a kit that proves a user's own handler has its effects once under every
+//!   fault: concurrent copies, crashes, lock loss, transient errors, resubmits.
 //! - [`conformance`]: the suite every transport passes with each inbox store.
 //! - [`serve`]: `twice serve` as a child process on free ports, ready when it returns.
 //! - [`sdk`]: the official Service Bus SDKs for Python and Node, installed once per machine.
@@ -15,12 +17,14 @@
 //! - [`tls`]: a CA and a `localhost` certificate made for the test.
 //!
 //! Its doc tests also compile the Rust snippets of the repository's `README.md`
-//! (`cargo test -p twice-testkit --doc`), so what a reader copies builds.
+//! and of `docs/prove.md` (`cargo test -p twice-testkit --doc`), so what a reader copies
+//! builds.
 
 pub mod conformance;
 pub mod db;
 pub mod nats;
 pub mod process;
+pub mod prove;
 pub mod proxy;
 pub mod rabbitmq;
 pub mod sdk;
@@ -31,6 +35,11 @@ pub mod tls;
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
+
+/// The page `docs/prove.md`, whose example is run here as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/prove.md")]
+pub struct ProveDoctests;
 
 /// Runs an async clean-up step on a thread of its own, so `Drop` works inside and outside a
 /// runtime; failures are printed, since a leftover test queue or stream is harmless.
