@@ -45,6 +45,9 @@ enum Twist {
     Panic,
     /// Waits for a permit of the gate (forever if none comes), after writing.
     Block(Arc<Semaphore>),
+    /// Runs a statement that fails, ignores the error and returns `Complete` (a handler that
+    /// logs and carries on).
+    SwallowError,
 }
 
 /// Ships each order (one row) and counts its calls per order; the twists apply once per order.
@@ -90,6 +93,11 @@ impl<F: Fixture> JsonHandler<OrderPlaced, Transaction<'static, F::DB>> for Ship<
             }
             Some(Twist::Abandon) => Ok(Outcome::Abandon),
             Some(Twist::Panic) => panic!("a bug in the handler"),
+            Some(Twist::SwallowError) => {
+                let failed = F::try_exec(tx, "INSERT INTO no_such_table (x) VALUES (1)").await;
+                assert!(failed.is_err(), "the statement must fail");
+                Ok(Outcome::Complete)
+            }
             Some(Twist::Block(gate)) => {
                 match gate.acquire().await {
                     Ok(permit) => permit.forget(),
@@ -284,6 +292,49 @@ where
     assert_eq!(s.duplicates_concurrent_copy + s.duplicates_already_processed, 1, "{s:?}");
 }
 on_all_stores!(a_duplicate_inside_one_batch_waits_for_its_twin);
+
+/// In a batch of four, order 2's handler runs a statement that fails, ignores the error and
+/// returns `Complete`. PostgreSQL has aborted the transaction: the next savepoint fails, the
+/// batch is rolled back as a whole and its messages are processed one at a time, where order
+/// 2's handler runs again. SQLite and MariaDB refuse only the statement: the batch commits.
+/// Every order ships once either way.
+async fn a_transaction_aborted_under_a_handler_splits_the_batch<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    create_shipments(&f, false).await;
+    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_split")).await);
+    let (queue, clock) = queue("orders").await;
+    for n in 1..=4 {
+        queue.send(order(&format!("order-{n}-placed"), n)).await;
+    }
+    let handler = Ship::<F>::new([(2, Twist::SwallowError)]);
+    let calls = Arc::clone(&handler.calls);
+    let p = batch_processor::<F, _>(
+        Arc::new(queue.receiver().await),
+        inbox,
+        handler,
+        options(&clock, 4),
+    );
+    let counters = p.counters();
+    let shutdown = Shutdown::default();
+    let task = tokio::spawn(p.run(shutdown.wait()));
+    until_async("four completed", || async { queue.completed().await == 4 }).await;
+    shutdown.trigger();
+    task.await.expect("join").expect("run");
+
+    let s = counters.snapshot();
+    assert_eq!(shipments(&f).await, 4, "{}: one shipment per order", F::NAME);
+    assert_eq!(inbox_rows(&f, "inbox_batch_split").await, 4);
+    assert_eq!((s.committed, s.completed, s.abandoned), (4, 4, 0), "{s:?}");
+    let aborts = F::NAME == "postgres";
+    assert_eq!(s.batches_split, u64::from(aborts), "{}: {s:?}", F::NAME);
+    // Split, every handler of the batch that ran before the failed savepoint runs again.
+    let expected =
+        if aborts { [(1, 2), (2, 2), (3, 1), (4, 1)] } else { [(1, 1), (2, 1), (3, 1), (4, 1)] };
+    assert_eq!(calls.lock().expect("calls").clone(), HashMap::from(expected), "{}", F::NAME);
+}
+on_all_stores!(a_transaction_aborted_under_a_handler_splits_the_batch);
 
 /// A receiver whose lock renewal fails, as lost, for one message id.
 #[derive(Debug)]
