@@ -22,7 +22,7 @@ use twice_sqlx::{InboxOptions, SqlxInbox, StoreError};
 use crate::on_all_stores;
 use crate::processor::order;
 use crate::support::{
-    Fixture, Shutdown, create_shipments, inbox_rows, queue, shipments, until_async,
+    BrokerQueue, Fixture, Shutdown, create_shipments, inbox_rows, queue, shipments, until_async,
 };
 
 type Inboxed<F> = SqlxInbox<<F as Fixture>::DB>;
@@ -123,11 +123,81 @@ where
         .on_error(|e| eprintln!("{} processor: {e}", F::NAME))
 }
 
+/// One scenario under way: `orders` sent before the processor started (so that its first
+/// receive takes them into one batch), the processor running with `handler`.
+struct Scene<F> {
+    queue: BrokerQueue,
+    clock: twice::ManualClock,
+    counters: Arc<twice::Counters>,
+    calls: Arc<Mutex<HashMap<i64, usize>>>,
+    shutdown: Shutdown,
+    task: tokio::task::JoinHandle<Result<(), twice::ProcessorError>>,
+    _store: PhantomData<fn() -> F>,
+}
+
+impl<F: Fixture> Scene<F>
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    /// Makes the shipments table and the inbox table `table`, sends `orders` (by order id),
+    /// and starts the processor on the queue's receiver as `transport` wraps it, with `batch`
+    /// and whatever `more` adds to the options.
+    async fn start<T: Transport>(
+        f: &F,
+        table: &str,
+        orders: &[i64],
+        handler: Ship<F>,
+        transport: impl FnOnce(Receiver) -> T,
+        options: impl FnOnce(ProcessorOptions) -> ProcessorOptions,
+    ) -> Self {
+        create_shipments(f, false).await;
+        let inbox = Arc::new(f.inbox(InboxOptions::new().table(table)).await);
+        let (queue, clock) = queue("orders").await;
+        for &n in orders {
+            queue.send(order(&format!("order-{n}-placed"), n)).await;
+        }
+        let calls = Arc::clone(&handler.calls);
+        let options = options(self::options(&clock, 1));
+        let p = batch_processor::<F, _>(
+            Arc::new(transport(queue.receiver().await)),
+            inbox,
+            handler,
+            options,
+        );
+        let counters = p.counters();
+        let shutdown = Shutdown::default();
+        let task = tokio::spawn(p.run(shutdown.wait()));
+        Self { queue, clock, counters, calls, shutdown, task, _store: PhantomData }
+    }
+
+    /// Waits until the broker has completed `n` messages.
+    async fn completed(&self, n: u64) {
+        until_async("the completions", || async { self.queue.completed().await == n }).await;
+    }
+
+    /// Waits until the dead-letter queue holds `n` messages.
+    async fn dead_lettered(&self, n: usize) {
+        until_async("the dead letters", || async { self.queue.dead_letters().await.len() == n })
+            .await;
+    }
+
+    /// Stops the processor; its counters and the handler's calls per order.
+    async fn stop(self) -> (twice::CounterSnapshot, HashMap<i64, usize>) {
+        self.shutdown.trigger();
+        self.task.await.expect("join").expect("run");
+        (self.counters.snapshot(), self.calls.lock().expect("calls").clone())
+    }
+}
+
 fn options(clock: &twice::ManualClock, batch: usize) -> ProcessorOptions {
     ProcessorOptions::new()
         .consumer("shipping")
         .batch_size(batch)
         .clock(SharedClock::from(clock.clone()))
+}
+
+fn batch_of(n: usize) -> impl FnOnce(ProcessorOptions) -> ProcessorOptions {
+    move |o| o.batch_size(n)
 }
 
 async fn shipments_of<F: Fixture>(f: &F, order_id: i64) -> i64 {
@@ -140,33 +210,17 @@ async fn a_batch_commits_its_messages_in_one_transaction<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_one")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in 1..=10 {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
+    let orders: Vec<i64> = (1..=10).collect();
     let handler = Ship::<F>::new([]);
-    let calls = Arc::clone(&handler.calls);
-    let p = batch_processor::<F, _>(
-        Arc::new(queue.receiver().await),
-        inbox,
-        handler,
-        options(&clock, 10),
-    );
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
-    until_async("the batch completed", || async { queue.completed().await == 10 }).await;
-    queue.send(order("order-3-placed", 3)).await;
-    until_async("the copy completed", || async { queue.completed().await == 11 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    let scene = Scene::start(&f, "inbox_batch_one", &orders, handler, |r| r, batch_of(10)).await;
+    scene.completed(10).await;
+    scene.queue.send(order("order-3-placed", 3)).await;
+    scene.completed(11).await;
+    let (s, calls) = scene.stop().await;
 
-    let s = counters.snapshot();
     assert_eq!(shipments(&f).await, 10, "{}", F::NAME);
     assert_eq!(inbox_rows(&f, "inbox_batch_one").await, 10);
-    assert_eq!(calls.lock().expect("calls").values().sum::<usize>(), 10);
+    assert_eq!(calls.values().sum::<usize>(), 10);
     assert_eq!((s.committed, s.completed, s.batches_split), (10, 11, 0), "{s:?}");
     assert_eq!(s.duplicates_already_processed + s.duplicates_concurrent_copy, 1, "{s:?}");
 }
@@ -180,42 +234,26 @@ async fn failing_handlers_in_a_batch_roll_back_only_their_own_work<F: Fixture>(f
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_fail")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in 1..=5 {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
     let handler =
         Ship::<F>::new([(2, Twist::Abandon), (3, Twist::FailPermanently), (4, Twist::Panic)]);
-    let calls = Arc::clone(&handler.calls);
-    let p = batch_processor::<F, _>(
-        Arc::new(queue.receiver().await),
-        Arc::clone(&inbox),
-        handler,
-        options(&clock, 5),
-    );
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
+    let orders = [1, 2, 3, 4, 5];
+    let scene = Scene::start(&f, "inbox_batch_fail", &orders, handler, |r| r, batch_of(5)).await;
     // 1 and 5 complete; 2 and 4 are abandoned and come back at once, and then complete; 3 is
     // dead-lettered.
-    until_async("four completed", || async { queue.completed().await == 4 }).await;
-    until_async("one dead-lettered", || async { queue.dead_letters().await.len() == 1 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    scene.completed(4).await;
+    scene.dead_lettered(1).await;
+    let dead = scene.queue.dead_letters().await;
+    let (s, calls) = scene.stop().await;
 
-    let s = counters.snapshot();
     for n in [1, 2, 4, 5] {
         assert_eq!(shipments_of(&f, n).await, 1, "{}: order {n} shipped once", F::NAME);
     }
     assert_eq!(shipments_of(&f, 3).await, 0, "{}: order 3's work rolled back", F::NAME);
     assert_eq!(inbox_rows(&f, "inbox_batch_fail").await, 4, "order 3's claim taken back");
-    let calls = calls.lock().expect("calls").clone();
     assert_eq!(calls, HashMap::from([(1, 1), (2, 2), (3, 1), (4, 2), (5, 1)]), "{}", F::NAME);
     assert_eq!((s.committed, s.abandoned, s.dead_lettered), (4, 2, 1), "{s:?}");
     assert_eq!((s.handler_panics, s.batches_split), (1, 0), "{s:?}");
-    assert_eq!(queue.dead_letters().await[0].message_id().as_str(), "order-3-placed");
+    assert_eq!(dead[0].message_id().as_str(), "order-3-placed");
 }
 on_all_stores!(failing_handlers_in_a_batch_roll_back_only_their_own_work);
 
@@ -225,30 +263,15 @@ async fn an_immediate_retry_in_a_batch_reruns_only_that_handler<F: Fixture>(f: F
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_retry")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in 1..=3 {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
     let handler = Ship::<F>::new([(2, Twist::FailTransiently)]);
-    let calls = Arc::clone(&handler.calls);
-    let p = batch_processor::<F, _>(
-        Arc::new(queue.receiver().await),
-        inbox,
-        handler,
-        options(&clock, 3).retry(RetryPolicy::new().immediate_retries(1)),
-    );
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
-    until_async("three completed", || async { queue.completed().await == 3 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    let options =
+        |o: ProcessorOptions| o.batch_size(3).retry(RetryPolicy::new().immediate_retries(1));
+    let scene = Scene::start(&f, "inbox_batch_retry", &[1, 2, 3], handler, |r| r, options).await;
+    scene.completed(3).await;
+    let (s, calls) = scene.stop().await;
 
-    let s = counters.snapshot();
     assert_eq!(shipments(&f).await, 3, "{}: the failed attempt's row rolled back", F::NAME);
-    assert_eq!(calls.lock().expect("calls").get(&2), Some(&2));
+    assert_eq!(calls.get(&2), Some(&2));
     assert_eq!((s.committed, s.immediate_retries, s.abandoned), (3, 1, 0), "{s:?}");
     assert_eq!(s.batches_split, 0, "{s:?}");
 }
@@ -262,32 +285,16 @@ async fn a_duplicate_inside_one_batch_waits_for_its_twin<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_twins")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in [1, 2, 1, 2] {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
     let handler = Ship::<F>::new([(1, Twist::FailPermanently)]);
-    let calls = Arc::clone(&handler.calls);
-    let p = batch_processor::<F, _>(
-        Arc::new(queue.receiver().await),
-        inbox,
-        handler,
-        options(&clock, 4),
-    );
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
-    until_async("three completed", || async { queue.completed().await == 3 }).await;
-    until_async("one dead-lettered", || async { queue.dead_letters().await.len() == 1 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    let orders = [1, 2, 1, 2];
+    let scene = Scene::start(&f, "inbox_batch_twins", &orders, handler, |r| r, batch_of(4)).await;
+    scene.completed(3).await;
+    scene.dead_lettered(1).await;
+    let (s, calls) = scene.stop().await;
 
-    let s = counters.snapshot();
     assert_eq!(shipments_of(&f, 1).await, 1, "{}: the twin shipped order 1", F::NAME);
     assert_eq!(shipments_of(&f, 2).await, 1, "{}: order 2 shipped once", F::NAME);
-    assert_eq!(calls.lock().expect("calls").clone(), HashMap::from([(1, 2), (2, 1)]));
+    assert_eq!(calls, HashMap::from([(1, 2), (2, 1)]));
     assert_eq!((s.committed, s.dead_lettered), (2, 1), "{s:?}");
     assert_eq!(s.duplicates_concurrent_copy + s.duplicates_already_processed, 1, "{s:?}");
 }
@@ -302,28 +309,12 @@ async fn a_transaction_aborted_under_a_handler_splits_the_batch<F: Fixture>(f: F
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_split")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in 1..=4 {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
     let handler = Ship::<F>::new([(2, Twist::SwallowError)]);
-    let calls = Arc::clone(&handler.calls);
-    let p = batch_processor::<F, _>(
-        Arc::new(queue.receiver().await),
-        inbox,
-        handler,
-        options(&clock, 4),
-    );
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
-    until_async("four completed", || async { queue.completed().await == 4 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    let orders = [1, 2, 3, 4];
+    let scene = Scene::start(&f, "inbox_batch_split", &orders, handler, |r| r, batch_of(4)).await;
+    scene.completed(4).await;
+    let (s, calls) = scene.stop().await;
 
-    let s = counters.snapshot();
     assert_eq!(shipments(&f).await, 4, "{}: one shipment per order", F::NAME);
     assert_eq!(inbox_rows(&f, "inbox_batch_split").await, 4);
     assert_eq!((s.committed, s.completed, s.abandoned), (4, 4, 0), "{s:?}");
@@ -332,7 +323,7 @@ where
     // Split, every handler of the batch that ran before the failed savepoint runs again.
     let expected =
         if aborts { [(1, 2), (2, 2), (3, 1), (4, 1)] } else { [(1, 1), (2, 1), (3, 1), (4, 1)] };
-    assert_eq!(calls.lock().expect("calls").clone(), HashMap::from(expected), "{}", F::NAME);
+    assert_eq!(calls, HashMap::from(expected), "{}", F::NAME);
 }
 on_all_stores!(a_transaction_aborted_under_a_handler_splits_the_batch);
 
@@ -399,43 +390,33 @@ async fn lock_loss_of_one_message_cancels_only_its_handler<F: Fixture>(f: F)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
-    create_shipments(&f, false).await;
-    let inbox = Arc::new(f.inbox(InboxOptions::new().table("inbox_batch_lock")).await);
-    let (queue, clock) = queue("orders").await;
-    for n in 1..=4 {
-        queue.send(order(&format!("order-{n}-placed"), n)).await;
-    }
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     // The gate never opens: a handler stuck downstream.
     let mut handler = Ship::<F>::new([(2, Twist::Block(Arc::new(Semaphore::new(0))))]);
     handler.entered = Some(entered_tx);
-    let calls = Arc::clone(&handler.calls);
-    let receiver = LosesLockOf { inner: queue.receiver().await, id: "order-2-placed" };
-    let p = batch_processor::<F, _>(Arc::new(receiver), inbox, handler, options(&clock, 4));
-    let counters = p.counters();
-    let shutdown = Shutdown::default();
-    let task = tokio::spawn(p.run(shutdown.wait()));
+    let loses = |inner| LosesLockOf { inner, id: "order-2-placed" };
+    let orders = [1, 2, 3, 4];
+    let scene = Scene::start(&f, "inbox_batch_lock", &orders, handler, loses, batch_of(4)).await;
     for expected in [1, 2] {
         assert_eq!(entered.recv().await, Some(expected));
     }
     // Past the renewal point (20 s into the 30 s lock): order 2's renewal fails, the others'
     // succeed.
-    clock.advance(Duration::from_secs(21));
-    until_async("three completed", || async { queue.completed().await == 3 }).await;
-    let s = counters.snapshot();
+    scene.clock.advance(Duration::from_secs(21));
+    scene.completed(3).await;
+    let s = scene.counters.snapshot();
     assert_eq!((s.lock_lost, s.committed, s.batches_split), (1, 3, 0), "{s:?}");
     assert_eq!(shipments_of(&f, 2).await, 0, "{}: order 2 rolled back", F::NAME);
     assert_eq!(shipments(&f).await, 3, "{}", F::NAME);
     // The broker's own lock on order 2 runs out; its redelivery is handled (the gate was
     // for the first call only).
-    clock.advance(Duration::from_secs(10));
-    until_async("order 2 completed", || async { queue.completed().await == 4 }).await;
-    shutdown.trigger();
-    task.await.expect("join").expect("run");
+    scene.clock.advance(Duration::from_secs(10));
+    scene.completed(4).await;
+    let (_, calls) = scene.stop().await;
 
     assert_eq!(shipments(&f).await, 4, "{}", F::NAME);
     assert_eq!(shipments_of(&f, 2).await, 1, "{}", F::NAME);
-    assert_eq!(calls.lock().expect("calls").get(&2), Some(&2));
+    assert_eq!(calls.get(&2), Some(&2));
     assert_eq!(inbox_rows(&f, "inbox_batch_lock").await, 4);
 }
 on_all_stores!(lock_loss_of_one_message_cancels_only_its_handler);
