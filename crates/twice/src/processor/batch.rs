@@ -6,11 +6,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use futures::future::join_all;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument as _;
 
-use super::lock::{LockState, fixed_limit, keep_lock, renewal_margin};
+use super::lock::{LockState, fixed_limit, keep_lock, keeping_locks, renewal_margin};
 use super::pipeline::{Attempt, Step, duplicate_counter, missing_message_id};
 use super::settle::{TransportSettler, Verdict};
 use super::shared::Core;
@@ -118,15 +119,7 @@ pub(super) async fn process_batch<T, I, H>(
         drop(slot);
     };
     // The keepers renew the locks until the settlements are done, as for a message alone.
-    let keep = async {
-        keepers.await;
-        std::future::pending::<()>().await;
-    };
-    tokio::select! {
-        biased;
-        () = work => {}
-        () = keep => {}
-    }
+    keeping_locks(work, keepers.map(|_| ())).await;
 }
 
 impl<I, H> Core<I, H>

@@ -146,3 +146,20 @@ pub(crate) async fn keep_lock<I, H, F, Fut>(
         }
     }
 }
+
+/// Runs `work` to its end while `keeper` keeps the lock (or locks) it needs. A keeper that
+/// returns (the lock is lost) has nothing more to do; `work` goes on alone.
+pub(crate) async fn keeping_locks(
+    work: impl Future<Output = ()>,
+    keeper: impl Future<Output = ()>,
+) {
+    let keep = async {
+        keeper.await;
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        biased;
+        () = work => {}
+        () = keep => {}
+    }
+}

@@ -12,7 +12,7 @@ use tracing::Instrument as _;
 use super::Mode;
 use super::base::{processor_type, report_join};
 use super::batch::process_batch;
-use super::lock::{LockState, fixed_limit, keep_lock, renewal_margin};
+use super::lock::{LockState, fixed_limit, keep_lock, keeping_locks, renewal_margin};
 use super::options::ProcessorOptions;
 use super::settle::TransportSettler;
 use super::shared::Core;
@@ -230,18 +230,10 @@ async fn process_one<T, I, H>(
         core.settle(&settler, &delivery, verdict).await;
         drop(slot);
     };
-    // The keeper renews the lock until the settlement is done. Once the lock is lost it has
-    // nothing more to do; the settlement goes on, and fails as a lock lost if the broker says
-    // so (reported, and the redelivery meets the claim).
-    let keep = async {
-        keeper.await;
-        std::future::pending::<()>().await;
-    };
-    tokio::select! {
-        biased;
-        () = settle => {}
-        () = keep => {}
-    }
+    // The keeper renews the lock until the settlement is done. Once the lock is lost the
+    // settlement goes on, and fails as a lock lost if the broker says so (reported, and the
+    // redelivery meets the claim).
+    keeping_locks(settle, keeper).await;
 }
 
 /// Refuses a batch size of 0, and batches where they cannot be kept: outside [`Mode::Claim`],
