@@ -722,12 +722,23 @@ impl Running {
         }
     }
 
+    /// Stops the processor and waits for its run to return, or fails the scenario at the
+    /// bound: a run that never returns (a settlement that never ends) is a failure that names
+    /// its scenario, not a hang of the whole suite.
     async fn stop(self, s: &str) {
         let _ = self.stop.send(true);
-        match self.task.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => fail(s, format!("the processor stopped with {e}")),
-            Err(e) => fail(s, format!("the processor task failed: {e}")),
+        let counters = Arc::clone(&self.counters);
+        match tokio::time::timeout(BOUND, self.task).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => fail(s, format!("the processor stopped with {e}")),
+            Ok(Err(e)) => fail(s, format!("the processor task failed: {e}")),
+            Err(_) => fail(
+                s,
+                format!(
+                    "the processor did not stop within the bound after its shutdown; counters {:?}",
+                    counters.snapshot()
+                ),
+            ),
         }
     }
 }
