@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 use sqlx::{ColumnIndex, Connection as _, Database, Decode, Encode, Executor, IntoArguments, Type};
+use twice::outbox::{LeasedMessage, OutboxStore as _, Staged};
 use twice::{Claim, ErrorClass, Inbox, MessageId, OutgoingMessage, Timestamp};
 
 use crate::outbox::OutboxDialect;
@@ -431,23 +432,44 @@ where
         &'a self,
         tx: &'a mut Self::Tx,
         messages: &'a [OutgoingMessage],
-    ) -> Result<(), StoreError> {
+    ) -> Result<Staged, StoreError> {
         let Some(outbox) = &self.outbox else {
             return Err(StoreError::Outgoing(twice::OutboxError::NotConfigured));
         };
-        let written = crate::outbox::write_rows::<DB>(tx, outbox.options().get_table(), messages);
-        match written.await {
-            Err(e) if DB::aborted(&e) => Err(StoreError::TransactionAborted),
-            Err(e) => Err(e),
-            Ok(()) if DB::WRITE_PROVES_COMMITTABLE => Ok(()),
-            Ok(()) => DB::check_committable(self, tx).await,
+        let wake = outbox.waker().clone();
+        // Rows leased at once to this process's relay, if one runs: handed to it after the
+        // commit, it sends them without leasing them from the table.
+        let relay = if DB::INSERT_RETURNING || self.mariadb { wake.local_relay() } else { None };
+        let lease = relay.as_ref().map(|(owner, duration)| (owner.as_str(), *duration));
+        let table = outbox.options().get_table();
+        let seqs = match crate::outbox::write_rows::<DB>(tx, table, messages, lease).await {
+            Err(e) if DB::aborted(&e) => return Err(StoreError::TransactionAborted),
+            Err(e) => return Err(e),
+            Ok(seqs) => seqs,
+        };
+        if !DB::WRITE_PROVES_COMMITTABLE {
+            DB::check_committable(self, tx).await?;
         }
-    }
-
-    fn outbox_committed(&self) {
-        if let Some(outbox) = &self.outbox {
-            outbox.wake();
-        }
+        Ok(match relay {
+            Some((owner, _)) if seqs.len() == messages.len() => {
+                let rows = seqs
+                    .into_iter()
+                    .zip(messages)
+                    .map(|(seq, m)| {
+                        LeasedMessage::new(
+                            seq,
+                            m.destination.clone(),
+                            m.message.clone(),
+                            m.ordering_key.clone(),
+                            m.created_at,
+                            0,
+                        )
+                    })
+                    .collect();
+                Staged::handed_to(wake, owner, rows)
+            }
+            _ => Staged::wake(wake),
+        })
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

@@ -145,7 +145,10 @@ async fn process(
     if let Some((relay, counters)) = relay {
         relay.await?;
         let s = counters.snapshot();
-        eprintln!("  (the relay sent {} rows in {} leases)", s.sent, s.leases);
+        eprintln!(
+            "  (the relay sent {} rows: {} hand-overs from this process's commits, {} leases)",
+            s.sent, s.adopted, s.leases
+        );
     }
     Ok(run)
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::clock::Timestamp;
 use crate::error::ErrorClass;
 use crate::ids::MessageId;
-use crate::outbox::OutgoingMessage;
+use crate::outbox::{OutgoingMessage, Staged};
 
 /// The result of claiming a message id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,6 +133,10 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
     /// [`Inbox::check_committable`]: the stage makes the same check (with the write itself
     /// where the database refuses every statement of an aborted transaction).
     ///
+    /// The processor calls [`Staged::committed`] on what it returns once `tx` has committed:
+    /// that wakes the relay of this process, and hands it the rows the store wrote leased to
+    /// it ([`Wake::local_relay`](crate::outbox::Wake::local_relay)).
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe in effect, as [`Inbox::claim`].
@@ -140,9 +144,9 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
         &'a self,
         tx: &'a mut Self::Tx,
         messages: &'a [OutgoingMessage],
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a {
+    ) -> impl Future<Output = Result<Staged, Self::Error>> + Send + 'a {
         let _ = (tx, messages);
-        async { Ok(()) }
+        async { Ok(Staged::nothing()) }
     }
 
     /// Whether the store can process a batch of messages in one transaction
@@ -225,10 +229,6 @@ pub trait Inbox: Send + Sync + fmt::Debug + 'static {
         let _ = (tx, consumer, message_id);
         async { Ok(()) }
     }
-
-    /// Told after a transaction that [staged](Inbox::stage) messages has committed, so that
-    /// the store can wake a relay in this process at once. The default does nothing.
-    fn outbox_committed(&self) {}
 
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), Self::Error>> + Send;

@@ -14,6 +14,10 @@ pub trait OutboxDialect: Dialect {
     const SKIP_LOCKED: &'static str;
     /// Deletes at most `{n}` sent rows done before `{before}` (both SQL literals).
     const PURGE_SENT: &'static str;
+    /// Whether a multi-row `INSERT` can return the rows' `seq` (`RETURNING`), so that rows
+    /// can be written leased to the local relay and handed to it (MariaDB can, MySQL cannot:
+    /// the inbox asks the server).
+    const INSERT_RETURNING: bool;
 }
 
 #[cfg(feature = "postgres")]
@@ -47,6 +51,7 @@ impl OutboxDialect for sqlx::Postgres {
     const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
     const PURGE_SENT: &'static str = "DELETE FROM {t} WHERE seq = ANY(ARRAY(SELECT seq FROM {t} \
                                       WHERE state = 1 AND done_at_ms < {before} ORDER BY seq LIMIT {n}))";
+    const INSERT_RETURNING: bool = true;
 }
 
 #[cfg(feature = "mysql")]
@@ -81,6 +86,7 @@ impl OutboxDialect for sqlx::MySql {
     // MariaDB takes no LIMIT in an IN subquery, but its DELETE takes ORDER BY and LIMIT.
     const PURGE_SENT: &'static str =
         "DELETE FROM {t} WHERE state = 1 AND done_at_ms < {before} ORDER BY seq LIMIT {n}";
+    const INSERT_RETURNING: bool = false;
 }
 
 #[cfg(feature = "sqlite")]
@@ -114,4 +120,5 @@ impl OutboxDialect for sqlx::Sqlite {
     const SKIP_LOCKED: &'static str = "";
     const PURGE_SENT: &'static str = "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} \
                                       WHERE state = 1 AND done_at_ms < {before} ORDER BY seq LIMIT {n})";
+    const INSERT_RETURNING: bool = true;
 }

@@ -362,24 +362,35 @@ impl<DB: Database> SqlxOutbox<DB> {
 }
 
 /// The rows a handler's or a writer's messages become, and the statement that writes them.
-pub(crate) fn insert_sql<DB: OutboxDialect>(table: &str, rows: usize) -> String {
+pub(crate) fn insert_sql<DB: OutboxDialect>(table: &str, rows: usize, leased: bool) -> String {
+    let (columns, per_row) = if leased { (", lease_owner, lease_until_ms", 8) } else { ("", 6) };
     let mut sql = format!(
         "INSERT INTO {table} (ordering_key, destination, message_id, headers, body, \
-         created_at_ms) VALUES "
+         created_at_ms{columns}) VALUES "
     );
     for row in 0..rows {
         if row > 0 {
             sql.push_str(", ");
         }
-        let p: Vec<String> = (1..=6).map(|i| DB::param(row * 6 + i)).collect();
+        let p: Vec<String> = (1..=6).map(|i| DB::param(row * per_row + i)).collect();
         sql.push('(');
         sql.push_str(&p.join(", "));
+        if leased {
+            // Leased to the local relay until the database's now plus its lease.
+            let owner = DB::param(row * per_row + 7);
+            let lease = DB::param(row * per_row + 8);
+            sql.push_str(&format!(", {owner}, {} + {lease}", DB::DB_NOW_MS));
+        }
         sql.push(')');
+    }
+    if leased {
+        sql.push_str(" RETURNING seq");
     }
     sql
 }
 
-/// The rows one INSERT writes at most (six parameters each, well under every driver's limit).
+/// The rows one INSERT writes at most (eight parameters each at most, well under every
+/// driver's limit).
 pub(crate) const INSERT_CHUNK: usize = 100;
 
 /// A message's fields other than its body, as the `headers` column holds them.
@@ -430,12 +441,16 @@ mod tests {
     #[test]
     fn inserts_are_written_in_each_dialect() {
         assert_eq!(
-            insert_sql::<sqlx::Postgres>("o", 2),
+            insert_sql::<sqlx::Postgres>("o", 2, false),
             "INSERT INTO o (ordering_key, destination, message_id, headers, body, created_at_ms) \
              VALUES ($1, $2, $3, $4, $5, $6), ($7, $8, $9, $10, $11, $12)"
         );
-        assert!(insert_sql::<sqlx::MySql>("o", 1).ends_with("VALUES (?, ?, ?, ?, ?, ?)"));
-        assert!(insert_sql::<sqlx::Sqlite>("o", 1).ends_with("(?1, ?2, ?3, ?4, ?5, ?6)"));
+        assert!(insert_sql::<sqlx::MySql>("o", 1, false).ends_with("VALUES (?, ?, ?, ?, ?, ?)"));
+        assert!(insert_sql::<sqlx::Sqlite>("o", 1, false).ends_with("(?1, ?2, ?3, ?4, ?5, ?6)"));
+        let leased = insert_sql::<sqlx::Postgres>("o", 2, true);
+        assert!(leased.contains("created_at_ms, lease_owner, lease_until_ms)"), "{leased}");
+        assert!(leased.contains("$8 + $16) RETURNING seq"), "{leased}");
+        assert!(leased.contains("($9, $10, $11, $12, $13, $14, $15, "), "{leased}");
         assert_eq!(params::<sqlx::Postgres>(3, 2), "$3, $4");
     }
 }

@@ -127,7 +127,7 @@ where
         outgoing: &Outgoing,
     ) -> Result<usize, StoreError> {
         let rows = outgoing.take();
-        write_rows::<DB>(&mut **tx, self.table(), &rows).await?;
+        write_rows::<DB>(&mut **tx, self.table(), &rows, None).await?;
         Ok(rows.len())
     }
 
@@ -335,21 +335,26 @@ where
     Ok(DB::rows_affected(&query.execute(&mut *conn).await?))
 }
 
-/// Inserts `rows` into `table` on `conn` (inside the caller's transaction), in order.
+/// Inserts `rows` into `table` on `conn` (inside the caller's transaction), in order; with
+/// `lease` (a relay's owner name and lease duration), leased to that relay, and returns the
+/// rows' `seq`s (empty without).
 pub(crate) async fn write_rows<DB: OutboxDialect>(
     conn: &mut DB::Connection,
     table: &str,
     rows: &[OutgoingMessage],
-) -> Result<(), StoreError>
+    lease: Option<(&str, Duration)>,
+) -> Result<Vec<i64>, StoreError>
 where
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
-    i64: Type<DB> + for<'q> Encode<'q, DB>,
+    i64: Type<DB> + for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB>,
     String: Type<DB> + for<'q> Encode<'q, DB>,
     Vec<u8>: Type<DB> + for<'q> Encode<'q, DB>,
+    usize: ColumnIndex<DB::Row>,
 {
+    let mut seqs = Vec::new();
     for chunk in rows.chunks(INSERT_CHUNK) {
-        let sql = insert_sql::<DB>(table, chunk.len());
+        let sql = insert_sql::<DB>(table, chunk.len(), lease.is_some());
         let mut query = sqlx::query(&sql);
         for row in chunk {
             let id = row.message.message_id.as_ref().map(|id| id.as_str().to_owned());
@@ -360,10 +365,24 @@ where
                 .bind(headers_of(&row.message)?)
                 .bind(row.message.body.to_vec())
                 .bind(row.created_at.as_millis());
+            if let Some((owner, duration)) = lease {
+                query = query.bind(owner.to_owned()).bind(millis(duration));
+            }
         }
-        query.execute(&mut *conn).await?;
+        if lease.is_some() {
+            let returned = query.fetch_all(&mut *conn).await?;
+            let mut chunk_seqs = returned
+                .iter()
+                .map(|row| sqlx::Row::try_get::<i64, _>(row, 0usize))
+                .collect::<Result<Vec<_>, _>>()?;
+            // Numbered in the order of the VALUES; RETURNING may list them in any order.
+            chunk_seqs.sort_unstable();
+            seqs.extend(chunk_seqs);
+        } else {
+            query.execute(&mut *conn).await?;
+        }
     }
-    Ok(())
+    Ok(seqs)
 }
 
 impl<DB: OutboxDialect> OutboxStore for SqlxOutbox<DB>
@@ -388,6 +407,54 @@ where
         lease: Duration,
     ) -> Result<Vec<LeasedMessage>, StoreError> {
         self.lease_rows(owner, max, lease).await
+    }
+
+    async fn adopt<'a>(
+        &'a self,
+        owner: &'a str,
+        mut rows: Vec<LeasedMessage>,
+    ) -> Result<Vec<LeasedMessage>, StoreError> {
+        let Some(last) = rows.iter().map(|r| r.seq).max() else {
+            return Ok(rows);
+        };
+        rows.sort_unstable_by_key(|r| r.seq);
+        // As a lease does: a row goes out only if every unsent row of its key before it is
+        // among these and still leased to `owner`.
+        let mut keys: Vec<&str> = rows.iter().map(|r| r.ordering_key.as_str()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let sql = format!(
+            "SELECT seq, ordering_key, lease_owner FROM {} WHERE state = 0 AND seq <= {} \
+             AND ordering_key IN ({}) ORDER BY seq",
+            self.table(),
+            DB::param(1),
+            params::<DB>(2, keys.len())
+        );
+        let mut query = sqlx::query_as::<_, (i64, String, Option<String>)>(&sql).bind(last);
+        for key in &keys {
+            query = query.bind((*key).to_owned());
+        }
+        let pending = query.fetch_all(self.pool()).await?;
+        let offered: HashSet<i64> = rows.iter().map(|r| r.seq).collect();
+        let mut blocked: HashSet<String> = HashSet::new();
+        let mut taken: HashSet<i64> = HashSet::new();
+        for (seq, key, lease_owner) in pending {
+            if blocked.contains(&key) {
+                continue;
+            }
+            if offered.contains(&seq) && lease_owner.as_deref() == Some(owner) {
+                taken.insert(seq);
+            } else {
+                blocked.insert(key);
+            }
+        }
+        let (ready, held): (Vec<LeasedMessage>, Vec<LeasedMessage>) =
+            rows.into_iter().partition(|r| taken.contains(&r.seq));
+        if !held.is_empty() {
+            let seqs: Vec<i64> = held.iter().map(|r| r.seq).collect();
+            self.release(owner, &seqs).await?;
+        }
+        Ok(ready)
     }
 
     async fn sent<'a>(&'a self, owner: &'a str, seqs: &'a [i64]) -> Result<u64, StoreError> {

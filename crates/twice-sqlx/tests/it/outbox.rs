@@ -195,8 +195,10 @@ where
     let mut tx = inbox.begin().await.expect("begin");
     let now = twice::Timestamp::UNIX_EPOCH;
     inbox.claim(&mut tx, "shipping", &MessageId::new("order-3-placed"), now).await.expect("claim");
-    inbox.stage(&mut tx, &staged.take()).await.expect("stage");
+    let written = inbox.stage(&mut tx, &staged.take()).await.expect("stage");
+    assert!(written.wrote());
     inbox.rollback(tx).await.expect("rollback");
+    drop(written);
     assert_eq!(outbox_rows(&f, "outbox_rb").await, 2, "{}: staged and rolled back", F::NAME);
 
     // Nothing was sent before the relay runs: the rows wait for it.
@@ -425,6 +427,108 @@ where
 }
 on_all_stores!(two_relays_on_one_table_send_each_row_once);
 
+/// A relay running in the process that commits is handed the rows of each commit, written
+/// already leased to it: it sends them without leasing anything from the table.
+async fn rows_committed_beside_a_running_relay_are_handed_over_without_a_lease<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+    Outboxed<F>: OutboxStore<Error = StoreError>,
+{
+    const N: i64 = 20;
+    create_shipments(&f, false).await;
+    let outbox = f.outbox(OutboxOptions::new().table("outbox_hand")).await.expect("outbox");
+    let inbox = f.inbox(InboxOptions::new().table("inbox_hand")).await.with_outbox(outbox.clone());
+    let broker = broker().await;
+    let relay = Relay::new(outbox.clone(), broker.clone(), relay_options());
+    let sent = relay.counters();
+    let shutdown = Shutdown::default();
+    let relaying = tokio::spawn(relay.run(shutdown.wait()));
+    let p = processor::<F>(&broker, Arc::new(inbox), Announce::new("shipped", 2)).await;
+    let counters = p.counters();
+    let processing = tokio::spawn(p.run(shutdown.wait()));
+    for i in 0..N {
+        broker.send("orders", order(&format!("order-{i}-placed"), i)).await.expect("send");
+    }
+    until("all handled", || counters.snapshot().completed == N as u64).await;
+    until("all sent", || sent.snapshot().sent == 2 * N as u64).await;
+    until_async("the rows deleted", || async { outbox_rows(&f, "outbox_hand").await == 0 }).await;
+    shutdown.trigger();
+    processing.await.expect("join").expect("run");
+    relaying.await.expect("join");
+    let s = sent.snapshot();
+    assert!(s.adopted > 0, "{}: {s:?}", F::NAME);
+    assert_eq!(s.leases, 0, "{}: no row needed a lease: {s:?}", F::NAME);
+    let shipped = peek_all(&broker, "shipped").await;
+    let distinct: HashSet<&MessageId> = shipped.iter().map(|m| m.message_id()).collect();
+    assert_eq!((shipped.len(), distinct.len()), (40, 40), "{}: each once", F::NAME);
+}
+on_all_stores!(rows_committed_beside_a_running_relay_are_handed_over_without_a_lease);
+
+/// A publisher whose sends never end, and that says when the first began.
+#[derive(Debug, Default)]
+struct Stuck {
+    entered: AtomicBool,
+}
+
+impl Publish for Stuck {
+    async fn publish(&self, _destination: &str, _message: Message) -> Result<(), TransportError> {
+        self.entered.store(true, Ordering::SeqCst);
+        std::future::pending().await
+    }
+}
+
+/// Rows handed to a relay that stops before sending them (its broker hangs, then it is shut
+/// down) are not lost: they stay leased to it in the table, and another relay sends each once
+/// their leases end.
+async fn rows_handed_to_a_relay_that_stops_go_out_once_their_lease_ends<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+    Outboxed<F>: OutboxStore<Error = StoreError>,
+{
+    const N: i64 = 10;
+    create_shipments(&f, false).await;
+    let outbox = f.outbox(OutboxOptions::new().table("outbox_lost")).await.expect("outbox");
+    let inbox = f.inbox(InboxOptions::new().table("inbox_lost")).await.with_outbox(outbox.clone());
+    let broker = broker().await;
+    let lease = Duration::from_millis(300);
+    let stuck = Arc::new(Stuck::default());
+    let first = Relay::from_arcs(
+        Arc::new(outbox.clone()),
+        stuck.clone(),
+        relay_options().lease_duration(lease),
+    );
+    let first_counters = first.counters();
+    let stop_first = Shutdown::default();
+    let relaying = tokio::spawn(first.run(stop_first.wait()));
+    let shutdown = Shutdown::default();
+    let p = processor::<F>(&broker, Arc::new(inbox), Announce::new("shipped", 1)).await;
+    let counters = p.counters();
+    let processing = tokio::spawn(p.run(shutdown.wait()));
+    for i in 0..N {
+        broker.send("orders", order(&format!("order-{i}-placed"), i)).await.expect("send");
+    }
+    until("all handled", || counters.snapshot().completed == N as u64).await;
+    until("the first relay's send began", || stuck.entered.load(Ordering::SeqCst)).await;
+    stop_first.trigger();
+    relaying.await.expect("join");
+    let s = first_counters.snapshot();
+    assert!(s.adopted > 0 && s.sent == 0, "{}: handed rows, none sent: {s:?}", F::NAME);
+    assert_eq!(outbox_rows(&f, "outbox_lost").await, N, "{}", F::NAME);
+
+    let second = Relay::new(outbox.clone(), broker.clone(), relay_options().lease_duration(lease));
+    let sent = second.counters();
+    let relaying = tokio::spawn(second.run(shutdown.wait()));
+    until("every row sent", || sent.snapshot().sent == N as u64).await;
+    until_async("the rows deleted", || async { outbox_rows(&f, "outbox_lost").await == 0 }).await;
+    shutdown.trigger();
+    processing.await.expect("join").expect("run");
+    relaying.await.expect("join");
+    let shipped = peek_all(&broker, "shipped").await;
+    let distinct: HashSet<&MessageId> = shipped.iter().map(|m| m.message_id()).collect();
+    assert_eq!((shipped.len(), distinct.len()), (10, 10), "{}: each once", F::NAME);
+}
+on_all_stores!(rows_handed_to_a_relay_that_stops_go_out_once_their_lease_ends);
+
 /// A publisher that fails every third send for now.
 #[derive(Debug)]
 struct Flaky {
@@ -482,6 +586,7 @@ where
     let options = relay_options().batch_size(4);
     let a = Relay::from_arcs(Arc::new(outbox.clone()), publisher.clone(), options.clone());
     let b = Relay::from_arcs(Arc::new(outbox.clone()), publisher.clone(), options);
+    let (ca, cb) = (a.counters(), b.counters());
     let shutdown = Shutdown::default();
     let tasks = [tokio::spawn(a.run(shutdown.wait())), tokio::spawn(b.run(shutdown.wait()))];
     let processing = tokio::spawn(p.run(shutdown.wait()));
@@ -496,6 +601,10 @@ where
         t.await.expect("join");
     }
     assert!(publisher.failures.load(Ordering::SeqCst) > 0, "the broker failed some sends");
+    // One relay was handed the rows of this process's commits, the other leased from the
+    // table: both paths ran.
+    let (sa, sb) = (ca.snapshot(), cb.snapshot());
+    assert!(sa.adopted + sb.adopted > 0, "{}: rows were handed over: {sa:?} {sb:?}", F::NAME);
 
     let session = broker
         .accept_session("events", &twice::SessionId::new("customer-7"))

@@ -309,11 +309,45 @@ impl Outgoing {
     }
 }
 
-/// Wakes a relay at once when rows it serves have committed: a cheap clone shared by the
-/// store, the processor and the relay. A relay in another process is not woken; it finds the
-/// rows at its next poll ([`RelayOptions::poll_interval`]).
+/// Wakes a relay at once when rows it serves have committed, and hands it the rows this
+/// process wrote for it: a cheap clone shared by the store, the processor and the relay.
+///
+/// A relay that runs attaches itself to its store's `Wake` ([`Wake::local_relay`] then names
+/// it). A processor's store writes the rows of a handler's transaction already leased to that
+/// relay, and once the transaction has committed hands them over in memory
+/// ([`Staged::committed`]): the relay sends them without leasing them first, so a row costs its
+/// insert and its deletion only, and goes out without a read of the table. Rows handed over
+/// are checked for order against the table ([`OutboxStore::adopt`]) before they are sent.
+///
+/// A relay in another process is not woken; it finds the rows at its next poll
+/// ([`RelayOptions::poll_interval`]). Rows whose hand-over was lost (a commit of unknown
+/// outcome, a relay that stopped) are found once their lease ends.
 #[derive(Clone, Debug, Default)]
-pub struct Wake(Arc<Notify>);
+pub struct Wake(Arc<WakeInner>);
+
+#[derive(Debug, Default)]
+struct WakeInner {
+    notify: Notify,
+    local: Mutex<Local>,
+}
+
+#[derive(Debug, Default)]
+struct Local {
+    relay: Option<LocalRelay>,
+    handed: Vec<LeasedMessage>,
+    attachments: u64,
+}
+
+#[derive(Debug)]
+struct LocalRelay {
+    owner: String,
+    lease: std::time::Duration,
+    attachment: u64,
+}
+
+/// The most rows handed over and not yet taken by the relay: beyond that, writers stop
+/// leasing rows to it, and it leases them from the table as other processes' rows.
+pub const MAX_HANDED_ROWS: usize = 10_000;
 
 impl Wake {
     /// A new waker.
@@ -323,7 +357,7 @@ impl Wake {
 
     /// Wakes the relay; a wake given while it is busy is kept for its next wait.
     pub fn wake(&self) {
-        self.0.notify_one();
+        self.0.notify.notify_one();
     }
 
     /// Resolves at the next wake (or at once for a wake kept from before).
@@ -332,7 +366,116 @@ impl Wake {
     ///
     /// Cancel safe.
     pub async fn woken(&self) {
-        self.0.notified().await;
+        self.0.notify.notified().await;
+    }
+
+    fn local(&self) -> std::sync::MutexGuard<'_, Local> {
+        self.0.local.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The relay of this process that rows written now may be leased to at once (its owner
+    /// name and lease duration), if one is attached and keeps up with what it is handed.
+    pub fn local_relay(&self) -> Option<(String, std::time::Duration)> {
+        let local = self.local();
+        let relay = local.relay.as_ref()?;
+        (local.handed.len() < MAX_HANDED_ROWS).then(|| (relay.owner.clone(), relay.lease))
+    }
+
+    /// Attaches a relay as the one rows are handed to, until the returned guard drops; a
+    /// second relay on the same store stays unattached and leases rows as usual.
+    pub(crate) fn attach(&self, owner: &str, lease: std::time::Duration) -> Attachment {
+        let mut local = self.local();
+        if local.relay.is_some() {
+            return Attachment { wake: None, attachment: 0 };
+        }
+        local.attachments += 1;
+        let attachment = local.attachments;
+        local.relay = Some(LocalRelay { owner: owner.to_owned(), lease, attachment });
+        Attachment { wake: Some(self.clone()), attachment }
+    }
+
+    /// Hands `rows`, leased to `owner`, to the attached relay if it is still `owner`.
+    fn hand(&self, owner: &str, rows: Vec<LeasedMessage>) {
+        let mut local = self.local();
+        if local.relay.as_ref().is_some_and(|r| r.owner == owner) {
+            local.handed.extend(rows);
+        }
+    }
+}
+
+/// A relay's attachment to a [`Wake`]; dropped, the relay is detached and what it was
+/// handed and did not take is left to its leases' end.
+#[derive(Debug)]
+pub(crate) struct Attachment {
+    wake: Option<Wake>,
+    attachment: u64,
+}
+
+impl Attachment {
+    /// The rows handed over since the last call, in the order they were handed; none for a
+    /// relay that is not the attached one.
+    pub(crate) fn take_handed(&self) -> Vec<LeasedMessage> {
+        match &self.wake {
+            Some(wake) => std::mem::take(&mut wake.local().handed),
+            None => Vec::new(),
+        }
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        if let Some(wake) = &self.wake {
+            let mut local = wake.local();
+            if local.relay.as_ref().is_some_and(|r| r.attachment == self.attachment) {
+                local.relay = None;
+                local.handed.clear();
+            }
+        }
+    }
+}
+
+/// What a store's [`Inbox::stage`](crate::Inbox::stage) wrote: told, once the transaction
+/// has committed, it wakes the relay of this process and hands it the rows written leased to
+/// it. Dropped without [`Staged::committed`] (a rollback, a commit that failed), it does
+/// nothing: rows that did commit are found once their lease ends.
+#[derive(Debug, Default)]
+#[must_use = "call committed() after the transaction commits, or the relay is not woken"]
+pub struct Staged {
+    wake: Option<Wake>,
+    owner: String,
+    rows: Vec<LeasedMessage>,
+}
+
+impl Staged {
+    /// Nothing written.
+    pub fn nothing() -> Self {
+        Self::default()
+    }
+
+    /// Rows written unleased: the commit wakes the relay, which leases them.
+    pub fn wake(wake: Wake) -> Self {
+        Self { wake: Some(wake), owner: String::new(), rows: Vec::new() }
+    }
+
+    /// `rows` written leased to the local relay `owner` (see [`Wake::local_relay`]): the
+    /// commit hands them over.
+    pub fn handed_to(wake: Wake, owner: String, rows: Vec<LeasedMessage>) -> Self {
+        Self { wake: Some(wake), owner, rows }
+    }
+
+    /// Whether anything was written.
+    pub fn wrote(&self) -> bool {
+        self.wake.is_some()
+    }
+
+    /// The transaction committed: the relay is woken, and handed the rows leased to it.
+    pub fn committed(self) {
+        if let Some(wake) = self.wake {
+            if !self.rows.is_empty() {
+                wake.hand(&self.owner, self.rows);
+            }
+            wake.wake();
+        }
     }
 }
 

@@ -194,6 +194,7 @@ pub struct RelayCounters {
     send_failures: AtomicU64,
     parked: AtomicU64,
     leases: AtomicU64,
+    adopted: AtomicU64,
     store_errors: AtomicU64,
     lag_total_us: AtomicU64,
     lag_max_us: AtomicU64,
@@ -214,6 +215,9 @@ pub struct RelaySnapshot {
     pub parked: u64,
     /// Leases that brought rows.
     pub leases: u64,
+    /// Hand-overs of rows this process's commits wrote leased to the relay, taken over
+    /// without a lease.
+    pub adopted: u64,
     /// Store calls that failed.
     pub store_errors: u64,
     /// The mean lag from write to acknowledgement.
@@ -238,6 +242,7 @@ impl RelayCounters {
             send_failures: self.send_failures.load(Ordering::Relaxed),
             parked: self.parked.load(Ordering::Relaxed),
             leases: self.leases.load(Ordering::Relaxed),
+            adopted: self.adopted.load(Ordering::Relaxed),
             store_errors: self.store_errors.load(Ordering::Relaxed),
             mean_lag: Duration::from_micros(total.checked_div(sent).unwrap_or(0)),
             max_lag: Duration::from_micros(self.lag_max_us.load(Ordering::Relaxed)),
@@ -303,8 +308,10 @@ enum Work {
 
 /// The relay: sends an outbox's committed rows on a broker, in order per ordering key.
 ///
-/// One turn: lease a batch of due rows, send each ordering key's rows in order (different keys
-/// concurrently), then delete the rows the broker acknowledged in one statement. A transient
+/// One turn: take the rows this process's commits handed over (written already leased to this
+/// relay, see [`Wake`](super::Wake)), or else lease a batch of due rows from the table; send
+/// each ordering key's rows in order (different keys concurrently), then delete the rows the
+/// broker acknowledged in one statement. A transient
 /// failure holds the rest of its key back and retries the row after a backoff; a permanent one
 /// parks the row. Between turns the relay sleeps until a local commit wakes it
 /// ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
@@ -408,6 +415,13 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         let clock = self.options.clock.clone();
         let mut store_failures: u32 = 0;
         let mut next_stats = clock.now();
+        let waker = self.store.waker().clone();
+        let attached = waker.attach(&self.owner, self.options.lease_duration);
+        // Rows this process's commits hand over are sent without a lease; the table itself is
+        // read when nothing is handed over, and at least once per poll interval while rows
+        // keep coming (rows of other processes, of relays that died, held back by order).
+        let mut next_lease = clock.now();
+        let mut leased_last = false;
         loop {
             if clock.now() >= next_stats {
                 tokio::select! {
@@ -417,12 +431,37 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 }
                 next_stats = clock.now().saturating_add(self.options.stats_interval);
             }
-            let leased = tokio::select! {
-                biased;
-                () = &mut shutdown => return,
-                r = self.store.lease(&self.owner, self.options.batch_size, self.options.lease_duration) => r,
+            // After a lease, what was handed over meanwhile goes first: a lease never returns
+            // those rows (they are leased to this relay), and turns longer than the poll
+            // interval must not starve them.
+            let handed = if leased_last || clock.now() < next_lease {
+                attached.take_handed()
+            } else {
+                Vec::new()
             };
-            match leased {
+            let adopting = !handed.is_empty();
+            leased_last = !adopting;
+            let got = if adopting {
+                let offered = handed.len();
+                let adopted = tokio::select! {
+                    biased;
+                    () = &mut shutdown => return,
+                    r = self.store.adopt(&self.owner, handed) => r,
+                };
+                if adopted.as_ref().map_or(true, |rows| rows.len() < offered) {
+                    // Some are held back by order (or the store failed): read the table next.
+                    next_lease = clock.now();
+                }
+                adopted
+            } else {
+                next_lease = clock.now().saturating_add(self.options.poll_interval);
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return,
+                    r = self.store.lease(&self.owner, self.options.batch_size, self.options.lease_duration) => r,
+                }
+            };
+            match got {
                 Err(e) => {
                     store_failures = store_failures.saturating_add(1);
                     self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
@@ -436,17 +475,22 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 }
                 Ok(batch) if batch.is_empty() => {
                     store_failures = 0;
+                    if adopting {
+                        continue;
+                    }
                     let wait = self.options.poll_interval.min(self.until(next_stats));
                     tokio::select! {
                         biased;
                         () = &mut shutdown => return,
-                        () = self.store.waker().woken() => {}
+                        () = waker.woken() => {}
                         () = clock.sleep(wait) => {}
                     }
                 }
                 Ok(batch) => {
                     store_failures = 0;
-                    self.counters.leases.fetch_add(1, Ordering::Relaxed);
+                    let counter =
+                        if adopting { &self.counters.adopted } else { &self.counters.leases };
+                    counter.fetch_add(1, Ordering::Relaxed);
                     let turned = tokio::select! {
                         biased;
                         () = &mut shutdown => return,

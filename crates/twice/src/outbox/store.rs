@@ -94,6 +94,31 @@ pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<Vec<LeasedMessage>, Self::Error>> + Send + 'a;
 
+    /// Takes over `rows`, which this process wrote already leased to `owner` and handed over
+    /// after their commit ([`Wake`]): returns those that may be sent now, in order of `seq`.
+    /// A row not handed out is one whose ordering key has an earlier unsent row that is not
+    /// among `rows` (written by another process, or waiting out a backoff), or one no longer
+    /// leased to `owner` (its lease ended, or it is gone); rows held back by order are
+    /// released, for [`OutboxStore::lease`] to hand out in order.
+    ///
+    /// The default releases them all: a store that never writes rows leased has nothing to
+    /// take over.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: cut off, the rows stay leased until their leases end.
+    fn adopt<'a>(
+        &'a self,
+        owner: &'a str,
+        rows: Vec<LeasedMessage>,
+    ) -> impl Future<Output = Result<Vec<LeasedMessage>, Self::Error>> + Send + 'a {
+        async move {
+            let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+            self.release(owner, &seqs).await?;
+            Ok(Vec::new())
+        }
+    }
+
     /// The broker has stored these rows: they are deleted (or marked sent and kept for the
     /// retention). Returns how many `owner` still leased.
     ///

@@ -22,7 +22,7 @@ use crate::handler::Handler;
 use crate::ids::MessageId;
 use crate::inbox::{Claim, Inbox};
 use crate::message::ReceivedMessage;
-use crate::outbox::OutgoingMessage;
+use crate::outbox::{OutgoingMessage, Staged};
 use crate::outcome::Outcome;
 use crate::transport::{Delivery, Transport};
 
@@ -253,23 +253,21 @@ where
             self.rollback_batch(tx).await;
             return Ok(decided);
         }
-        let staged = !outgoing.is_empty();
-        let ready = if staged {
-            self.inbox.stage(&mut tx, &outgoing).await
+        let ready = if outgoing.is_empty() {
+            self.inbox.check_committable(&mut tx).await.map(|()| Staged::nothing())
         } else {
-            self.inbox.check_committable(&mut tx).await
+            self.inbox.stage(&mut tx, &outgoing).await
         };
-        if let Err(e) = ready {
-            return self.batch_failed(tx, e).await;
-        }
+        let staged = match ready {
+            Ok(staged) => staged,
+            Err(e) => return self.batch_failed(tx, e).await,
+        };
         if let Err(e) = self.inbox.commit(tx).await {
             // Committed or not, the messages alone find out: their claims are there or not.
             self.report(ProcessError::new(ErrorSource::Commit, None, e));
             return Err(BatchFailed);
         }
-        if staged {
-            self.inbox.outbox_committed();
-        }
+        staged.committed();
         for i in completed {
             self.counters.inc(Counter::Committed);
             if let Some(hook) = &self.hooks.on_committed {

@@ -134,15 +134,15 @@ where
                     }
                 };
                 // A stage that wrote rows checked that the transaction can commit.
-                if !staged && let Err(failed) = self.check_committable(&mut tx, id).await {
+                if !staged.wrote()
+                    && let Err(failed) = self.check_committable(&mut tx, id).await
+                {
                     self.rollback(tx, id).await;
                     return (failed, FORGET);
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
-                        if staged {
-                            self.inbox.outbox_committed();
-                        }
+                        staged.committed();
                         self.counters.inc(Counter::Committed);
                         if let Some(hook) = &self.hooks.on_committed {
                             hook(msg);

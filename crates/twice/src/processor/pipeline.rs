@@ -17,7 +17,7 @@ use crate::error::{ErrorClass, ErrorSource, HandlerError, HandlerErrorKind, Proc
 use crate::handler::{Context, Handler};
 use crate::inbox::{Claim, Inbox};
 use crate::message::ReceivedMessage;
-use crate::outbox::{OutboxError, Outgoing};
+use crate::outbox::{OutboxError, Outgoing, Staged};
 use crate::outcome::Outcome;
 use crate::retry::random_u64;
 use crate::transport::{DeadLetterReason, Delivery};
@@ -203,15 +203,15 @@ where
                     }
                 };
                 // A stage that wrote rows checked that the transaction can commit.
-                if !staged && let Err(failed) = self.check_committable(&mut tx, id).await {
+                if !staged.wrote()
+                    && let Err(failed) = self.check_committable(&mut tx, id).await
+                {
                     self.rollback(tx, id).await;
                     return failed;
                 }
                 match self.inbox.commit(tx).await {
                     Ok(()) => {
-                        if staged {
-                            self.inbox.outbox_committed();
-                        }
+                        staged.committed();
                         self.counters.inc(Counter::Committed);
                         if let Some(hook) = &self.hooks.on_committed {
                             hook(msg);
@@ -395,21 +395,21 @@ where
         Some(Outgoing::for_message(&self.consumer, msg.message_id(), parent, self.clock.now()))
     }
 
-    /// Writes what the handler sent into the outbox, in its transaction; returns whether
-    /// anything was written. A failure is the infrastructure's when the store calls it
+    /// Writes what the handler sent into the outbox, in its transaction; returns what was
+    /// written (see [`Staged::wrote`]). A failure is the infrastructure's when the store calls it
     /// transient, else the handler's (its retries, then the broker's MaxDeliveryCount).
     pub(super) async fn stage(
         &self,
         tx: &mut I::Tx,
         outgoing: Option<&Outgoing>,
         id: &crate::ids::MessageId,
-    ) -> Result<bool, Attempt> {
+    ) -> Result<Staged, Attempt> {
         let messages = match outgoing {
             Some(outgoing) if !outgoing.is_empty() => outgoing.take(),
-            _ => return Ok(false),
+            _ => return Ok(Staged::nothing()),
         };
         match self.inbox.stage(tx, &messages).await {
-            Ok(()) => Ok(true),
+            Ok(staged) => Ok(staged),
             Err(e) => {
                 let transient = self.inbox.classify(&e) == ErrorClass::Transient;
                 if !transient {

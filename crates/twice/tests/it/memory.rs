@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use twice::outbox::{LeasedMessage, OutboxStats, OutboxStore, Wake};
+use twice::outbox::{LeasedMessage, OutboxStats, OutboxStore, Staged, Wake};
 use twice::{
     Claim, DeadLetterReason, EntityInfo, ErrorClass, Inbox, Message, MessageId, OutgoingMessage,
     Properties, Receive, ReceivedMessage, SequenceNumber, Timestamp, Transport, TransportError,
@@ -182,15 +182,9 @@ impl Inbox for MemoryInbox {
         &'a self,
         tx: &'a mut MemoryTx,
         messages: &'a [OutgoingMessage],
-    ) -> Result<(), MemoryError> {
+    ) -> Result<Staged, MemoryError> {
         tx.outgoing.extend_from_slice(messages);
-        Ok(())
-    }
-
-    fn outbox_committed(&self) {
-        if let Some(outbox) = &self.outbox {
-            outbox.wake.wake();
-        }
+        Ok(self.outbox.as_ref().map_or_else(Staged::nothing, |o| Staged::wake(o.wake.clone())))
     }
 
     async fn check_committable<'a>(&'a self, tx: &'a mut MemoryTx) -> Result<(), MemoryError> {
