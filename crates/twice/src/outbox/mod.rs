@@ -165,7 +165,33 @@ fn run_key(scope: &str, run: &str) -> String {
 
 /// The ordering key of a destination's session: the same whoever writes to it.
 fn session_key(destination: &str, session: &str) -> String {
-    format!("session:{}", crate::idempotency::name_uuid(&[destination, session, "session"]))
+    format!(
+        "{SESSION_KEY_PREFIX}{}",
+        crate::idempotency::name_uuid(&[destination, session, "session"])
+    )
+}
+
+const SESSION_KEY_PREFIX: &str = "session:";
+
+/// Whether rows of `ordering_key` may be written by more than one transaction: a session's
+/// key is (every run that sends to the session writes under it); the key of one handler run,
+/// of a scheduled message or of one outside writer is written by one transaction. Only rows of
+/// such keys can have an earlier unsent row that another relay holds.
+///
+/// ```
+/// use twice::outbox::{Outgoing, key_spans_transactions};
+/// use twice::{Message, MessageId, Timestamp};
+///
+/// let run = Outgoing::for_message("shipping", &MessageId::new("m-1"), None, Timestamp::UNIX_EPOCH);
+/// run.push("events", Message::new("a").with_session_id("customer-7"))?;
+/// run.push("shipped", Message::new("b"))?;
+/// let rows = run.take();
+/// assert!(key_spans_transactions(&rows[0].ordering_key));
+/// assert!(!key_spans_transactions(&rows[1].ordering_key));
+/// # Ok::<(), twice::OutboxError>(())
+/// ```
+pub fn key_spans_transactions(ordering_key: &str) -> bool {
+    ordering_key.starts_with(SESSION_KEY_PREFIX)
 }
 
 /// The messages one handler run (or one outside writer) sends: their ids and ordering keys

@@ -442,17 +442,44 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
             let adopting = !handed.is_empty();
             leased_last = !adopting;
             let got = if adopting {
-                let offered = handed.len();
-                let adopted = tokio::select! {
-                    biased;
-                    () = &mut shutdown => return,
-                    r = self.store.adopt(&self.owner, handed) => r,
+                // Rows of a key only their own transaction writes go out as they are; a
+                // session's rows, and rows whose lease may be near its end, are checked
+                // against the table first.
+                let now = clock.now();
+                let fresh = self.options.lease_duration / 2;
+                let (mut ready, check): (Vec<LeasedMessage>, Vec<LeasedMessage>) =
+                    handed.into_iter().partition(|r| {
+                        !super::key_spans_transactions(&r.ordering_key)
+                            && now.duration_since(r.created_at) < fresh
+                    });
+                let offered = check.len();
+                let adopted = if check.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        r = self.store.adopt(&self.owner, check) => r,
+                    }
                 };
                 if adopted.as_ref().map_or(true, |rows| rows.len() < offered) {
                     // Some are held back by order (or the store failed): read the table next.
                     next_lease = clock.now();
                 }
-                adopted
+                match adopted {
+                    Ok(rows) => {
+                        ready.extend(rows);
+                        ready.sort_unstable_by_key(|r| r.seq);
+                        Ok(ready)
+                    }
+                    // The checked rows stay leased until their leases end; the rest go.
+                    Err(e) if !ready.is_empty() => {
+                        self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(owner = %self.owner, "checking handed rows failed: {e}");
+                        Ok(ready)
+                    }
+                    Err(e) => Err(e),
+                }
             } else {
                 next_lease = clock.now().saturating_add(self.options.poll_interval);
                 tokio::select! {
