@@ -2,22 +2,53 @@
 //! entity list, the web console of [`crate::console`], and the administration API of
 //! [`crate::admin`]).
 //!
-//! A server with a certificate speaks https on this port, with the certificate of amqps: the
-//! administration API and the console carry SAS tokens, and the SDKs' administration clients
-//! speak only https. A plain request there gets a plain `400` that says so.
+//! hyper speaks HTTP on each connection this listener accepts; the listener keeps the
+//! admission, the limits and the routing. A server with a certificate speaks https on this
+//! port, with the certificate of amqps: the administration API and the console carry SAS
+//! tokens, and the SDKs' administration clients speak only https. A plain request there gets a
+//! plain `400` that says so.
+//!
+//! A connection answers one request, with `connection: close`, in three stages, each bounded:
+//! *receiving* (its TLS handshake, then its request's head and body, each within
+//! [`ServerOptions::http_receive_timeout`]), in which it holds a place among the
+//! [`ServerOptions::max_http_receiving`] connections still receiving and a newer connection may
+//! evict it; *queued*, until one of the [`ServerOptions::max_http_answering`] answering slots is
+//! free; *answering*, holding that slot until its answer is written, within
+//! [`ServerOptions::http_answer_timeout`]. A request hyper cannot parse (RFC 9112 framing: a
+//! malformed or conflicting `Content-Length`, whitespace before a header's colon, folded
+//! lines) is refused in the first stage with hyper's status and a line saying why.
+//!
+//! [`ServerOptions::http_receive_timeout`]: crate::ServerOptions::http_receive_timeout
+//! [`ServerOptions::max_http_receiving`]: crate::ServerOptions::max_http_receiving
+//! [`ServerOptions::max_http_answering`]: crate::ServerOptions::max_http_answering
+//! [`ServerOptions::http_answer_timeout`]: crate::ServerOptions::http_answer_timeout
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::request::Parts;
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Incoming};
+use hyper::ext::ReasonPhrase;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Sleep;
 
 use crate::admin::Admin;
-
 use crate::backend::{Backend, EntityStats};
 use crate::hint;
 use crate::metrics::EntityCounters;
@@ -120,167 +151,285 @@ pub(crate) async fn entities_json<B: Backend>(shared: &Shared<B>) -> String {
     serde_json::Value::Array(list).to_string()
 }
 
-/// The most HTTP requests answered at once; more wait for a slot once they are received.
-pub(crate) const MAX_HTTP_CONNECTIONS: usize = 64;
-/// The most connections still sending their request (TLS handshake, head, body); past it a
-/// new connection evicts the oldest of them, so idle or slow sockets cannot lock out a real
-/// client.
-const MAX_RECEIVING: usize = 256;
-/// The largest request body accepted (an entity description is a few KiB).
-pub(crate) const MAX_BODY: usize = 1024 * 1024;
-/// The largest request head.
+/// The largest request head (hyper answers 431 beyond it).
 const MAX_HEAD: usize = 16 * 1024;
-/// How long a client may take for each of its TLS handshake and its request.
-const RECEIVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the answer may take once the request is in.
-const RESPOND_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most bytes of hyper's own refusal kept (a status line and a few headers).
+const MAX_HELD: usize = 1024;
+
+/// The HTTP connection settings: one request per connection, answered with
+/// `connection: close`, so that a connection holds an answering slot for exactly one request
+/// and never idles between requests.
+fn http1() -> http1::Builder {
+    let mut http = http1::Builder::new();
+    http.keep_alive(false)
+        // A client that shuts down its sending side after its request still gets the answer.
+        .half_close(true)
+        .max_header_size(MAX_HEAD)
+        // The connection's task bounds the head and the body together (`receiving`).
+        .header_read_timeout(None);
+    http
+}
 
 pub(crate) async fn serve<B: Backend>(listener: TcpListener, shared: Arc<Shared<B>>) {
     let addr = listener
         .local_addr()
         .unwrap_or_else(|_| shared.options.http_addr.unwrap_or(shared.options.amqp_addr));
-    let admin = Arc::new(Admin::new(shared.options.clock.now()));
-    let receiving = Pending::new(MAX_RECEIVING);
-    let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
+    let options = &shared.options;
+    let receiving = Pending::new(options.max_http_receiving);
+    let port = Arc::new(Port {
+        admin: Admin::new(options.clock.now()),
+        slots: Semaphore::new(options.max_http_answering),
+        http: http1(),
+        addr,
+        shared: shared.clone(),
+    });
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let (ticket, _) = receiving.admit();
-        let conn =
-            Conn { shared: shared.clone(), admin: admin.clone(), slots: slots.clone(), addr };
-        tokio::spawn(async move {
-            let options = &conn.shared.options;
-            // A certificate of the server's own makes the port https only; a development
-            // certificate adds https beside plain http.
-            let (tls, https_only) = match (&options.tls, &options.http_tls) {
-                (Some(tls), _) => (Some(tls.clone()), true),
-                (None, dev) => (dev.clone(), false),
-            };
-            let _ = conn.serve(stream, peer, ticket, tls, https_only).await;
-        });
+        let port = port.clone();
+        tokio::spawn(async move { port.connection(stream, peer, ticket).await });
     }
 }
 
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
 
-/// What serving one connection needs.
-struct Conn<B> {
+/// What serving the port's connections needs.
+struct Port<B> {
     shared: Arc<Shared<B>>,
-    admin: Arc<Admin>,
-    slots: Arc<Semaphore>,
+    admin: Admin,
+    /// The answering slots.
+    slots: Semaphore,
+    http: http1::Builder,
     addr: SocketAddr,
 }
 
-/// A received request.
-struct Received {
-    head: Head,
-    body: Vec<u8>,
+/// How a connection's request is answered.
+#[derive(Debug)]
+enum Mode {
+    /// Routed: the port's own traffic.
+    Serve,
+    /// A plain request on an https-only port: a `400` with this text, which names the URL.
+    HttpsOnly(String),
+    /// A TLS handshake on a port without a certificate: hyper refuses it as a malformed
+    /// request, and the refusal says that the port speaks plain http.
+    NotTls,
 }
 
-impl<B: Backend> Conn<B> {
+/// What a connection's task and the service hyper calls for its request share.
+#[derive(Debug, Default)]
+struct Exchange {
+    /// Set when hyper hands the request to the service: from then on hyper writes its answer.
+    dispatched: AtomicBool,
+    /// Notified by the service once the whole request is in.
+    received: Notify,
+    /// Notified by the task once the request holds an answering slot.
+    go: Notify,
+    /// What hyper wrote before any request reached the service: its refusal of a request it
+    /// could not parse (see [`Held`]). A short section with no `.await` inside.
+    refusal: Mutex<Vec<u8>>,
+}
+
+impl Exchange {
+    fn dispatched(&self) -> bool {
+        self.dispatched.load(Ordering::Relaxed)
+    }
+
+    fn hold(&self, bytes: &[u8]) {
+        let mut held = self.refusal.lock().unwrap_or_else(PoisonError::into_inner);
+        let room = MAX_HELD.saturating_sub(held.len());
+        held.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    fn take_refusal(&self) -> Vec<u8> {
+        std::mem::take(&mut *self.refusal.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl<B: Backend> Port<B> {
     /// Serves one connection: TLS first when it opens with a TLS handshake and the port has a
     /// certificate, then the request. A client speaking the wrong one (TLS to a port without
     /// a certificate, plain HTTP to an https-only port) is answered or dropped with one line in
     /// the log that says what to change. Until its request is in, the connection can be
     /// evicted by newer ones (`ticket`).
-    async fn serve(
-        &self,
-        stream: TcpStream,
-        peer: SocketAddr,
-        mut ticket: Ticket,
-        tls: Option<Arc<rustls::ServerConfig>>,
-        https_only: bool,
-    ) -> std::io::Result<()> {
-        let (addr, now) = (self.addr, self.shared.options.clock.now());
+    async fn connection(&self, stream: TcpStream, peer: SocketAddr, mut ticket: Ticket) {
+        let options = &self.shared.options;
+        let (addr, now) = (self.addr, options.clock.now());
+        // A certificate of the server's own makes the port https only; a development
+        // certificate adds https beside plain http.
+        let (tls, https_only) = match (&options.tls, &options.http_tls) {
+            (Some(tls), _) => (Some(tls.clone()), true),
+            (None, dev) => (dev.clone(), false),
+        };
+        let limit = options.http_receive_timeout;
         let mut first = [0u8; 1];
         let peeked = tokio::select! {
-            peeked = tokio::time::timeout(RECEIVE_TIMEOUT, stream.peek(&mut first)) => peeked,
-            () = ticket.evicted() => return Ok(()),
+            peeked = tokio::time::timeout(limit, stream.peek(&mut first)) => peeked,
+            () = ticket.evicted() => return,
         };
-        if peeked.map_err(|_| std::io::ErrorKind::TimedOut)?? == 0 {
-            return Ok(());
+        if !matches!(peeked, Ok(Ok(1..))) {
+            return;
         }
         match (first[0] == TLS_HANDSHAKE, tls) {
             (true, Some(tls)) => {
                 let accept = tokio_rustls::TlsAcceptor::from(tls).accept(stream);
                 let accepted = tokio::select! {
-                    accepted = tokio::time::timeout(RECEIVE_TIMEOUT, accept) => accepted,
-                    () = ticket.evicted() => return Ok(()),
+                    accepted = tokio::time::timeout(limit, accept) => accepted,
+                    () = ticket.evicted() => return,
                 };
                 match accepted {
-                    Ok(Ok(stream)) => self.request(stream, ticket).await,
+                    Ok(Ok(stream)) => self.exchange(stream, ticket, Mode::Serve).await,
                     Ok(Err(e)) => {
                         if hint::HTTPS_HANDSHAKE.due(now) {
                             tracing::warn!(%peer, error = %e, "an https client's TLS handshake on {addr} failed: does it trust the server's certificate (its CA file)?");
                         }
-                        Ok(())
                     }
-                    Err(_) => Ok(()),
+                    Err(_) => {}
                 }
             }
             (true, None) => {
                 if hint::HTTPS_ON_PLAIN_HTTP.due(now) {
                     tracing::warn!(%peer, "an https client reached {addr}, which serves plain http only: give the server a certificate (twice serve: --tls-cert, or keep its development certificate on) or use http://");
                 }
-                // Plain text back, which the client's TLS names as "not TLS"; its hello is
-                // read first, so that closing does not reset the connection under the answer.
-                let mut stream = stream;
-                let mut hello = [0u8; 4096];
-                let _ = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut hello)).await;
-                let msg = "this port speaks plain http, not https\n";
-                respond(&mut stream, "400 Bad Request", "text/plain", msg).await
+                self.exchange(stream, ticket, Mode::NotTls).await;
             }
             (false, _) if https_only => {
                 if hint::HTTP_ON_HTTPS.due(now) {
                     tracing::warn!(%peer, "a plain http client reached {addr}, which serves https only: use https://");
                 }
-                let host = &self.shared.options.hostname;
+                let host = &options.hostname;
                 let msg = format!("this port speaks https: use https://{host}:{}/\n", addr.port());
-                let mut stream = stream;
-                respond(&mut stream, "400 Bad Request", "text/plain", &msg).await
+                self.exchange(stream, ticket, Mode::HttpsOnly(msg)).await;
             }
-            (false, _) => self.request(stream, ticket).await,
+            (false, _) => self.exchange(stream, ticket, Mode::Serve).await,
         }
     }
 
-    /// Receives the request (evictable, within [`RECEIVE_TIMEOUT`]), then answers it in one of
-    /// the [`MAX_HTTP_CONNECTIONS`] slots within [`RESPOND_TIMEOUT`].
-    async fn request(
-        &self,
-        mut stream: impl AsyncRead + AsyncWrite + Unpin,
-        mut ticket: Ticket,
-    ) -> std::io::Result<()> {
-        let received = tokio::select! {
-            received = tokio::time::timeout(RECEIVE_TIMEOUT, receive(&mut stream)) => received,
-            () = ticket.evicted() => return Ok(()),
+    /// Serves the request of a connection (after its TLS handshake) through hyper, then
+    /// answers a request hyper refused with hyper's status and the reason.
+    async fn exchange<S>(&self, mut stream: S, ticket: Ticket, mode: Mode)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let state = Exchange::default();
+        let receiving = tokio::time::sleep(self.shared.options.http_receive_timeout);
+        tokio::pin!(receiving);
+        let io = TokioIo::new(Held { stream: &mut stream, state: &state });
+        let Some(ended) = self.drive(io, ticket, &state, &mode, receiving.as_mut()).await else {
+            return;
         };
-        drop(ticket);
-        let received = match received {
-            Err(_) => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Ok(Some(Err((status, msg))))) => {
-                return respond(&mut stream, status, "text/plain", &msg).await;
-            }
-            Ok(Ok(Some(Ok(received)))) => received,
+        let held = state.take_refusal();
+        if held.is_empty() {
+            return;
+        }
+        let reason = match (&mode, &ended) {
+            (Mode::NotTls, _) => "this port speaks plain http, not https\n".to_owned(),
+            (_, Err(e)) => format!("a malformed request: {e}\n"),
+            (_, Ok(())) => "a malformed request\n".to_owned(),
         };
-        let Ok(_slot) = self.slots.acquire().await else { return Ok(()) };
-        tokio::time::timeout(RESPOND_TIMEOUT, self.answer(&mut stream, received))
-            .await
-            .unwrap_or(Ok(()))
+        let deadline = receiving.deadline();
+        let _ = tokio::time::timeout_at(deadline, refuse(&mut stream, &held, &reason)).await;
     }
 
-    async fn answer(
+    /// Runs hyper on the connection through the three stages: `None` when the connection was
+    /// dropped (evicted, or out of time), else how hyper ended.
+    async fn drive<I>(
         &self,
-        stream: &mut (impl AsyncWrite + Unpin),
-        Received { head, body }: Received,
-    ) -> std::io::Result<()> {
+        io: I,
+        mut ticket: Ticket,
+        state: &Exchange,
+        mode: &Mode,
+        mut receiving: Pin<&mut Sleep>,
+    ) -> Option<hyper::Result<()>>
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    {
+        let service = service_fn(|request| self.call(request, state, mode));
+        let conn = self.http.serve_connection(io, service);
+        tokio::pin!(conn);
+        // Receiving: the head and the body, evictable by newer connections. A request refused
+        // before its body, by hyper or by `call`, is answered in this stage.
+        tokio::select! {
+            ended = &mut conn => return Some(ended),
+            () = state.received.notified() => {}
+            () = ticket.evicted() => return None,
+            () = &mut receiving => return None,
+        }
+        drop(ticket);
+        // Queued: the request waits for an answering slot.
+        let slot = tokio::select! {
+            ended = &mut conn => return Some(ended),
+            slot = self.slots.acquire() => slot.ok()?,
+        };
+        state.go.notify_one();
+        // Answering, writing the answer included, with the slot held until then.
+        let ended = tokio::time::timeout(self.shared.options.http_answer_timeout, conn).await;
+        drop(slot);
+        ended.ok()
+    }
+
+    /// The service hyper calls with the request: receives its body, waits for the task to
+    /// give it a slot, and answers.
+    ///
+    /// # Cancel safety
+    ///
+    /// As the routes: the console's changes finish in tasks of their own, but an
+    /// administration request dropped half way (by the answer timeout) may have changed an
+    /// entity without answering.
+    async fn call(
+        &self,
+        request: http::Request<Incoming>,
+        state: &Exchange,
+        mode: &Mode,
+    ) -> Result<Response<Full<Bytes>>, hyper::Error> {
+        state.dispatched.store(true, Ordering::Relaxed);
+        if let Mode::HttpsOnly(msg) = mode {
+            return Ok(text("400 Bad Request", msg));
+        }
+        let (head, body) = request.into_parts();
+        if let Some(refusal) = self.refuse_early(&head, &body) {
+            return Ok(refusal);
+        }
+        // At most the body cap: hyper delivers exactly the `Content-Length` checked above.
+        let body = body.collect().await?.to_bytes();
+        state.received.notify_one();
+        state.go.notified().await;
+        Ok(self.answer(&head, &body).await)
+    }
+
+    /// A request refused before its body is read: header values that are not UTF-8, a
+    /// transfer coding (RFC 9112 lets a server ask for a length instead), or a body over the
+    /// cap. hyper has refused malformed framing already.
+    fn refuse_early(&self, head: &Parts, body: &Incoming) -> Option<Response<Full<Bytes>>> {
+        if head.headers.values().any(|v| std::str::from_utf8(v.as_bytes()).is_err()) {
+            return Some(text("400 Bad Request", "the request head is not UTF-8\n"));
+        }
+        if head.headers.contains_key(header::TRANSFER_ENCODING) {
+            return Some(text("411 Length Required", "send a content-length\n"));
+        }
+        let cap = self.shared.options.max_http_body;
+        if body.size_hint().lower() > u64::try_from(cap).unwrap_or(u64::MAX) {
+            let msg = format!("a request body is at most {cap} bytes\n");
+            return Some(text("413 Payload Too Large", &msg));
+        }
+        None
+    }
+
+    async fn answer(&self, head: &Parts, body: &[u8]) -> Response<Full<Bytes>> {
         let (shared, addr) = (&self.shared, self.addr);
-        let (path, query) = head.target.split_once('?').unwrap_or((head.target.as_str(), ""));
-        let host = head.headers.iter().find(|(k, _)| k == "host").map(|(_, v)| v.as_str());
+        let (path, query) = (head.uri.path(), head.uri.query().unwrap_or(""));
+        // The name the request is for: its target's when it names one (absolute form, RFC 9112
+        // section 3.2.2), else its `Host`; one that is not text names no server of ours.
+        let host = match head.uri.authority() {
+            Some(authority) => Some(authority.as_str()),
+            None => head
+                .headers
+                .get(header::HOST)
+                .map(|v| std::str::from_utf8(v.as_bytes()).unwrap_or_default()),
+        };
         // `/health` answers any name (container and cluster probes use addresses); every other
         // route only the names this server serves, so a web page that rebinds its own name to
         // this address (DNS rebinding) reaches nothing.
@@ -292,15 +441,15 @@ impl<B: Backend> Conn<B> {
                 "this server does not answer to the host name in '{host}': it answers to {} (twice serve: add one with --allow-host)\n",
                 allowed_hosts(&shared.options, addr).join(", ")
             );
-            return respond(stream, "421 Misdirected Request", "text/plain", &msg).await;
+            return text("421 Misdirected Request", &msg);
         }
+        let method = head.method.as_str();
+        let req = Request { method, path, query, headers: &head.headers, body };
         if crate::console::owns(path) {
-            let method = head.method.as_str();
-            let req = Request { method, path, query, headers: &head.headers, body: &body };
             let r = crate::console::handle(shared, addr, &req).await;
-            return respond_with(stream, r.status, r.content_type, &r.headers, &r.body).await;
+            return reply(r.status, r.content_type, &r.headers, r.body);
         }
-        let (status, content_type, body) = match (head.method.as_str(), path) {
+        let (status, content_type, body) = match (method, path) {
             ("GET", "/health") => {
                 let (status, body) = health(shared.backend.health());
                 (status, "application/json", body)
@@ -309,13 +458,12 @@ impl<B: Backend> Conn<B> {
                 ("200 OK", "text/plain; version=0.0.4", metrics_text(shared).await)
             }
             ("GET", "/entities") => ("200 OK", "application/json", entities_json(shared).await),
-            (method, _) => {
-                let req = Request { method, path, query, headers: &head.headers, body: &body };
+            _ => {
                 let r = crate::admin::handle(shared, &self.admin, addr, &req).await;
                 (r.status, r.content_type, r.body)
             }
         };
-        respond(stream, status, content_type, &body).await
+        reply(status, content_type, &[], body)
     }
 }
 
@@ -342,148 +490,121 @@ fn host_allowed(options: &crate::ServerOptions, addr: SocketAddr, host: &str) ->
     !name.is_empty() && allowed_hosts(options, addr).contains(&name)
 }
 
-/// A client's error: its status and a line saying why.
-type Refusal = (&'static str, String);
-
-/// Reads one request: `Ok(None)` when the client went away, `Some(Err)` for a request to
-/// refuse (malformed, too large).
-async fn receive(
-    stream: &mut (impl AsyncRead + Unpin),
-) -> std::io::Result<Option<Result<Received, Refusal>>> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 4096];
-    let head = loop {
-        match parse_head(&buf) {
-            Ok(Some(head)) => break head,
-            Ok(None) => {}
-            Err(refusal) => return Ok(Some(Err(refusal))),
-        }
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let length = match head.content_length() {
-        Ok(n) => n,
-        Err(refusal) => return Ok(Some(Err(refusal))),
-    };
-    if length > MAX_BODY {
-        let msg = format!("a request body is at most {MAX_BODY} bytes\n");
-        return Ok(Some(Err(("413 Payload Too Large", msg))));
-    }
-    let mut body = buf.split_off(head.body_at.min(buf.len()));
-    while body.len() < length {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    Ok(Some(Ok(Received { head, body })))
+/// A plain-text answer.
+fn text(status: &str, body: &str) -> Response<Full<Bytes>> {
+    reply(status, "text/plain", &[], body.to_owned())
 }
 
-/// A parsed request head.
-#[derive(Debug, PartialEq, Eq)]
-struct Head {
-    method: String,
-    target: String,
-    /// Lowercase names.
-    headers: Vec<(String, String)>,
-    /// Where the body starts in the buffer.
-    body_at: usize,
-}
-
-impl Head {
-    /// The body's length, framed strictly (RFC 9112 section 6): no transfer coding, and
-    /// `Content-Length` given as digits only, once (or repeated with the same value).
-    fn content_length(&self) -> Result<usize, Refusal> {
-        let bad = |why: &str| ("400 Bad Request", format!("{why}\n"));
-        if self.headers.iter().any(|(k, _)| k == "transfer-encoding") {
-            return Err(("411 Length Required", "send a content-length\n".to_owned()));
-        }
-        let mut length = None;
-        for (_, v) in self.headers.iter().filter(|(k, _)| k == "content-length") {
-            for value in v.split(',').map(str::trim) {
-                if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(bad("bad content-length: digits only"));
-                }
-                let n = value.parse::<usize>().map_err(|_| bad("bad content-length"))?;
-                if length.is_some_and(|l| l != n) {
-                    return Err(bad("conflicting content-length headers"));
-                }
-                length = Some(n);
-            }
-        }
-        Ok(length.unwrap_or(0))
-    }
-}
-
-/// Whether `name` is an HTTP token (RFC 9110 section 5.6.2): a header name.
-fn is_token(name: &str) -> bool {
-    !name.is_empty()
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
-/// Parses the head of `buf` once it holds all of it (`Ok(None)` until then). Refuses what
-/// RFC 9112 says a server must: whitespace between a header's name and its colon, folded
-/// lines, and header lines without a colon.
-fn parse_head(buf: &[u8]) -> Result<Option<Head>, Refusal> {
-    let bad = |why: &str| ("400 Bad Request", format!("{why}\n"));
-    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return if buf.len() > MAX_HEAD {
-            Err(("431 Request Header Fields Too Large", String::new()))
-        } else {
-            Ok(None)
-        };
-    };
-    let head =
-        std::str::from_utf8(&buf[..end]).map_err(|_| bad("the request head is not UTF-8"))?;
-    let mut lines = head.split("\r\n");
-    let mut request_line = lines.next().unwrap_or("").split_whitespace();
-    let method = request_line.next().unwrap_or("").to_owned();
-    let target = request_line.next().unwrap_or("").to_owned();
-    let mut headers = Vec::new();
-    for line in lines {
-        let Some((name, value)) = line.split_once(':') else {
-            return Err(bad("a header line without a colon"));
-        };
-        if !is_token(name) {
-            return Err(bad("a malformed header name (no space before the colon, no folding)"));
-        }
-        headers.push((name.to_ascii_lowercase(), value.trim().to_owned()));
-    }
-    Ok(Some(Head { method, target, headers, body_at: end + 4 }))
-}
-
-async fn respond(
-    stream: &mut (impl AsyncWrite + Unpin),
+/// An answer; `status` is the text of a status line as the routes give it (`404 Not Found`),
+/// and its reason goes out as given.
+fn reply(
     status: &str,
-    content_type: &str,
-    body: &str,
-) -> std::io::Result<()> {
-    respond_with(stream, status, content_type, &[], body).await
-}
-
-async fn respond_with(
-    stream: &mut (impl AsyncWrite + Unpin),
-    status: &str,
-    content_type: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> std::io::Result<()> {
-    let mut response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n",
-        body.len()
-    );
+    content_type: &'static str,
+    headers: &[(&'static str, &'static str)],
+    body: String,
+) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    let (code, reason) = status.split_once(' ').unwrap_or((status, ""));
+    let code = code.parse().ok().and_then(|c| StatusCode::from_u16(c).ok());
+    let code = code.unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.status_mut() = code;
+    if code.canonical_reason() != Some(reason)
+        && let Ok(reason) = ReasonPhrase::try_from(reason.as_bytes())
+    {
+        response.extensions_mut().insert(reason);
+    }
+    let fields = response.headers_mut();
+    fields.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    fields.insert(header::CONNECTION, HeaderValue::from_static("close"));
     for (name, value) in headers {
-        let _ = write!(response, "{name}: {value}\r\n");
+        fields.insert(HeaderName::from_static(name), HeaderValue::from_static(value));
     }
-    response.push_str("\r\n");
-    response.push_str(body);
-    stream.write_all(response.as_bytes()).await?;
+    response
+}
+
+/// Answers a request hyper refused: hyper's status line (hyper chose the status), then the
+/// reason as plain text.
+async fn refuse<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    held: &[u8],
+    reason: &str,
+) -> io::Result<()> {
+    let end = held.windows(2).position(|w| w == b"\r\n").unwrap_or(held.len());
+    let status_line = String::from_utf8_lossy(&held[..end]);
+    let answer = format!(
+        "{status_line}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{reason}",
+        reason.len()
+    );
+    stream.write_all(answer.as_bytes()).await?;
     stream.shutdown().await
+}
+
+/// The connection under hyper. Until a request reaches the service, what hyper writes can only
+/// be its own refusal of a request it could not parse: a status line and no reason. That is
+/// held in the [`Exchange`], and the stream is neither flushed nor shut down, so that the
+/// task can answer with hyper's status and the reason ([`refuse`]). From the request on, hyper
+/// writes through.
+struct Held<'a, S> {
+    stream: &'a mut S,
+    state: &'a Exchange,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Held<'_, S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Held<'_, S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.state.dispatched() {
+            return Pin::new(&mut *this.stream).poll_write(cx, buf);
+        }
+        this.state.hold(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.state.dispatched() {
+            return Pin::new(&mut *this.stream).poll_write_vectored(cx, bufs);
+        }
+        bufs.iter().for_each(|b| this.state.hold(b));
+        Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.state.dispatched() {
+            return Pin::new(&mut *this.stream).poll_flush(cx);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.state.dispatched() {
+            return Pin::new(&mut *this.stream).poll_shutdown(cx);
+        }
+        Poll::Ready(Ok(()))
+    }
 }
 
 #[cfg(test)]

@@ -27,6 +27,11 @@ pub struct ServerOptions {
     pub(crate) write_timeout: Duration,
     pub(crate) hostname: String,
     pub(crate) allowed_hosts: Vec<String>,
+    pub(crate) max_http_answering: usize,
+    pub(crate) max_http_receiving: usize,
+    pub(crate) max_http_body: usize,
+    pub(crate) http_receive_timeout: Duration,
+    pub(crate) http_answer_timeout: Duration,
     pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
     pub(crate) http_tls: Option<Arc<rustls::ServerConfig>>,
     pub(crate) clock: SharedClock,
@@ -51,6 +56,11 @@ impl Default for ServerOptions {
             write_timeout: Duration::from_secs(30),
             hostname: "localhost".to_owned(),
             allowed_hosts: Vec::new(),
+            max_http_answering: 64,
+            max_http_receiving: 256,
+            max_http_body: 1024 * 1024,
+            http_receive_timeout: Duration::from_secs(10),
+            http_answer_timeout: Duration::from_secs(10),
             tls: None,
             http_tls: None,
             clock: SharedClock::system(),
@@ -63,7 +73,9 @@ impl ServerOptions {
     /// frames, 1024 connections (and 256 more in their handshake), a 10 s handshake, 256 sessions
     /// per connection, 256 links per session, 5000 unsettled deliveries per link,
     /// 256 KiB messages, 120 s idle timeout, 16 MiB of sends in flight per connection, 30 s
-    /// socket writes.
+    /// socket writes; on the HTTP port 64 requests answered at once, 256 connections still
+    /// sending their request, 1 MiB request bodies, 10 s to receive a request and 10 s to
+    /// answer it.
     pub fn new() -> Self {
         Self::default()
     }
@@ -189,6 +201,51 @@ impl ServerOptions {
         self
     }
 
+    /// The most HTTP requests answered at once (default 64): a connection takes one of these
+    /// slots once its whole request is in, and holds it until its answer is written; more
+    /// received requests wait for a slot. [`Server::bind`](crate::Server::bind) refuses 0.
+    #[must_use]
+    pub fn max_http_answering(mut self, n: usize) -> Self {
+        self.max_http_answering = n;
+        self
+    }
+
+    /// The most HTTP connections still sending their request (TLS handshake, head, body) at
+    /// once (default 256); past it a new connection evicts the oldest of them, so idle or slow
+    /// sockets cannot lock out a real client. [`Server::bind`](crate::Server::bind) refuses 0.
+    #[must_use]
+    pub fn max_http_receiving(mut self, n: usize) -> Self {
+        self.max_http_receiving = n;
+        self
+    }
+
+    /// The largest HTTP request body accepted, in bytes (default 1 MiB; an entity description
+    /// is a few KiB); a larger one is answered `413 Payload Too Large` before it is read.
+    /// [`Server::bind`](crate::Server::bind) refuses 0.
+    #[must_use]
+    pub fn max_http_body(mut self, n: usize) -> Self {
+        self.max_http_body = n;
+        self
+    }
+
+    /// How long an HTTP client may take for its TLS handshake, and then for its request (head
+    /// and body), each (default 10 s); a slower one is dropped.
+    /// [`Server::bind`](crate::Server::bind) refuses zero.
+    #[must_use]
+    pub fn http_receive_timeout(mut self, d: Duration) -> Self {
+        self.http_receive_timeout = d;
+        self
+    }
+
+    /// How long answering an HTTP request may take once it holds a slot, writing the answer
+    /// included (default 10 s); past it the connection is dropped without an answer.
+    /// [`Server::bind`](crate::Server::bind) refuses zero.
+    #[must_use]
+    pub fn http_answer_timeout(mut self, d: Duration) -> Self {
+        self.http_answer_timeout = d;
+        self
+    }
+
     /// The clock for token expiry (default: the system clock; tests move time instead of
     /// waiting).
     #[must_use]
@@ -284,6 +341,57 @@ impl ServerOptions {
     /// The idle timeout.
     pub fn get_idle_timeout(&self) -> Duration {
         self.idle_timeout
+    }
+
+    /// The most HTTP requests answered at once.
+    pub fn get_max_http_answering(&self) -> usize {
+        self.max_http_answering
+    }
+
+    /// The most HTTP connections still sending their request.
+    pub fn get_max_http_receiving(&self) -> usize {
+        self.max_http_receiving
+    }
+
+    /// The largest HTTP request body accepted.
+    pub fn get_max_http_body(&self) -> usize {
+        self.max_http_body
+    }
+
+    /// How long an HTTP client may take for its TLS handshake, and for its request.
+    pub fn get_http_receive_timeout(&self) -> Duration {
+        self.http_receive_timeout
+    }
+
+    /// How long answering an HTTP request may take.
+    pub fn get_http_answer_timeout(&self) -> Duration {
+        self.http_answer_timeout
+    }
+
+    /// Checks the values the setters take as given: each HTTP limit must let something
+    /// through.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let refuse = |name: &str, why: &str| Err(format!("ServerOptions::{name}: {why}"));
+        let max_permits = tokio::sync::Semaphore::MAX_PERMITS;
+        if self.max_http_answering == 0 {
+            return refuse("max_http_answering", "must be at least 1");
+        }
+        if self.max_http_answering > max_permits {
+            return refuse("max_http_answering", &format!("must be at most {max_permits}"));
+        }
+        if self.max_http_receiving == 0 {
+            return refuse("max_http_receiving", "must be at least 1");
+        }
+        if self.max_http_body == 0 {
+            return refuse("max_http_body", "must be at least 1 byte");
+        }
+        if self.http_receive_timeout.is_zero() {
+            return refuse("http_receive_timeout", "must be longer than zero");
+        }
+        if self.http_answer_timeout.is_zero() {
+            return refuse("http_answer_timeout", "must be longer than zero");
+        }
+        Ok(())
     }
 
     /// The clock for token expiry.

@@ -1,21 +1,21 @@
 //! One HTTP request as the console and the administration API take it, below both of them and
-//! the listener of [`crate::http`] that reads it.
+//! the listener of [`crate::http`] that receives it (hyper parses it; this is a borrowed view).
 
-/// One HTTP request, read whole, as the console and the administration API take it.
+/// One HTTP request, received whole, as the console and the administration API take it.
 #[derive(Debug)]
 pub(crate) struct Request<'a> {
     pub(crate) method: &'a str,
     /// The path, percent-encoded, without the query.
     pub(crate) path: &'a str,
     pub(crate) query: &'a str,
-    /// Headers with lowercase names.
-    pub(crate) headers: &'a [(String, String)],
+    pub(crate) headers: &'a http::HeaderMap,
     pub(crate) body: &'a [u8],
 }
 
 impl Request<'_> {
-    /// The value of a header, by its lowercase name.
+    /// The value of a header (the first one of that name), by its lowercase name. The
+    /// listener refuses a request whose header values are not UTF-8.
     pub(crate) fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.headers.get(name).and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
     }
 }

@@ -30,6 +30,9 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    /// An option is out of range (see [`ServerOptions`]); nothing was bound.
+    #[error("invalid server options: {0}")]
+    InvalidOptions(String),
     /// Accepting connections failed.
     #[error("accepting connections failed: {0}")]
     Accept(#[source] std::io::Error),
@@ -49,8 +52,9 @@ pub struct Server<B> {
 }
 
 impl<B: Backend> Server<B> {
-    /// Binds the AMQP port and, if configured, the HTTP port.
+    /// Binds the AMQP port and, if configured, the HTTP port, once the options are in range.
     pub async fn bind(options: ServerOptions, backend: B) -> Result<Self, ServerError> {
+        options.check().map_err(ServerError::InvalidOptions)?;
         let amqp = TcpListener::bind(options.amqp_addr)
             .await
             .map_err(|source| ServerError::Bind { addr: options.amqp_addr, source })?;

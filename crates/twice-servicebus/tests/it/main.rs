@@ -14,6 +14,7 @@ mod gated;
 mod harness;
 mod hostile;
 mod http_hostile;
+mod http_port;
 mod js_sdk;
 mod logs;
 mod python_sdk;
