@@ -54,6 +54,11 @@
 //! dies leaves its leases to expire; the rows are then sent by another relay, with the same
 //! ids. The store ([`OutboxStore`]) says how leases are taken (`twice-sqlx`: `FOR UPDATE SKIP
 //! LOCKED` on PostgreSQL and MariaDB, the single writer on SQLite).
+//!
+//! A relay running in the process that commits does not need to lease what that process
+//! writes: the processor writes a handler's rows already leased to it and hands them over in
+//! memory once the transaction has committed ([`Wake`]). The relay sends them at once, without
+//! reading the table; rows written elsewhere, and rows whose hand-over was lost, it leases.
 
 mod relay;
 mod store;
