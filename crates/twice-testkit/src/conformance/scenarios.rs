@@ -13,8 +13,8 @@ use twice::{Delivery as _, Inbox, Message, Receive as _, Transport as _, Transpo
 
 use super::Entity as _;
 use super::{
-    BOUND, EntitySettings, Harness, Interruption, QUIET, YES, create, fail, not_run, nothing_comes,
-    options, receive_one, send, start, take_dead_letters_until, unique,
+    BOUND, Batch, EntitySettings, Harness, Interruption, QUIET, YES, create, fail, not_run,
+    nothing_comes, options, receive_one, send, start, take_dead_letters_until, unique,
 };
 
 /// A row of the capability table.
@@ -30,7 +30,11 @@ pub const IN_FLIGHT: &str = "a delivery in flight across a reconnect: settled or
 
 /// A handler that runs for 2.5 lock durations on every delivery, with the processor renewing
 /// the lock: the work is done once, and the message is not delivered again.
-pub(super) async fn long_handler<H: Harness, I: Inbox>(h: &H, inbox: &Arc<I>) -> Option<String> {
+pub(super) async fn long_handler<H: Harness, I: Inbox>(
+    h: &H,
+    inbox: &Arc<I>,
+    batch: Batch,
+) -> Option<String> {
     const S: &str = "processor: long handler";
     let settings = EntitySettings { lock_duration: h.short_lock(), ..EntitySettings::default() };
     let e = create(h, settings).await?;
@@ -38,7 +42,7 @@ pub(super) async fn long_handler<H: Harness, I: Inbox>(h: &H, inbox: &Arc<I>) ->
     let sleep = settings.lock_duration * 5 / 2;
     let body = format!(r#"{{"sleep_ms":{}}}"#, sleep.as_millis());
     send(&e, Message::new(body).with_message_id(id.as_str()), S).await;
-    let p = start(e.transport(), inbox, options(&unique("kit")));
+    let p = start(e.transport(), inbox, options(&unique("kit"), batch));
     p.wait(S, |p| p.snapshot().completed >= 1).await;
     let commits = p.commits_of(&id);
     let snapshot = p.snapshot();

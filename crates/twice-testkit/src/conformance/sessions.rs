@@ -245,7 +245,7 @@ pub async fn without_sessions<H: Harness>(h: &H, instead: &str) -> Option<String
         e.transport(),
         Arc::clone(&inbox),
         Arc::new(tracker.handler()),
-        options(&unique("kit")),
+        options(&unique("kit"), super::Batch::one()),
     )
     .on_error(|_| {});
     let (stop, mut stopped) = tokio::sync::watch::channel(false);

@@ -137,6 +137,34 @@ async fn every_transport_passes_the_kit_and_the_docs_show_what_it_measured() {
     docs.unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// The processor scenarios again with the processor taking batches of up to 8 messages per
+/// transaction, on every transport and store: each must end as it does one message at a time
+/// (the work once, the poison dead-lettered, a lost lock or a crash after the commit harmless).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_transport_passes_the_processor_scenarios_with_batches() {
+    const BATCH: usize = 8;
+    let (rabbitmq, nats) = (RabbitMq::default(), Nats::default());
+    let (embedded, rabbitmq) = tokio::join!(
+        conformance::run_batched(&Embedded, BATCH),
+        conformance::run_batched(&rabbitmq, BATCH)
+    );
+    let (servicebus, nats) = tokio::join!(
+        conformance::run_batched(&ServiceBus, BATCH),
+        conformance::run_batched(&nats, BATCH)
+    );
+    let mut ran = 0;
+    for report in [embedded, servicebus, rabbitmq, nats].into_iter().flatten() {
+        ran += 1;
+        assert_eq!(report.cells.len(), 5, "{}: {:?}", report.transport, report.cells);
+        for (capability, cell) in &report.cells {
+            assert_eq!(cell, conformance::YES, "{}: {capability}", report.transport);
+        }
+    }
+    if ran == 0 {
+        eprintln!("not run: no transport's services are reachable");
+    }
+}
+
 /// The table in `docs/transports.md` must be `table`, the one this run measured; when it is
 /// not, the file is rewritten with it (for review) and the error says so.
 fn check_docs(table: &str) -> Result<(), String> {
