@@ -22,12 +22,37 @@ fn options(clock: &twice::ManualClock) -> ProcessorOptions {
     ProcessorOptions::new().consumer("shipping").clock(SharedClock::from(clock.clone()))
 }
 
+fn batched(options: ProcessorOptions, batch: Option<usize>) -> ProcessorOptions {
+    match batch {
+        Some(n) => options.batch_size(n),
+        None => options,
+    }
+}
+
 /// A handler whose statement fails, and which logs the error and returns `Complete` anyway:
 /// on PostgreSQL the failure aborted the transaction, and its COMMIT is a silent rollback.
 /// The message is never completed without its work: the attempt counts as a handler error,
 /// the message comes back, and the second attempt ships. (On MariaDB and SQLite a failed
 /// statement leaves the transaction usable, and the first attempt commits.)
 async fn an_aborted_transaction_is_never_completed_without_its_work<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    aborted_transaction(f, None).await;
+}
+on_all_stores!(an_aborted_transaction_is_never_completed_without_its_work);
+
+/// The same in a batch: the failed statement aborts the handler's savepoint, and its message
+/// alone fails and comes back.
+async fn an_aborted_batch_is_never_completed_without_its_work<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    aborted_transaction(f, Some(4)).await;
+}
+on_all_stores!(an_aborted_batch_is_never_completed_without_its_work);
+
+async fn aborted_transaction<F: Fixture>(f: F, batch: Option<usize>)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
@@ -38,7 +63,7 @@ where
     let mut handler = Ship::<F>::new();
     handler.swallow_error_once = Some(Arc::new(AtomicBool::new(true)));
     let calls = handler.calls.clone();
-    let p = processor::<F>(&queue, inbox, handler, options(&clock)).await;
+    let p = processor::<F>(&queue, inbox, handler, batched(options(&clock), batch)).await;
     let counters = p.counters();
     let task = tokio::spawn(p.run(shutdown.wait()));
     queue.send(order("order-61-placed", 61)).await;
@@ -52,14 +77,34 @@ where
     assert_eq!(s.committed, 1, "{}: {s:?}", F::NAME);
     let expected_calls = if F::NAME == "postgres" { 2 } else { 1 };
     assert_eq!(calls.load(Ordering::SeqCst), expected_calls, "{}: {s:?}", F::NAME);
+    // In a batch too: the handler's own savepoint is aborted, so its message alone fails.
     assert_eq!(s.handler_errors, u64::try_from(expected_calls - 1).unwrap_or(0), "{s:?}");
 }
-on_all_stores!(an_aborted_transaction_is_never_completed_without_its_work);
 
 /// The database has no connection to spare (every pooled connection is busy elsewhere, a
 /// two-second blip): the processor waits with backoff and tries again, renewing the lock,
 /// instead of abandoning the message and spending one of its deliveries per failure.
 async fn infrastructure_failures_are_retried_without_counting_a_delivery<F: Fixture>(f: F)
+where
+    F::DB: twice_sqlx::Backend,
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    infrastructure_failures(f, None).await;
+}
+on_all_stores!(infrastructure_failures_are_retried_without_counting_a_delivery);
+
+/// The same with batches.
+async fn infrastructure_failures_of_a_batch_are_retried_without_counting_a_delivery<F: Fixture>(
+    f: F,
+) where
+    F::DB: twice_sqlx::Backend,
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    infrastructure_failures(f, Some(4)).await;
+}
+on_all_stores!(infrastructure_failures_of_a_batch_are_retried_without_counting_a_delivery);
+
+async fn infrastructure_failures<F: Fixture>(f: F, batch: Option<usize>)
 where
     F::DB: twice_sqlx::Backend,
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
@@ -71,7 +116,8 @@ where
     let (queue, clock) = queue("orders").await;
     let shutdown = Shutdown::default();
     let retry = RetryPolicy::new().backoff(Duration::from_millis(100), Duration::from_secs(1));
-    let p = processor::<F>(&queue, inbox, Ship::new(), options(&clock).retry(retry)).await;
+    let options = batched(options(&clock).retry(retry), batch);
+    let p = processor::<F>(&queue, inbox, Ship::new(), options).await;
     let counters = p.counters();
     // The blip: both connections taken before the message arrives.
     let held = (pool.acquire().await.expect("hold"), pool.acquire().await.expect("hold"));
@@ -96,11 +142,27 @@ where
     assert_eq!(s.lock_lost, 0, "the lock was renewed while it waited: {s:?}");
     assert_eq!(shipments(&f).await, 1);
 }
-on_all_stores!(infrastructure_failures_are_retried_without_counting_a_delivery);
 
 /// A handler error is retried at once as often as the policy says, then the message is handed
 /// back to come again after each delayed-redelivery step; its delivery count never rises.
 async fn handler_errors_are_retried_at_once_then_redelivered_later<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    handler_errors(f, None).await;
+}
+on_all_stores!(handler_errors_are_retried_at_once_then_redelivered_later);
+
+/// The same in a batch: the immediate retries run under the message's savepoint.
+async fn handler_errors_in_a_batch_are_retried_at_once_then_redelivered_later<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    handler_errors(f, Some(4)).await;
+}
+on_all_stores!(handler_errors_in_a_batch_are_retried_at_once_then_redelivered_later);
+
+async fn handler_errors<F: Fixture>(f: F, batch: Option<usize>)
 where
     Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
 {
@@ -115,7 +177,8 @@ where
     let retry = RetryPolicy::new()
         .immediate_retries(1)
         .delayed_redelivery([Duration::from_secs(10), Duration::from_secs(60)]);
-    let p = processor::<F>(&queue, inbox, handler, options(&clock).retry(retry)).await;
+    let options = batched(options(&clock).retry(retry), batch);
+    let p = processor::<F>(&queue, inbox, handler, options).await;
     let counters = p.counters();
     let task = tokio::spawn(p.run(shutdown.wait()));
     queue.send(order("order-82-placed", 82)).await;
@@ -141,7 +204,6 @@ where
     assert!(queue.dead_letters().await.is_empty());
     assert_eq!(queue.active_count().await, 0);
 }
-on_all_stores!(handler_errors_are_retried_at_once_then_redelivered_later);
 
 /// A pool with fewer connections than MaxConcurrentCalls is refused at start, with the numbers.
 async fn a_pool_smaller_than_max_concurrent_calls_is_refused<F: Fixture>(f: F)
