@@ -8,20 +8,18 @@
 //! claim, which a processor's `Listen` key lacks: the receiver then says so in a warning and
 //! goes on with the Service Bus defaults, or with what `ReceiverOptions::entity_info` gives.
 //!
-//! One `GET` per connection (`Connection: close`), rustls for https with the roots the AMQP
-//! connection trusts.
+//! One `GET` per connection (`Connection: close`) through [`crate::http`], rustls for https
+//! with the roots the AMQP connection trusts.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
-use tokio::net::TcpStream;
 use twice::EntityInfo;
 
-use crate::atom::{element, iso_duration, parse_response};
+use crate::atom::{element, iso_duration};
 use crate::client::Inner;
 use crate::endpoint::AdminEndpoint;
 use crate::error::Error;
+use crate::http::{self, HttpError, Request, Target};
 use crate::token::TokenType;
 
 /// How long one request may take, connection included.
@@ -103,19 +101,16 @@ async fn get(inner: &Inner, path: &str) -> Result<String, Error> {
         TokenType::Jwt => format!("Bearer {}", token.token()),
         _ => token.token().to_owned(),
     };
-    let request = format!(
-        "GET /{}?api-version=2021-05 HTTP/1.1\r\nHost: {}\r\nAuthorization: {authorization}\r\n\
-         Accept: application/atom+xml\r\nConnection: close\r\n\r\n",
-        encode_path(path),
-        endpoint.host(),
-    );
+    let request = Request::get(format!("/{}?api-version=2021-05", encode_path(path)))
+        .header("Authorization", authorization)
+        .header("Accept", "application/atom+xml")
+        .timeout(REQUEST_TIMEOUT)
+        .max_body(MAX_RESPONSE);
     let operation = format!("GET {endpoint}/{path}");
-    let raw = tokio::time::timeout(REQUEST_TIMEOUT, exchange(inner, &endpoint, request.as_bytes()))
+    let response = http::request(&target(inner, &endpoint), request)
         .await
-        .map_err(|_| Error::Timeout)??;
-    let (status, body) = parse_response(&raw).map_err(|e| {
-        Error::Invalid(format!("{operation}: the administration API did not answer HTTP: {e}"))
-    })?;
+        .map_err(|e| request_error(&operation, e))?;
+    let (status, body) = (response.status().as_u16(), response.text());
     let failed = |status: u16, description: String| Error::Management {
         operation: operation.clone(),
         status: i32::from(status),
@@ -130,51 +125,28 @@ async fn get(inner: &Inner, path: &str) -> Result<String, Error> {
     }
 }
 
-async fn exchange(
-    inner: &Inner,
-    endpoint: &AdminEndpoint,
-    request: &[u8],
-) -> Result<Vec<u8>, Error> {
-    let addr = format!("{}:{}", endpoint.host(), endpoint.port());
-    let tcp = TcpStream::connect((endpoint.host(), endpoint.port()))
-        .await
-        .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
+/// Where the API is, with the roots the AMQP connection trusts for https.
+fn target(inner: &Inner, endpoint: &AdminEndpoint) -> Target {
     if !endpoint.is_https() {
-        return roundtrip(tcp, request).await.map_err(|source| Error::Connect { addr, source });
+        return Target::http(endpoint.host(), endpoint.port());
     }
     let roots = inner
         .options
         .get_tls()
         .map_or_else(|| crate::TlsOptions::webpki_roots().root_store(), |t| t.root_store());
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| Error::Tls(e.to_string()))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let name = rustls_pki_types::ServerName::try_from(endpoint.host().to_owned())
-        .map_err(|e| Error::Tls(e.to_string()))?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(name, tcp)
-        .await
-        .map_err(|e| Error::Tls(e.to_string()))?;
-    roundtrip(tls, request).await.map_err(|source| Error::Connect { addr, source })
+    Target::https(endpoint.host(), endpoint.port(), roots)
 }
 
-async fn roundtrip<S: AsyncRead + AsyncWrite + Unpin>(
-    mut s: S,
-    request: &[u8],
-) -> std::io::Result<Vec<u8>> {
-    s.write_all(request).await?;
-    s.flush().await?;
-    let mut out = Vec::new();
-    let mut limited = (&mut s).take(u64::try_from(MAX_RESPONSE).unwrap_or(u64::MAX));
-    match limited.read_to_end(&mut out).await {
-        Ok(_) => Ok(out),
-        // A TLS peer that closes without close_notify after a whole response.
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(out),
-        Err(e) => Err(e),
+/// The client's error for a request that got no answer: a connection refused and a time-out
+/// as the AMQP connection reports them (both transient), TLS as TLS.
+fn request_error(operation: &str, e: HttpError) -> Error {
+    match e {
+        HttpError::Connect { addr, source } => Error::Connect { addr, source },
+        HttpError::Timeout { .. } => Error::Timeout,
+        e @ (HttpError::Untrusted { .. } | HttpError::NotTls { .. } | HttpError::Tls { .. }) => {
+            Error::Tls(e.to_string())
+        }
+        e => Error::Invalid(format!("{operation}: {e}")),
     }
 }
 

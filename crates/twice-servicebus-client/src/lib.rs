@@ -46,6 +46,9 @@
 //!   sessions (accept next or named, renew the session lock, get and set state).
 //! - Send single messages, batches, scheduled messages and cancel them; [`StableIdSender`]
 //!   derives message ids from a business key and an event type and resends with the same id.
+//! - Entity properties from the namespace's administration API, over [`http`]: a small HTTP
+//!   client on hyper (one request per connection, or a connection kept open), with typed
+//!   errors, which twice's tools use too.
 //!
 //! # Why its own AMQP layer
 //!
@@ -75,6 +78,7 @@ mod connstr;
 mod endpoint;
 mod engine;
 mod error;
+pub mod http;
 mod options;
 mod publish;
 mod receiver;

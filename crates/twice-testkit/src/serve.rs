@@ -8,17 +8,19 @@
 //! // In a test of the `twice-cli` package: `ServeProcess::start(env!("CARGO_BIN_EXE_twice"), …)`.
 //! let serve = ServeProcess::start(binary(), &["--in-memory"]);
 //! let connection_string = serve.connection_string().expect("printed for the default key").to_owned();
-//! assert!(serve.get("/health").starts_with("HTTP/1.1 200"));
+//! assert_eq!(serve.get("/health").status, 200);
 //! let stopped = serve.terminate();
 //! assert!(stopped.status.success(), "{}", stopped.stderr);
 //! # let _ = connection_string;
 //! ```
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
+
+use twice_servicebus_client::http;
 
 /// A running `twice serve`, killed (SIGKILL) on drop if still running.
 #[derive(Debug)]
@@ -29,6 +31,21 @@ pub struct ServeProcess {
     stdout: Option<JoinHandle<String>>,
     /// What it prints to stderr, collected until it ends.
     stderr: Option<JoinHandle<String>>,
+}
+
+/// An answer of the HTTP port: its status and its body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// The status code.
+    pub status: u16,
+    /// The body, as text.
+    pub body: String,
+}
+
+impl std::fmt::Display for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.body)
+    }
 }
 
 /// What a stopped `twice serve` left: its exit status and its output after the banner.
@@ -164,18 +181,26 @@ impl ServeProcess {
         url.trim_end_matches("/health").to_owned()
     }
 
-    /// The whole response to `GET path` on the HTTP port.
+    /// The answer to `GET path` on the HTTP port (plain http, on a connection of its own, within
+    /// 30 s). It runs on a thread of its own, so a test may call it inside a runtime or outside.
     ///
     /// # Panics
     ///
-    /// When the port cannot be reached.
-    pub fn get(&self, path: &str) -> String {
-        let mut s = TcpStream::connect(self.http_addr()).expect("connecting to the HTTP port");
-        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            .expect("writing the request");
-        let mut response = String::new();
-        s.read_to_string(&mut response).expect("reading the response");
-        response
+    /// When the port cannot be reached or does not answer HTTP.
+    pub fn get(&self, path: &str) -> Answer {
+        let addr = self.http_addr();
+        let (host, port) = addr.rsplit_once(':').expect("host:port");
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let target = http::Target::http(host, port.parse().expect("a port in the banner"));
+        let request = http::Request::get(path).max_body(16 << 20);
+        let got = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(http::request(&target, request)).map_err(std::io::Error::other)
+        })
+        .join()
+        .expect("the request's thread");
+        let answer = got.unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"));
+        Answer { status: answer.status().as_u16(), body: answer.text() }
     }
 
     /// The process id.

@@ -239,8 +239,8 @@ fn http_get(addr: &str, path: &str) -> String {
 /// `twice serve`'s `/entities`: every entity with its counts.
 fn serve_entities(serve: &ServeProcess) -> Vec<serde_json::Value> {
     let response = serve.get("/entities");
-    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("/entities: {e}: {response}"))
+    assert_eq!(response.status, 200, "/entities: {response}");
+    serde_json::from_str(&response.body).unwrap_or_else(|e| panic!("/entities: {e}: {response}"))
 }
 
 fn entity<'a>(entities: &'a [serde_json::Value], path: &str) -> &'a serde_json::Value {

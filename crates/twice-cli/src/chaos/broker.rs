@@ -16,11 +16,12 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 use twice::{Message, MessageIdentity};
 use twice_nats::{NatsOptions, NatsTransport};
 use twice_rabbitmq::{RabbitMqOptions, RabbitMqTransport};
+use twice_servicebus_client::http;
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 
 use super::{LOCK, this_exe};
@@ -171,13 +172,15 @@ impl ServeProc {
     /// Messages not yet settled in `path` (active, locked, scheduled or deferred), from the
     /// broker's `/entities`.
     async fn unsettled(&self, path: &str) -> anyhow::Result<u64> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.http)).await?;
-        s.write_all(b"GET /entities HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            .await?;
-        let mut response = String::new();
-        s.read_to_string(&mut response).await?;
-        let body = response.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or_default();
-        let list: serde_json::Value = serde_json::from_str(body).context("reading /entities")?;
+        let target = http::Target::http("127.0.0.1", self.http);
+        let answer = http::request(&target, http::Request::get("/entities").max_body(16 << 20))
+            .await
+            .context("reading /entities")?;
+        if !answer.status().is_success() {
+            bail!("/entities answered {}: {}", answer.status(), answer.text());
+        }
+        let list: serde_json::Value =
+            serde_json::from_slice(answer.body()).context("reading /entities")?;
         let entity = list
             .as_array()
             .and_then(|l| l.iter().find(|e| e["path"] == path))

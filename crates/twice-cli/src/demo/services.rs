@@ -6,14 +6,28 @@
 //! whose key was seen before returns the original answer and has none.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper::StatusCode;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
 use serde::Deserialize;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use twice_servicebus_client::http::{self, Connection, Method, Target};
+
+/// The largest request or answer body.
+const MAX_BODY: usize = 1 << 20;
+/// How long a call may take, connection included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a service records: effects by order, and the idempotency keys it has answered.
 #[derive(Debug, Default)]
@@ -22,6 +36,8 @@ struct Ledger {
     effects: u64,
     replays: u64,
     answers_by_key: HashMap<String, String>,
+    /// Connections accepted: a client keeps one open for its next call.
+    connections: u64,
 }
 
 /// A running service (payments or mail).
@@ -34,7 +50,7 @@ pub(crate) struct Service {
 }
 
 #[derive(Deserialize)]
-struct Request {
+struct Call {
     order_id: u64,
 }
 
@@ -68,6 +84,12 @@ impl Service {
         self.lock().effects_by_order.get(&order_id).copied().unwrap_or(0)
     }
 
+    /// Connections accepted so far.
+    #[cfg(test)]
+    fn connections(&self) -> u64 {
+        self.lock().connections
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Ledger> {
         self.ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -84,127 +106,88 @@ async fn serve(listener: TcpListener, name: &'static str, ledger: Arc<Mutex<Ledg
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let _ = stream.set_nodelay(true);
+        ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner).connections += 1;
         let ledger = Arc::clone(&ledger);
         let ids = Arc::clone(&ids);
         tokio::spawn(async move {
+            // Keep-alive: a client sends its requests one after another on one connection.
+            let service = service_fn(|request: hyper::Request<Incoming>| {
+                let (ledger, ids) = (Arc::clone(&ledger), Arc::clone(&ids));
+                async move { Ok::<_, Infallible>(answer(request, name, &ledger, &ids).await) }
+            });
             // A connection error only ends that connection; the client retries on a new one.
-            let _ = serve_connection(stream, name, ledger, ids).await;
+            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
     }
 }
 
-async fn serve_connection(
-    stream: TcpStream,
+/// The answer to one request: the recorded answer for a key seen before, a new effect
+/// otherwise.
+async fn answer(
+    request: hyper::Request<Incoming>,
     name: &'static str,
-    ledger: Arc<Mutex<Ledger>>,
-    ids: Arc<Mutex<u64>>,
-) -> anyhow::Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut read = BufReader::new(read);
-    while let Some(req) = read_message(&mut read, true).await? {
-        let (status, body) = match serde_json::from_slice::<Request>(&req.body) {
-            Err(e) => (400, format!("{{\"error\":{:?}}}", e.to_string())),
-            Ok(r) => {
-                let mut l = ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                match req.idempotency_key.as_ref().and_then(|k| l.answers_by_key.get(k)) {
-                    Some(answer) => {
-                        let answer = answer.clone();
-                        l.replays += 1;
-                        (200, answer)
-                    }
-                    None => {
-                        let id = {
-                            let mut n =
-                                ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                            *n += 1;
-                            *n
-                        };
-                        let answer = format!("{{\"id\":\"{name}-{id}\"}}");
-                        *l.effects_by_order.entry(r.order_id).or_default() += 1;
-                        l.effects += 1;
-                        if let Some(k) = req.idempotency_key {
-                            l.answers_by_key.insert(k, answer.clone());
-                        }
-                        (200, answer)
-                    }
-                }
-            }
-        };
-        let head = format!(
-            "HTTP/1.1 {status} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            if status == 200 { "OK" } else { "Bad Request" },
-            body.len()
-        );
-        write.write_all(head.as_bytes()).await?;
-        write.write_all(body.as_bytes()).await?;
-    }
-    Ok(())
-}
-
-/// One parsed HTTP/1.1 message (request or response).
-struct HttpMessage {
-    status: u16,
-    idempotency_key: Option<String>,
-    body: Vec<u8>,
-}
-
-/// Reads one HTTP/1.1 message with a Content-Length body; `None` on a clean end of stream.
-async fn read_message<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-    is_request: bool,
-) -> anyhow::Result<Option<HttpMessage>> {
-    let mut line = String::new();
-    if r.read_line(&mut line).await? == 0 {
-        return Ok(None);
-    }
-    let status = if is_request {
-        0
-    } else {
-        line.split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| anyhow!("malformed status line {line:?}"))?
+    ledger: &Mutex<Ledger>,
+    ids: &Mutex<u64>,
+) -> hyper::Response<Full<Bytes>> {
+    let idempotency_key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_owned());
+    let body = match Limited::new(request.into_body(), MAX_BODY).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => {
+            return json(StatusCode::BAD_REQUEST, format!("{{\"error\":{:?}}}", e.to_string()));
+        }
     };
-    let mut len = 0usize;
-    let mut idempotency_key = None;
-    loop {
-        line.clear();
-        if r.read_line(&mut line).await? == 0 {
-            bail!("connection closed inside the headers");
+    let order = match serde_json::from_slice::<Call>(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return json(StatusCode::BAD_REQUEST, format!("{{\"error\":{:?}}}", e.to_string()));
         }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = l.split_once(':') {
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                len = value.parse().context("bad Content-Length")?;
-            } else if name.eq_ignore_ascii_case("idempotency-key") {
-                idempotency_key = Some(value.to_owned());
-            }
-        }
+    };
+    let mut l = ledger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(answer) = idempotency_key.as_ref().and_then(|k| l.answers_by_key.get(k)) {
+        let answer = answer.clone();
+        l.replays += 1;
+        return json(StatusCode::OK, answer);
     }
-    if len > 1 << 20 {
-        bail!("body of {len} bytes is too large");
+    let id = {
+        let mut n = ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *n += 1;
+        *n
+    };
+    let answer = format!("{{\"id\":\"{name}-{id}\"}}");
+    *l.effects_by_order.entry(order.order_id).or_default() += 1;
+    l.effects += 1;
+    if let Some(k) = idempotency_key {
+        l.answers_by_key.insert(k, answer.clone());
     }
-    let mut body = vec![0; len];
-    r.read_exact(&mut body).await?;
-    Ok(Some(HttpMessage { status, idempotency_key, body }))
+    json(StatusCode::OK, answer)
+}
+
+fn json(status: StatusCode, body: String) -> hyper::Response<Full<Bytes>> {
+    let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }
 
 /// A keep-alive HTTP client for one service.
 #[derive(Debug)]
 pub(crate) struct Client {
-    addr: SocketAddr,
+    target: Target,
     // Idle connections; a std Mutex held only to push or pop.
-    idle: Mutex<Vec<BufReader<TcpStream>>>,
+    idle: Mutex<Vec<Connection>>,
 }
 
 impl Client {
     /// A client of the service at `addr`.
     pub(crate) fn new(addr: SocketAddr) -> Self {
-        Self { addr, idle: Mutex::new(Vec::new()) }
+        Self {
+            target: Target::http(addr.ip().to_string(), addr.port()),
+            idle: Mutex::new(Vec::new()),
+        }
     }
 
     /// POSTs a JSON body, with an idempotency key when given; returns the response body.
@@ -219,31 +202,37 @@ impl Client {
         idempotency_key: Option<&str>,
         body: &[u8],
     ) -> anyhow::Result<Vec<u8>> {
-        let pooled = self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        let pooled = self.idle();
         let mut conn = match pooled {
             Some(c) => c,
-            None => {
-                let s = TcpStream::connect(self.addr).await.context("connecting to the service")?;
-                s.set_nodelay(true)?;
-                BufReader::new(s)
-            }
+            None => Connection::open(&self.target, REQUEST_TIMEOUT)
+                .await
+                .context("connecting to the service")?,
         };
-        let key = idempotency_key.map(|k| format!("Idempotency-Key: {k}\r\n")).unwrap_or_default();
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\n\r\n",
-            self.addr,
-            body.len()
-        );
-        conn.get_mut().write_all(head.as_bytes()).await?;
-        conn.get_mut().write_all(body).await?;
-        let resp = read_message(&mut conn, false)
-            .await?
-            .ok_or_else(|| anyhow!("the service closed the connection"))?;
-        if resp.status != 200 {
-            bail!("the service answered {}: {}", resp.status, String::from_utf8_lossy(&resp.body));
+        let mut request = http::Request::new(Method::POST, path)
+            .body("application/json", body.to_vec())
+            .timeout(REQUEST_TIMEOUT)
+            .max_body(MAX_BODY);
+        if let Some(k) = idempotency_key {
+            request = request.header("Idempotency-Key", k);
+        }
+        let resp = conn.send(&request).await?;
+        if resp.status() != StatusCode::OK {
+            bail!("the service answered {}: {}", resp.status().as_u16(), resp.text());
         }
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(conn);
-        Ok(resp.body)
+        Ok(resp.into_body().to_vec())
+    }
+
+    /// An idle connection the service has not closed.
+    fn idle(&self) -> Option<Connection> {
+        let mut idle = self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while let Some(c) = idle.pop() {
+            if c.is_open() {
+                return Some(c);
+            }
+        }
+        None
     }
 }
 
@@ -266,5 +255,23 @@ mod tests {
         assert_eq!(svc.effects(), 3);
         assert_eq!(svc.replays(), 1);
         assert!(client.post("/charges", None, b"not json").await.is_err());
+    }
+
+    /// Calls one after another share one connection; one closed by the service is not used
+    /// again.
+    #[tokio::test]
+    async fn calls_one_after_another_share_a_connection() {
+        let svc = Service::start("mail").await.unwrap();
+        let client = Client::new(svc.addr());
+        for order in 0..5 {
+            let body = format!(r#"{{"order_id":{order}}}"#);
+            client.post("/emails", Some(&format!("k{order}")), body.as_bytes()).await.unwrap();
+        }
+        assert_eq!(svc.effects(), 5);
+        assert_eq!(svc.connections(), 1, "keep-alive");
+        // A rejected call drops its connection: the next one opens another.
+        assert!(client.post("/emails", None, b"not json").await.is_err());
+        client.post("/emails", None, br#"{"order_id":9}"#).await.unwrap();
+        assert_eq!(svc.connections(), 2);
     }
 }

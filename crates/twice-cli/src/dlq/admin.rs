@@ -3,20 +3,22 @@
 //! on 443 for Azure. Every request carries `Authorization: SharedAccessSignature …` signed for
 //! the namespace, which needs the `Manage` claim.
 //!
-//! A small HTTP/1.1 client (one `GET` per connection, `Connection: close`) is all it takes;
-//! TLS is rustls with the webpki roots, as the AMQP client uses, or with the CA certificates
-//! the user names (`--ca-file`).
+//! The requests go through the Service Bus client's HTTP client
+//! ([`twice_servicebus_client::http`], one request per connection); TLS is rustls with the
+//! webpki roots, as the AMQP client uses, or with the CA certificates the user names
+//! (`--ca-file`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
-use tokio::net::TcpStream;
 use twice_servicebus_client::TlsOptions;
-use twice_servicebus_client::atom::{blocks, element, iso_duration, parse_response};
+use twice_servicebus_client::atom::{blocks, element, iso_duration};
+use twice_servicebus_client::http::{self, HttpError, Method, Request, Target};
 
 /// How long one request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// The largest answer read: a page of a hundred entries is far below it.
+const MAX_ANSWER: usize = 16 << 20;
 /// The most entries a list returns at once.
 const PAGE: usize = 100;
 
@@ -49,6 +51,8 @@ pub(crate) enum AdminError {
     NotTls { url: String },
     #[error("the administration API at {url} did not answer HTTP: {reason}")]
     Protocol { url: String, reason: String },
+    #[error("cannot send the request to the administration API at {url}: {reason}")]
+    Request { url: String, reason: String },
 }
 
 /// How requests are signed.
@@ -356,13 +360,13 @@ impl AdminClient {
             duplicate_window.as_secs(),
             max_delivery_count
         );
-        self.request("PUT", name, Some(&body)).await.map(|_| ())
+        self.request(Method::PUT, name, Some(body)).await.map(|_| ())
     }
 
     /// `POST /$reset` (`twice serve`'s own): empties every entity; returns how many there are
     /// and how long the server took.
     pub(crate) async fn reset(&self) -> Result<(u64, f64), AdminError> {
-        let body = self.request("POST", "$reset", None).await?;
+        let body = self.request(Method::POST, "$reset", None).await?;
         let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
             AdminError::Protocol { url: self.url.base(), reason: format!("reset answer: {e}") }
         })?;
@@ -374,43 +378,40 @@ impl AdminClient {
     /// `GET /health`: the status code and the body (`twice serve` answers 200 while it serves
     /// and 503 with the reason once it cannot).
     pub(crate) async fn health(&self) -> Result<(u16, String), AdminError> {
-        let request = format!(
-            "GET /health HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nConnection: close\r\n\r\n",
-            self.url.host
-        );
-        let raw = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request.as_bytes()))
-            .await
-            .map_err(|_| self.unreachable("no answer within 30 s"))??;
-        parse_response(&raw).map_err(|reason| AdminError::Protocol { url: self.url.base(), reason })
+        let request = Request::get("/health")
+            .header("Accept", "application/json")
+            .timeout(REQUEST_TIMEOUT)
+            .max_body(MAX_ANSWER);
+        let answer =
+            http::request(&self.target(), request).await.map_err(|e| self.request_error(e))?;
+        Ok((answer.status().as_u16(), answer.text()))
     }
 
     async fn get(&self, path_and_query: &str) -> Result<String, AdminError> {
-        self.request("GET", path_and_query, None).await
+        self.request(Method::GET, path_and_query, None).await
     }
 
     async fn request(
         &self,
-        method: &str,
+        method: Method,
         path_and_query: &str,
-        body: Option<&str>,
+        body: Option<String>,
     ) -> Result<String, AdminError> {
         let sep = if path_and_query.contains('?') { '&' } else { '?' };
         let target = format!("/{path_and_query}{sep}api-version=2021-05");
-        let content = body.map_or(String::new(), |b| {
-            format!("Content-Type: application/atom+xml\r\nContent-Length: {}\r\n", b.len())
-        });
-        let request = format!(
-            "{method} {} HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: application/atom+xml\r\n{content}Connection: close\r\n\r\n{}",
-            encode_path(&target),
-            self.url.host,
-            self.token(),
-            body.unwrap_or_default()
-        );
-        let raw = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request.as_bytes()))
-            .await
-            .map_err(|_| self.unreachable("no answer within 30 s"))??;
-        let (status, body) = parse_response(&raw)
-            .map_err(|reason| AdminError::Protocol { url: self.url.base(), reason })?;
+        let mut request = Request::new(method, encode_path(&target))
+            .header("Accept", "application/atom+xml")
+            .timeout(REQUEST_TIMEOUT)
+            .max_body(MAX_ANSWER);
+        if !matches!(self.auth, Auth::Anonymous) {
+            request = request.header("Authorization", self.token());
+        }
+        if let Some(body) = body {
+            request = request.body("application/atom+xml", body);
+        }
+        let answer =
+            http::request(&self.target(), request).await.map_err(|e| self.request_error(e))?;
+        let (status, body) = (answer.status().as_u16(), answer.text());
         let entity = path_and_query.split('?').next().unwrap_or_default().to_owned();
         match status {
             200..=299 => Ok(body),
@@ -427,60 +428,36 @@ impl AdminClient {
         }
     }
 
-    fn unreachable(&self, reason: impl ToString) -> AdminError {
-        AdminError::Unreachable { url: self.url.base(), reason: reason.to_string() }
-    }
-
-    async fn exchange(&self, request: &[u8]) -> Result<Vec<u8>, AdminError> {
-        let tcp = TcpStream::connect((self.url.host.as_str(), self.url.port))
-            .await
-            .map_err(|e| self.unreachable(e))?;
-        if !self.url.https {
-            return roundtrip(tcp, request).await.map_err(|e| self.unreachable(e));
+    /// Where the requests go: https trusts the client's roots.
+    fn target(&self) -> Target {
+        if self.url.https {
+            Target::https(self.url.host.as_str(), self.url.port, Arc::clone(&self.roots))
+        } else {
+            Target::http(self.url.host.as_str(), self.url.port)
         }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| self.unreachable(e))?
-        .with_root_certificates(self.roots.clone())
-        .with_no_client_auth();
-        let name = rustls_pki_types::ServerName::try_from(self.url.host.clone())
-            .map_err(|e| self.unreachable(e))?;
-        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(name, tcp)
-            .await
-            .map_err(|e| match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
-                Some(rustls::Error::InvalidCertificate(reason)) => {
-                    AdminError::Untrusted { url: self.url.base(), reason: format!("{reason:?}") }
-                }
-                // A plain HTTP server answers the client hello with `HTTP/1.1 400`, or closes
-                // the connection without a word (twice serve, once it gives up waiting for a
-                // request line).
-                Some(rustls::Error::InvalidMessage(_)) => {
-                    AdminError::NotTls { url: self.url.base() }
-                }
-                None if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    AdminError::NotTls { url: self.url.base() }
-                }
-                _ => self.unreachable(format!("tls: {e}")),
-            })?;
-        roundtrip(tls, request).await.map_err(|e| self.unreachable(e))
     }
-}
 
-async fn roundtrip<S: AsyncRead + AsyncWrite + Unpin>(
-    mut s: S,
-    request: &[u8],
-) -> std::io::Result<Vec<u8>> {
-    s.write_all(request).await?;
-    s.flush().await?;
-    let mut out = Vec::new();
-    match s.read_to_end(&mut out).await {
-        Ok(_) => Ok(out),
-        // A TLS peer that closes without close_notify after a whole response.
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(out),
-        Err(e) => Err(e),
+    /// A request that got no answer, in the words of this API and with what to do about it.
+    fn request_error(&self, e: HttpError) -> AdminError {
+        let url = self.url.base();
+        match e {
+            HttpError::Connect { source, .. } => {
+                AdminError::Unreachable { url, reason: source.to_string() }
+            }
+            HttpError::Timeout { after, .. } => AdminError::Unreachable {
+                url,
+                reason: format!("no answer within {} s", after.as_secs()),
+            },
+            HttpError::Untrusted { reason, .. } => AdminError::Untrusted { url, reason },
+            HttpError::NotTls { .. } => AdminError::NotTls { url },
+            HttpError::Tls { reason, .. } => {
+                AdminError::Unreachable { url, reason: format!("tls: {reason}") }
+            }
+            HttpError::Request(reason) => AdminError::Request { url, reason },
+            HttpError::Protocol { reason, .. } => AdminError::Protocol { url, reason },
+            // A body too large.
+            e => AdminError::Protocol { url, reason: e.to_string() },
+        }
     }
 }
 
@@ -528,16 +505,6 @@ mod tests {
         assert_eq!((u.https, u.port), (true, 443));
         assert!(AdminUrl::parse("ftp://x").is_err());
         assert!(AdminUrl::parse("http://x/path").is_err());
-    }
-
-    #[test]
-    fn responses_parse_with_a_length_or_in_chunks() {
-        let (s, b) = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcdef").unwrap();
-        assert_eq!((s, b.as_str()), (200, "abc"));
-        let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-        let (s, b) = parse_response(chunked).unwrap();
-        assert_eq!((s, b.as_str()), (404, "abcde"));
-        assert!(parse_response(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
     }
 
     #[test]

@@ -9,13 +9,20 @@
 //! key stops the watch at once.
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use http_body_util::Full;
+use hyper::StatusCode;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
 use twice::SequenceNumber;
 use twice_servicebus_client::{ReceiverOptions, ServiceBusClient};
 
@@ -255,45 +262,42 @@ async fn newest_reason(
     }
 }
 
-/// Answers every request on `/metrics` with the counts; anything else with 404.
+/// Answers every request on `/metrics` with the counts; anything else with 404. One request per
+/// connection; a client that has not sent its request's head within 10 s is cut off.
 async fn serve_metrics(listener: TcpListener, state: Arc<Mutex<State>>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let state = Arc::clone(&state);
         tokio::spawn(async move {
-            if let Err(e) = answer(stream, &state).await {
+            let service = service_fn(|request: hyper::Request<Incoming>| {
+                std::future::ready(Ok::<_, Infallible>(answer(request.uri(), &state)))
+            });
+            let served = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+            if let Err(e) = served {
                 tracing::debug!(error = %e, "a metrics request failed");
             }
         });
     }
 }
 
-async fn answer(mut stream: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
-    let mut request = Vec::new();
-    let mut buf = [0u8; 1024];
-    // The request line and headers; a request that sends more than 8 KiB of them is refused.
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-        if n == 0 {
-            break;
-        }
-        request.extend_from_slice(&buf[..n]);
-    }
-    let line = String::from_utf8_lossy(&request);
-    let path = line.split_whitespace().nth(1).unwrap_or("");
-    let (status, body) = if path == "/metrics" || path.starts_with("/metrics?") {
-        ("200 OK", lock(state).render())
+/// The answer to a request for `uri`: the counts on `/metrics`, 404 elsewhere.
+fn answer(uri: &hyper::Uri, state: &Mutex<State>) -> hyper::Response<Full<Bytes>> {
+    let (status, body) = if uri.path() == "/metrics" {
+        (StatusCode::OK, lock(state).render())
     } else {
-        ("404 Not Found", "not found: the metrics are at /metrics\n".to_owned())
+        (StatusCode::NOT_FOUND, "not found: the metrics are at /metrics\n".to_owned())
     };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+    response
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 mod client;
 mod entity;
 mod harness;
+mod http_client;
 mod long_handlers;
 mod processor;
 mod scope;

@@ -9,12 +9,23 @@
 //! retry without the same key repeats the effect.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper::StatusCode;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use twice_servicebus_client::http::{self, Method, Target};
+
+/// The largest request or answer body.
+const MAX_BODY: usize = 1 << 20;
 
 /// What the service makes of an `Idempotency-Key` header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,7 +96,7 @@ impl FakeService {
 
     /// A client of this service, for the handler under test.
     pub fn client(&self) -> ServiceClient {
-        ServiceClient { addr: self.addr }
+        ServiceClient { target: Target::http(self.addr.ip().to_string(), self.addr.port()) }
     }
 
     /// Every call received so far, in order.
@@ -133,102 +144,74 @@ async fn serve(listener: TcpListener, keys: Keys, ledger: Arc<Mutex<Ledger>>) {
         let Ok((stream, _)) = listener.accept().await else { continue };
         let ledger = Arc::clone(&ledger);
         tokio::spawn(async move {
-            // A broken connection only ends that call; the client sees an error.
-            let _ = answer(stream, keys, &ledger).await;
+            let service = service_fn(|request: hyper::Request<Incoming>| {
+                let ledger = Arc::clone(&ledger);
+                async move { Ok::<_, Infallible>(answer(request, keys, &ledger).await) }
+            });
+            // One request per connection, as the client makes them; a broken connection only
+            // ends that call, and the client sees an error.
+            let _ = http1::Builder::new()
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         });
     }
 }
 
-/// Answers the one request of a connection and closes it.
-async fn answer(stream: TcpStream, keys: Keys, ledger: &Mutex<Ledger>) -> std::io::Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut read = BufReader::new(read);
-    let Some(request) = read_message(&mut read).await? else { return Ok(()) };
-    let path = request.start.split_whitespace().nth(1).unwrap_or("/").to_owned();
-    let (status, body) = {
-        let mut l = ledger.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = l.calls.len() + 1;
-        let key = request.idempotency_key.clone();
-        let replay = match (keys, &key) {
-            (Keys::Honour, Some(k)) => l.answers_by_key.get(k).cloned(),
-            _ => None,
-        };
-        let answer = replay.clone().unwrap_or_else(|| format!("{{\"id\":\"effect-{n}\"}}"));
-        let failed = replay.is_none() && l.fail_next > 0;
-        if failed {
-            l.fail_next -= 1;
+/// Records one call and answers it.
+async fn answer(
+    request: hyper::Request<Incoming>,
+    keys: Keys,
+    ledger: &Mutex<Ledger>,
+) -> hyper::Response<Full<Bytes>> {
+    let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_owned());
+    let body = match Limited::new(request.into_body(), MAX_BODY).collect().await {
+        Ok(body) => body.to_bytes().to_vec(),
+        Err(e) => {
+            return json(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("{{\"error\":{:?}}}", e.to_string()),
+            );
         }
-        if let (None, Some(k)) = (&replay, &key) {
-            l.answers_by_key.insert(k.clone(), answer.clone());
-        }
-        l.calls.push(Call {
-            path,
-            idempotency_key: key,
-            body: request.body,
-            effect: replay.is_none(),
-            failed,
-        });
-        if failed { (503, "{\"error\":\"timed out\"}".to_owned()) } else { (200, answer) }
     };
-    let head = format!(
-        "HTTP/1.1 {status} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n",
-        if status == 200 { "OK" } else { "Service Unavailable" },
-        body.len()
-    );
-    write.write_all(head.as_bytes()).await?;
-    write.write_all(body.as_bytes()).await?;
-    write.shutdown().await
+    let mut l = ledger.lock().unwrap_or_else(PoisonError::into_inner);
+    let n = l.calls.len() + 1;
+    let replay = match (keys, &key) {
+        (Keys::Honour, Some(k)) => l.answers_by_key.get(k).cloned(),
+        _ => None,
+    };
+    let answer = replay.clone().unwrap_or_else(|| format!("{{\"id\":\"effect-{n}\"}}"));
+    let failed = replay.is_none() && l.fail_next > 0;
+    if failed {
+        l.fail_next -= 1;
+    }
+    if let (None, Some(k)) = (&replay, &key) {
+        l.answers_by_key.insert(k.clone(), answer.clone());
+    }
+    l.calls.push(Call { path, idempotency_key: key, body, effect: replay.is_none(), failed });
+    if failed {
+        json(StatusCode::SERVICE_UNAVAILABLE, "{\"error\":\"timed out\"}".to_owned())
+    } else {
+        json(StatusCode::OK, answer)
+    }
 }
 
-/// One parsed HTTP/1.1 message.
-struct HttpMessage {
-    start: String,
-    idempotency_key: Option<String>,
-    body: Vec<u8>,
-}
-
-/// Reads one HTTP/1.1 message with a Content-Length body; `None` on a clean end of stream.
-async fn read_message<R: AsyncBufReadExt + Unpin>(
-    r: &mut R,
-) -> std::io::Result<Option<HttpMessage>> {
-    let mut start = String::new();
-    if r.read_line(&mut start).await? == 0 {
-        return Ok(None);
-    }
-    let mut len = 0usize;
-    let mut idempotency_key = None;
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if r.read_line(&mut line).await? == 0 {
-            return Err(std::io::Error::other("connection closed inside the headers"));
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((name, value)) = l.split_once(':') {
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                len = value.parse().map_err(std::io::Error::other)?;
-            } else if name.eq_ignore_ascii_case("idempotency-key") {
-                idempotency_key = Some(value.to_owned());
-            }
-        }
-    }
-    if len > 1 << 20 {
-        return Err(std::io::Error::other("body too large"));
-    }
-    let mut body = vec![0; len];
-    r.read_exact(&mut body).await?;
-    Ok(Some(HttpMessage { start: start.trim_end().to_owned(), idempotency_key, body }))
+fn json(status: StatusCode, body: String) -> hyper::Response<Full<Bytes>> {
+    let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }
 
 /// A client of a [`FakeService`]: one connection per call.
 #[derive(Clone, Debug)]
 pub struct ServiceClient {
-    addr: SocketAddr,
+    target: Target,
 }
 
 impl ServiceClient {
@@ -249,29 +232,21 @@ impl ServiceClient {
         idempotency_key: Option<&str>,
         body: &[u8],
     ) -> std::io::Result<Vec<u8>> {
-        let stream = TcpStream::connect(self.addr).await?;
-        let (read, mut write) = stream.into_split();
-        let key = idempotency_key.map(|k| format!("Idempotency-Key: {k}\r\n")).unwrap_or_default();
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n{key}\
-             Content-Length: {}\r\n\r\n",
-            self.addr,
-            body.len()
-        );
-        write.write_all(head.as_bytes()).await?;
-        write.write_all(body).await?;
-        let mut read = BufReader::new(read);
-        let answer = read_message(&mut read)
-            .await?
-            .ok_or_else(|| std::io::Error::other("the service closed the connection"))?;
-        let status = answer.start.split_whitespace().nth(1).unwrap_or("");
-        if status != "200" {
+        let mut request = http::Request::new(Method::POST, path)
+            .body("application/json", body.to_vec())
+            .max_body(MAX_BODY);
+        if let Some(k) = idempotency_key {
+            request = request.header("Idempotency-Key", k);
+        }
+        let answer = http::request(&self.target, request).await.map_err(std::io::Error::other)?;
+        if answer.status() != StatusCode::OK {
             return Err(std::io::Error::other(format!(
-                "the service answered {status}: {}",
-                String::from_utf8_lossy(&answer.body)
+                "the service answered {}: {}",
+                answer.status().as_u16(),
+                answer.text()
             )));
         }
-        Ok(answer.body)
+        Ok(answer.into_body().to_vec())
     }
 }
 
@@ -308,5 +283,29 @@ mod tests {
         c.post("/mail/1", Some("k"), b"{}").await.expect("the retry is a replay");
         assert_eq!(s.effects_on("/mail/1"), 1);
         assert_eq!(s.failed_calls(), 1);
+    }
+
+    /// The service answers one call per connection and closes it, even when the client would
+    /// keep it open: each call of the kit is a connection of its own.
+    #[tokio::test]
+    async fn a_connection_carries_one_call() {
+        let s = FakeService::start(Keys::Honour).await.unwrap();
+        let target = Target::http(s.addr().ip().to_string(), s.addr().port());
+        let wait = std::time::Duration::from_secs(10);
+        let mut conn = http::Connection::open(&target, wait).await.unwrap();
+        let call = http::Request::new(Method::POST, "/charges/1")
+            .header("Idempotency-Key", "k")
+            .body("application/json", "{}");
+        let answer = conn.send(&call).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert_eq!(answer.text(), "{\"id\":\"effect-1\"}");
+        let closed = async {
+            while conn.is_open() {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(wait, closed).await.expect("the service closes the connection");
+        assert_eq!(s.calls()[0].idempotency_key.as_deref(), Some("k"));
+        assert_eq!(s.calls()[0].path, "/charges/1");
     }
 }
