@@ -186,9 +186,11 @@ where
     }
 
     /// The fake services of the effects, with the effects' names.
-    fn services(&self) -> impl Iterator<Item = (&str, &Arc<super::FakeService>)> {
+    fn services(
+        &self,
+    ) -> impl Iterator<Item = (&str, &Arc<super::FakeService>, Option<&super::CallKey>)> {
         self.effects.iter().filter_map(|e| match &e.source {
-            Source::Service { service, .. } => Some((e.name.as_str(), service)),
+            Source::Service { service, by } => Some((e.name.as_str(), service, by.as_ref())),
             Source::Sql(_) => None,
         })
     }
@@ -365,7 +367,7 @@ where
     ) -> (ScenarioRun, Vec<super::Failure>, Vec<String>) {
         let probe = Arc::new(Probe::new(self.completion_check()));
         let clock = ManualClock::default();
-        let calls_before: Vec<usize> = self.services().map(|(_, s)| s.calls().len()).collect();
+        let calls_before: Vec<usize> = self.services().map(|(_, s, _)| s.calls().len()).collect();
         let mut run = ScenarioRun {
             scenario,
             messages: messages.iter().map(id_of).collect(),
@@ -468,10 +470,13 @@ where
         let seen = Observed { events: &events, dead_lettered: &dead_lettered, counts: &counts };
         let failures = check(scenario, &infos, &sent, &seen);
         run.history = events.iter().map(ToString::to_string).collect();
-        for ((name, service), before) in self.services().zip(calls_before) {
+        for ((name, service, by), before) in self.services().zip(calls_before) {
             for c in service.calls().iter().skip(before) {
+                // Where the path does not name the key, the key the call counts under.
+                let key =
+                    by.and_then(|by| by(c)).map(|k| format!(" for {k:?}")).unwrap_or_default();
                 run.history.push(format!(
-                    "{name:?} got POST {} with {} ({}{})",
+                    "{name:?} got POST {}{key} with {} ({}{})",
                     c.path,
                     c.idempotency_key
                         .as_deref()
