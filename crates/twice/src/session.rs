@@ -55,6 +55,7 @@ pub struct SessionProcessorOptions {
     mode: Mode,
     retry: RetryPolicy,
     clock: SharedClock,
+    max_resubmit_age: Option<Duration>,
 }
 
 impl Default for SessionProcessorOptions {
@@ -69,6 +70,7 @@ impl Default for SessionProcessorOptions {
             mode: Mode::Claim,
             retry: RetryPolicy::default(),
             clock: SharedClock::system(),
+            max_resubmit_age: None,
         }
     }
 }

@@ -89,6 +89,12 @@ pub struct EntityInfo {
     /// The longest a message lives on the entity (its default time to live), when the
     /// transport knows it and it is finite: until then an abandoned message can come back.
     pub message_time_to_live: Option<Duration>,
+    /// How long the entity's dead-letter queue keeps a message after dead-lettering it, when
+    /// the transport knows it and it is finite: until then the message can be resubmitted with
+    /// its id. `None`: kept until someone removes it, or not known (Service Bus keeps
+    /// dead-lettered messages forever); see
+    /// [`ProcessorOptions::max_resubmit_age`](crate::ProcessorOptions::max_resubmit_age).
+    pub dead_letter_time_to_live: Option<Duration>,
 }
 
 impl EntityInfo {
@@ -102,6 +108,7 @@ impl EntityInfo {
             duplicate_detection_window: None,
             requires_session: false,
             message_time_to_live: None,
+            dead_letter_time_to_live: None,
         }
     }
 }

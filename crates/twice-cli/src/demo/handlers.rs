@@ -162,7 +162,7 @@ impl<DB: DemoDb> Naive<DB> {
         let _ = self.receiver.complete(&delivery).await;
     }
 
-    async fn work(&self, message: &ReceivedMessage) -> anyhow::Result<()> {
+    pub(super) async fn work(&self, message: &ReceivedMessage) -> anyhow::Result<()> {
         let order: OrderPlaced = serde_json::from_slice(message.body())?;
         if order.amount_cents < 0 {
             return Err(Rejected(order.order_id).into());

@@ -13,6 +13,8 @@ mod downstream;
 mod faults;
 mod handlers;
 mod plan;
+#[cfg(test)]
+mod prove;
 mod report;
 pub(crate) mod services;
 

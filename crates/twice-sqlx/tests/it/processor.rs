@@ -661,6 +661,34 @@ where
 }
 on_all_stores!(short_retention_is_refused);
 
+/// A dead-lettered message resubmitted with its own id comes back to the claim it may have
+/// made: a retention shorter than the oldest resubmit stops the processor, with the numbers.
+async fn a_resubmit_older_than_the_retention_is_refused<F: Fixture>(f: F)
+where
+    Inboxed<F>: Inbox<Tx = Transaction<'static, F::DB>, Error = StoreError>,
+{
+    let (queue, clock) = queue("orders").await;
+    let days = |n: u64| Duration::from_secs(n * 24 * 3600);
+    let resubmits = options(&clock).max_resubmit_age(Some(days(3)));
+    // Lock and deliveries ask for 10 min, the resubmits for 3 days.
+    let week = Arc::new(
+        f.inbox(InboxOptions::new().table("inbox_resubmit").retention(Some(days(7)))).await,
+    );
+    processor::<F>(&queue, week, Ship::new(), resubmits.clone())
+        .await
+        .check()
+        .expect("7 days cover resubmits of up to 3 days");
+    let day = Arc::new(
+        f.inbox(InboxOptions::new().table("inbox_resubmit").retention(Some(days(1)))).await,
+    );
+    let p = processor::<F>(&queue, day, Ship::new(), resubmits).await;
+    let text = p.check().expect_err("must refuse").to_string();
+    assert!(text.contains("for 1 d"), "{text}");
+    assert!(text.contains("for 3 d"), "{text}");
+    assert!(text.contains("resubmitted from the dead-letter queue up to 3 d"), "{text}");
+}
+on_all_stores!(a_resubmit_older_than_the_retention_is_refused);
+
 /// A session's messages are handled one at a time, in order, and a duplicate inside the
 /// session still meets the claim; the session processor's health says it is receiving while it
 /// runs, when it last completed, and not after it stops.

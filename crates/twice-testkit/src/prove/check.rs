@@ -46,7 +46,10 @@ pub(super) fn check(
             Event::Completed { id, .. } => {
                 completed.insert(id);
             }
-            Event::Committed { id, .. } => *commits.entry(id).or_default() += 1,
+            // A COMMIT the server got counts, though the processor never heard it succeed.
+            Event::Committed { id, .. } | Event::CommitUnknown { id, reached_server: true, .. } => {
+                *commits.entry(id).or_default() += 1;
+            }
             _ => {}
         }
     }
@@ -220,6 +223,22 @@ mod tests {
         let rolled_back = [Event::DeadLettered { p: 0, id: "m1".into(), reason: "x".into() }];
         let got = run(&rolled_back, &[("1", 1)], true);
         assert!(got.contains(&Invariant::EffectOfRolledBackWork), "{got:?}");
+    }
+
+    #[test]
+    fn a_commit_the_server_got_counts_though_the_processor_never_heard_it() {
+        let cut = |reached_server| Event::CommitUnknown {
+            p: 0,
+            id: "m1".into(),
+            reached_server,
+            error: "connection cut".into(),
+        };
+        let mut events = committed_and_completed();
+        events.insert(0, cut(true));
+        assert_eq!(run(&events, &[("1", 2)], true), [Invariant::DoubleEffect]);
+        events[0] = cut(false);
+        assert_eq!(run(&events, &[("1", 2)], true), [Invariant::EffectOfRolledBackWork]);
+        assert_eq!(run(&events, &[("1", 1)], true), []);
     }
 
     #[test]

@@ -14,13 +14,17 @@
 //! | [`Scenario::LockLoss`] | the lock runs out while the handler runs (renewal off); another processor takes the message |
 //! | [`Scenario::TransientError`] | the first call to each fake service the message has an effect on takes effect and answers 503 (with no such service, the handler's attempt fails once after its work) |
 //! | [`Scenario::DeadLetterResubmit`] | the message is dead-lettered after its work was rolled back, and sent again from the dead-letter queue with the same id |
+//! | [`Scenario::CrashBeforeClaim`] | the processor dies after receiving the message, before its claim; another takes the redelivery when the lock runs out |
+//! | [`Scenario::CommitUnknown`] | the connection is cut during the COMMIT (after the server got it for one message, before for the others): the processor does not know whether its work committed. Not applicable on SQLite, which has no connection to cut |
+//! | [`Scenario::SessionOrder`] | the messages of one session sent in a shuffled order, a later one first, to a session processor; then one sent again after a later one was handled |
 //!
 //! Then it checks the history (deliveries, handler runs, commits, settlements) and the effects
 //! you declared: rows of your tables counted by a SQL query ([`Prove::effect_once`]), and calls
 //! to a [`FakeService`] started by the kit ([`Prove::service_once`]). A broken invariant
 //! ([`Invariant`]) is reported with its scenario, its message and the **seed** that replays it;
 //! a fault that was not actually exercised, a handler that panics or an effect query that
-//! fails is an error of the run, never a pass.
+//! fails is an error of the run, never a pass. A scenario that cannot apply to your store is
+//! reported as not applicable, with the reason ([`ScenarioRun::not_applicable`]).
 //!
 //! ```
 //! use twice::{handler_fn, Message, Outcome};
@@ -69,17 +73,23 @@
 //! own, both derived from the index the generator is given.
 
 mod check;
+mod commit_unknown;
+mod cut;
+mod env;
+mod inbox;
 mod probe;
 mod run;
 mod service;
+mod session;
 mod store;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use sqlx::{Pool, Transaction};
 use twice::{Handler, Inbox, Message, Mode};
-use twice_sqlx::{InboxOptions, SqlxInbox, StoreError};
+use twice_sqlx::{InboxOptions, SqlxInbox, SqlxOutbox, StoreError};
 
 pub use service::{Call, FakeService, Keys, ServiceClient};
 pub use store::Store;
@@ -134,11 +144,21 @@ pub enum Scenario {
     TransientError,
     /// One message is dead-lettered, then sent again from the dead-letter queue.
     DeadLetterResubmit,
+    /// The processor dies after receiving one message, before its claim (before the message's
+    /// transaction begins).
+    CrashBeforeClaim,
+    /// The connection is cut during each message's COMMIT: after the server got it for one
+    /// message (it committed), before for the others (it rolled back). Needs a store reached
+    /// over TCP (PostgreSQL, MariaDB): on SQLite it is not applicable.
+    CommitUnknown,
+    /// The messages of one session sent out of order (a later one first) to a session
+    /// processor, and one of them sent again after a later one was handled.
+    SessionOrder,
 }
 
 impl Scenario {
     /// Every scenario, in the order [`Prove::run`] runs them.
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 10] = [
         Scenario::ConcurrentCopies,
         Scenario::NewMessageId,
         Scenario::CrashAfterCommit,
@@ -146,6 +166,9 @@ impl Scenario {
         Scenario::LockLoss,
         Scenario::TransientError,
         Scenario::DeadLetterResubmit,
+        Scenario::CrashBeforeClaim,
+        Scenario::CommitUnknown,
+        Scenario::SessionOrder,
     ];
 
     /// A name for reports and queue names.
@@ -158,6 +181,9 @@ impl Scenario {
             Scenario::LockLoss => "lock-loss",
             Scenario::TransientError => "transient-error",
             Scenario::DeadLetterResubmit => "dead-letter-resubmit",
+            Scenario::CrashBeforeClaim => "crash-before-claim",
+            Scenario::CommitUnknown => "commit-unknown",
+            Scenario::SessionOrder => "session-order",
         }
     }
 }
@@ -242,6 +268,9 @@ pub struct ScenarioRun {
     pub target: Option<String>,
     /// Whether the fault was seen to happen.
     pub exercised: bool,
+    /// Why the scenario does not apply to the store, when it does not (commit-unknown on
+    /// SQLite): it did not run, and proves nothing; it is no error either.
+    pub not_applicable: Option<String>,
     /// The history of the scenario, one line per event, then the calls each fake service
     /// received during it.
     pub history: Vec<String>,
@@ -283,6 +312,11 @@ impl Report {
         self.failures.iter().any(|f| f.invariant == invariant)
     }
 
+    /// The scenarios that did not apply to the store, with the reason: they did not run.
+    pub fn not_applicable(&self) -> impl Iterator<Item = (Scenario, &str)> {
+        self.scenarios.iter().filter_map(|s| Some((s.scenario, s.not_applicable.as_deref()?)))
+    }
+
     /// Panics with the report unless the run passed.
     ///
     /// # Panics
@@ -295,11 +329,23 @@ impl Report {
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ran: Vec<_> = self
+            .scenarios
+            .iter()
+            .filter(|s| s.not_applicable.is_none())
+            .map(|s| s.scenario.name())
+            .collect();
         if self.passed() {
-            let names: Vec<_> = self.scenarios.iter().map(|s| s.scenario.name()).collect();
-            return write!(f, "prove: passed with seed {} ({})", self.seed, names.join(", "));
+            write!(f, "prove: passed with seed {} ({})", self.seed, ran.join(", "))?;
+            for (scenario, why) in self.not_applicable() {
+                write!(f, "\n  not applicable, not run: {scenario}: {why}")?;
+            }
+            return Ok(());
         }
         writeln!(f, "prove: FAILED with seed {} (replay it with .run({}))", self.seed, self.seed)?;
+        for (scenario, why) in self.not_applicable() {
+            writeln!(f, "  not applicable, not run: {scenario}: {why}")?;
+        }
         for e in &self.errors {
             writeln!(f, "  error: {e}")?;
         }
@@ -328,6 +374,7 @@ impl fmt::Display for Report {
 }
 
 type KeyOf = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
+type CallKey = Arc<dyn Fn(&Call) -> Option<String> + Send + Sync>;
 type Generator = Arc<dyn Fn(&mut Seeded, usize) -> Message + Send + Sync>;
 type IsPoison = Arc<dyn Fn(&Message) -> bool + Send + Sync>;
 
@@ -336,8 +383,25 @@ type IsPoison = Arc<dyn Fn(&Message) -> bool + Send + Sync>;
 enum Source {
     /// A query returning `(key, count)` rows.
     Sql(String),
-    /// The effects a fake service recorded, by request path.
-    Service(Arc<FakeService>),
+    /// The effects a fake service recorded, by request path, or by the key `by` gives a call.
+    Service { service: Arc<FakeService>, by: Option<CallKey> },
+}
+
+impl Source {
+    /// A fake service's effects by key.
+    fn service_effects(service: &FakeService, by: Option<&CallKey>) -> HashMap<String, i64> {
+        let mut counts = HashMap::new();
+        for call in service.calls().iter().filter(|c| c.effect) {
+            let key = match by {
+                Some(by) => by(call),
+                None => Some(call.path.clone()),
+            };
+            if let Some(key) = key {
+                *counts.entry(key).or_default() += 1;
+            }
+        }
+        counts
+    }
 }
 
 /// An effect that must happen exactly once per key.
@@ -354,6 +418,7 @@ pub struct Prove<DB: Store, H> {
     factory: Arc<dyn Fn() -> H + Send + Sync>,
     pool: Pool<DB>,
     inbox: InboxOptions,
+    outbox: Option<SqlxOutbox<DB>>,
     mode: Mode,
     generator: Option<Generator>,
     effects: Vec<Effect>,
@@ -387,6 +452,7 @@ where
             factory: Arc::new(factory),
             pool,
             inbox: InboxOptions::new(),
+            outbox: None,
             mode: Mode::Claim,
             generator: None,
             effects: Vec::new(),
@@ -400,6 +466,15 @@ where
     #[must_use]
     pub fn inbox(mut self, options: InboxOptions) -> Self {
         self.inbox = options;
+        self
+    }
+
+    /// The outbox your inbox has (`SqlxInbox::with_outbox`), for a handler that sends
+    /// messages with [`Context::send`](twice::Context::send): its rows are staged in the
+    /// claim's transaction as your processor's are. No relay runs: nothing is sent.
+    #[must_use]
+    pub fn outbox(mut self, outbox: SqlxOutbox<DB>) -> Self {
+        self.outbox = Some(outbox);
         self
     }
 
@@ -468,7 +543,27 @@ where
     ) -> Self {
         self.effects.push(Effect {
             name: name.to_owned(),
-            source: Source::Service(service),
+            source: Source::Service { service, by: None },
+            key_of: Arc::new(key_of),
+        });
+        self
+    }
+
+    /// As [`Prove::service_once`], for a service whose request path does not name what a call
+    /// acts on (`POST /charges`, the order in the body): `key_of_call` gives the key a call's
+    /// effect is counted under, from its path and body (`None`: not counted), and `key_of`
+    /// the key of a message's effect, to match.
+    #[must_use]
+    pub fn service_calls_once(
+        mut self,
+        name: &str,
+        service: Arc<FakeService>,
+        key_of: impl Fn(&Message) -> Option<String> + Send + Sync + 'static,
+        key_of_call: impl Fn(&Call) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.effects.push(Effect {
+            name: name.to_owned(),
+            source: Source::Service { service, by: Some(Arc::new(key_of_call)) },
             key_of: Arc::new(key_of),
         });
         self

@@ -1,51 +1,142 @@
 //! What the kit puts around the processor to see and steer it: the history of a scenario, a
-//! transport that records deliveries and settlements (and loses them once "crashed"), and a
-//! handler wrapper that records runs and injects the scenario's fault after the handler's own
-//! work.
+//! transport that records deliveries and settlements (and loses them once "crashed"), of an
+//! entity or of its sessions, and a handler wrapper that records runs and injects the
+//! scenario's fault after the handler's own work.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::sync::Notify;
 use twice::{
     BoxFuture, Context, DeadLetterReason, Handler, HandlerError, Outcome, Properties, Receive,
-    ReceivedMessage, Timestamp, Transport, TransportError,
+    ReceivedMessage, SessionId, SessionReceiver, SessionTransport, Timestamp, Transport,
+    TransportError,
 };
-use twice_broker::Receiver;
+use twice_broker::{Receiver, Session};
+
+use super::cut::CommitCut;
 
 /// One thing that happened in a scenario; `p` is the simulated processor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Event {
-    Sent { id: String },
-    Delivered { p: usize, id: String, delivery: u32 },
-    HandlerStarted { p: usize, id: String, delivery: u32 },
-    HandlerReturned { p: usize, id: String, result: String },
-    HandlerPanicked { p: usize, id: String },
-    HandlerCancelled { p: usize, id: String },
-    Fault { p: usize, id: String, what: &'static str },
-    Committed { p: usize, id: String },
-    Crashed { p: usize, id: String },
-    Completed { p: usize, id: String },
-    CompletedWithoutEffect { p: usize, id: String, effect: String, key: String },
-    Abandoned { p: usize, id: String },
-    DeadLettered { p: usize, id: String, reason: String },
-    Deferred { p: usize, id: String },
-    Released { p: usize, id: String },
-    SettlementLost { p: usize, id: String },
-    Resubmitted { id: String },
-    ClockAdvanced { by: Duration },
-    ProcessorStarted { p: usize, renewal: bool },
-    ProcessorStopped { p: usize, how: &'static str },
-    Error { p: usize, text: String },
+    Sent {
+        id: String,
+    },
+    /// A copy of a message of the session sent again with its id, after later ones.
+    SentAgain {
+        id: String,
+    },
+    Delivered {
+        p: usize,
+        id: String,
+        delivery: u32,
+    },
+    HandlerStarted {
+        p: usize,
+        id: String,
+        delivery: u32,
+    },
+    HandlerReturned {
+        p: usize,
+        id: String,
+        result: String,
+    },
+    HandlerPanicked {
+        p: usize,
+        id: String,
+    },
+    HandlerCancelled {
+        p: usize,
+        id: String,
+    },
+    Fault {
+        p: usize,
+        id: String,
+        what: &'static str,
+    },
+    Committed {
+        p: usize,
+        id: String,
+    },
+    /// The outcome of a claim (or of a dedup-only record).
+    Claim {
+        p: usize,
+        id: String,
+        outcome: &'static str,
+    },
+    /// A COMMIT whose connection was cut: the processor does not know whether it committed.
+    CommitUnknown {
+        p: usize,
+        id: String,
+        reached_server: bool,
+        error: String,
+    },
+    Crashed {
+        p: usize,
+        id: String,
+    },
+    Completed {
+        p: usize,
+        id: String,
+    },
+    CompletedWithoutEffect {
+        p: usize,
+        id: String,
+        effect: String,
+        key: String,
+    },
+    Abandoned {
+        p: usize,
+        id: String,
+    },
+    DeadLettered {
+        p: usize,
+        id: String,
+        reason: String,
+    },
+    Deferred {
+        p: usize,
+        id: String,
+    },
+    Released {
+        p: usize,
+        id: String,
+    },
+    SettlementLost {
+        p: usize,
+        id: String,
+    },
+    Resubmitted {
+        id: String,
+    },
+    ClockAdvanced {
+        by: Duration,
+    },
+    ProcessorStarted {
+        p: usize,
+        renewal: bool,
+    },
+    ProcessorStopped {
+        p: usize,
+        how: &'static str,
+    },
+    Error {
+        p: usize,
+        text: String,
+    },
 }
 
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Event::Sent { id } => write!(f, "sent {id}"),
+            Event::SentAgain { id } => {
+                write!(f, "sent {id} again with its id, after a later message of its session")
+            }
             Event::Delivered { p, id, delivery } => {
                 write!(f, "p{p} received {id} (delivery {delivery})")
             }
@@ -61,6 +152,16 @@ impl fmt::Display for Event {
             }
             Event::Fault { p, id, what } => write!(f, "p{p} fault on {id}: {what}"),
             Event::Committed { p, id } => write!(f, "p{p} committed {id}"),
+            Event::Claim { p, id, outcome } => write!(f, "p{p} claim of {id}: {outcome}"),
+            Event::CommitUnknown { p, id, reached_server, error } => write!(
+                f,
+                "p{p} does not know whether {id} committed ({error}); the server {}",
+                if *reached_server {
+                    "got the COMMIT: committed"
+                } else {
+                    "never got the COMMIT: rolled back"
+                }
+            ),
             Event::Crashed { p, id } => write!(f, "p{p} crashed after committing {id}"),
             Event::Completed { p, id } => write!(f, "p{p} completed {id}"),
             Event::CompletedWithoutEffect { p, id, effect, key } => {
@@ -108,10 +209,19 @@ pub(super) struct Probe {
     events: Mutex<Vec<Event>>,
     actions: Mutex<HashMap<String, Action>>,
     crash_on_commit: Mutex<HashSet<String>>,
+    crash_before_claim: Mutex<HashSet<String>>,
+    /// Messages whose COMMIT meets a cut connection, and whether it is cut before the server
+    /// gets it.
+    commit_cuts: Mutex<HashMap<String, bool>>,
+    /// The proxy's cut, in the scenario whose pool goes through one.
+    cut: Mutex<Option<CommitCut>>,
     held: Mutex<Option<(String, usize)>>,
     released: AtomicBool,
     wake: Notify,
     completion: CompletionCheck,
+    /// Settlements under way: the broker may have settled while their events are not yet
+    /// recorded.
+    settling: AtomicUsize,
 }
 
 impl fmt::Debug for Probe {
@@ -130,10 +240,14 @@ impl Probe {
             events: Mutex::default(),
             actions: Mutex::default(),
             crash_on_commit: Mutex::default(),
+            crash_before_claim: Mutex::default(),
+            commit_cuts: Mutex::default(),
+            cut: Mutex::default(),
             held: Mutex::default(),
             released: AtomicBool::new(false),
             wake: Notify::new(),
             completion,
+            settling: AtomicUsize::new(0),
         }
     }
 
@@ -147,6 +261,17 @@ impl Probe {
 
     pub(super) fn events(&self) -> Vec<Event> {
         self.lock_events().clone()
+    }
+
+    /// Whether no settlement is under way: every settlement the broker made is recorded.
+    pub(super) fn quiet(&self) -> bool {
+        self.settling.load(Ordering::SeqCst) == 0
+    }
+
+    /// Counts a settlement under way until the guard is dropped.
+    fn settling(&self) -> Settling<'_> {
+        self.settling.fetch_add(1, Ordering::SeqCst);
+        Settling(self)
     }
 
     /// Whether some event matches.
@@ -167,6 +292,49 @@ impl Probe {
     /// Arms a crash of the processor that commits `id` next.
     pub(super) fn arm_crash_on_commit(&self, id: &str) {
         lock(&self.crash_on_commit).insert(id.to_owned());
+    }
+
+    /// Arms a crash of the processor that receives `id` next, before its claim.
+    pub(super) fn arm_crash_before_claim(&self, id: &str) {
+        lock(&self.crash_before_claim).insert(id.to_owned());
+    }
+
+    /// The message processor `p` received last, if it is armed to die before its claim
+    /// (disarmed).
+    pub(super) fn take_crash_before_claim(&self, p: usize) -> Option<String> {
+        let last = self.lock_events().iter().rev().find_map(|e| match e {
+            Event::Delivered { p: q, id, .. } if *q == p => Some(id.clone()),
+            _ => None,
+        })?;
+        lock(&self.crash_before_claim).remove(&last).then_some(last)
+    }
+
+    /// Sets the proxy cut that the COMMIT of armed messages meets.
+    pub(super) fn set_cut(&self, cut: CommitCut) {
+        *lock(&self.cut) = Some(cut);
+    }
+
+    /// Arms a cut connection for the COMMIT of `id`: before the server gets it, or after.
+    pub(super) fn arm_commit_cut(&self, id: &str, before: bool) {
+        lock(&self.commit_cuts).insert(id.to_owned(), before);
+    }
+
+    /// The message whose handler processor `p` ran last, with whether its COMMIT is cut before
+    /// the server gets it, if it is armed for a cut (disarmed): the proxy's cut is armed.
+    pub(super) fn take_commit_cut(&self, p: usize) -> Option<(String, bool)> {
+        let cut = lock(&self.cut).clone()?;
+        let last = self.lock_events().iter().rev().find_map(|e| match e {
+            Event::HandlerStarted { p: q, id, .. } if *q == p => Some(id.clone()),
+            _ => None,
+        })?;
+        let before = lock(&self.commit_cuts).remove(&last)?;
+        cut.arm(before);
+        Some((last, before))
+    }
+
+    /// Whether the proxy cut the connection since it was last armed.
+    pub(super) fn commit_cut_fired(&self) -> bool {
+        lock(&self.cut).as_ref().is_some_and(CommitCut::fired)
     }
 
     /// The message held at the end of its handler, and by which processor.
@@ -193,6 +361,15 @@ impl Probe {
             notified.await;
         }
         *lock(&self.held) = None;
+    }
+}
+
+/// A settlement under way, from its call to its event.
+struct Settling<'a>(&'a Probe);
+
+impl Drop for Settling<'_> {
+    fn drop(&mut self) {
+        self.0.settling.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -299,15 +476,16 @@ pub(super) fn commit_hook(
     }
 }
 
-/// The broker's receiver, recorded, and dead once crashed.
-pub(super) struct Watched {
-    pub(super) inner: Receiver,
+/// The broker's receiver (of an entity, or of one of its sessions), recorded, and dead once
+/// crashed.
+pub(super) struct Watched<R = Receiver> {
+    pub(super) inner: R,
     pub(super) probe: Arc<Probe>,
     pub(super) p: usize,
     pub(super) crashed: Arc<AtomicBool>,
 }
 
-impl fmt::Debug for Watched {
+impl<R: fmt::Debug> fmt::Debug for Watched<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Watched")
             .field("inner", &self.inner)
@@ -316,7 +494,7 @@ impl fmt::Debug for Watched {
     }
 }
 
-impl Watched {
+impl<R> Watched<R> {
     /// After a crash nothing reaches the broker: the settlement is recorded as lost.
     fn dead(&self, d: &ReceivedMessage) -> Option<TransportError> {
         if !self.crashed.load(Ordering::SeqCst) {
@@ -335,13 +513,23 @@ impl Watched {
             self.probe.push(event);
         }
     }
+
+    /// The same receiver of processor `p`, around `inner`.
+    fn around<S>(&self, inner: S) -> Watched<S> {
+        Watched {
+            inner,
+            probe: Arc::clone(&self.probe),
+            p: self.p,
+            crashed: Arc::clone(&self.crashed),
+        }
+    }
 }
 
 fn id(d: &ReceivedMessage) -> String {
     d.message_id().as_str().to_owned()
 }
 
-impl Receive for Watched {
+impl<R: Receive<Delivery = ReceivedMessage>> Receive for Watched<R> {
     type Delivery = ReceivedMessage;
 
     /// # Cancel safety
@@ -363,6 +551,7 @@ impl Receive for Watched {
     }
 
     async fn complete(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
         if let Some(e) = self.dead(d) {
             return Err(e);
         }
@@ -375,6 +564,7 @@ impl Receive for Watched {
     }
 
     async fn abandon(&self, d: &ReceivedMessage, props: Properties) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
         if let Some(e) = self.dead(d) {
             return Err(e);
         }
@@ -388,6 +578,7 @@ impl Receive for Watched {
         d: &ReceivedMessage,
         reason: DeadLetterReason,
     ) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
         if let Some(e) = self.dead(d) {
             return Err(e);
         }
@@ -398,6 +589,7 @@ impl Receive for Watched {
     }
 
     async fn defer(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
         if let Some(e) = self.dead(d) {
             return Err(e);
         }
@@ -425,6 +617,7 @@ impl Transport for Watched {
     }
 
     async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
         if let Some(e) = self.dead(d) {
             return Err(e);
         }
@@ -450,5 +643,68 @@ impl Transport for Watched {
             return Err(e);
         }
         self.inner.redeliver_later(d, delay, props).await
+    }
+}
+
+impl SessionTransport for Watched {
+    type Session = Watched<Session>;
+
+    /// # Cancel safety
+    ///
+    /// As the broker's: a session locked for a dropped accept is released.
+    async fn accept_next_session(
+        &self,
+        max_wait: Duration,
+    ) -> Result<Option<Watched<Session>>, TransportError> {
+        if self.crashed.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Ok(self.inner.accept_next_session(max_wait).await?.map(|s| self.around(s)))
+    }
+
+    async fn accept_session(
+        &self,
+        session_id: &SessionId,
+    ) -> Result<Watched<Session>, TransportError> {
+        Ok(self.around(self.inner.accept_session(session_id).await?))
+    }
+}
+
+impl SessionReceiver for Watched<Session> {
+    fn session_id(&self) -> &SessionId {
+        SessionReceiver::session_id(&self.inner)
+    }
+
+    fn locked_until(&self) -> Timestamp {
+        SessionReceiver::locked_until(&self.inner)
+    }
+
+    async fn renew_session_lock(&self) -> Result<Timestamp, TransportError> {
+        if self.crashed.load(Ordering::SeqCst) {
+            return Err(TransportError::LockLost);
+        }
+        SessionReceiver::renew_session_lock(&self.inner).await
+    }
+
+    async fn release(&self, d: &ReceivedMessage) -> Result<(), TransportError> {
+        let _settling = self.probe.settling();
+        if let Some(e) = self.dead(d) {
+            return Err(e);
+        }
+        let done = SessionReceiver::release(&self.inner, d).await;
+        self.after(&done, Event::Released { p: self.p, id: id(d) });
+        done
+    }
+
+    async fn get_state(&self) -> Result<Option<Bytes>, TransportError> {
+        SessionReceiver::get_state(&self.inner).await
+    }
+
+    async fn set_state(&self, state: Option<Bytes>) -> Result<(), TransportError> {
+        SessionReceiver::set_state(&self.inner, state).await
+    }
+
+    async fn close(self) -> Result<(), TransportError> {
+        SessionReceiver::close(self.inner).await
     }
 }

@@ -8,99 +8,32 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use twice::{
-    Counters, Handler, Inbox, ManualClock, Message, Mode, Processor, ProcessorError,
-    ProcessorOptions, RetryPolicy, SequenceNumber, SharedClock,
+    Handler, Inbox, ManualClock, Message, Mode, Processor, ProcessorOptions, RetryPolicy,
+    SequenceNumber, SessionProcessor, SessionProcessorOptions, SharedClock,
 };
 use twice_broker::config::QueueProperties;
 use twice_broker::{Broker, BrokerOptions};
 use twice_sqlx::{SqlxInbox, StoreError};
 
 use super::check::{EffectInfo, Observed, Sent, check};
+use super::env::{Env, POLLS, Running, id_of};
+use super::inbox::Faulted;
 use super::probe::{Action, CompletionCheck, Event, Probe, Recorded, Watched, commit_hook};
+use super::session::out_of_order;
 use super::{Effect, Prove, Report, Scenario, ScenarioRun, Seeded, Source, Store};
 
 /// The lock of the scenarios' queues; the clock is advanced past it to expire a lock.
 const LOCK: Duration = Duration::from_secs(30);
-/// How many times a wait polls (a millisecond apart) before the run gives up with an error.
-const POLLS: usize = 20_000;
 /// How long a handler held by the concurrent-copies scenario waits for the other copy to
 /// reach its handler too, in polls, where the claim (or the store) holds the other copy back
 /// until the first ends; where nothing should, the other copy's start is awaited as long as
 /// any step, and its end ten times this.
 const RENDEZVOUS_POLLS: usize = 200;
 
-/// A processor of the scenario.
-struct Running {
-    p: usize,
-    task: JoinHandle<Result<(), ProcessorError>>,
-    stop: watch::Sender<bool>,
-    counters: Arc<Counters>,
-}
-
-/// What one scenario works with.
-struct Env<DB: Store> {
-    broker: Broker,
-    clock: ManualClock,
-    path: String,
-    inbox: Arc<SqlxInbox<DB>>,
-    probe: Arc<Probe>,
-}
-
-impl<DB: Store> Env<DB> {
-    fn advance(&self, by: Duration) {
-        self.clock.advance(by);
-        self.probe.push(Event::ClockAdvanced { by });
-    }
-
-    async fn send(&self, m: Message) -> Result<(), String> {
-        let id = m.message_id.as_ref().map(|i| i.as_str().to_owned()).unwrap_or_default();
-        self.probe.push(Event::Sent { id });
-        self.broker.send(&self.path, m).await.map_err(|e| format!("send: {e}"))?;
-        Ok(())
-    }
-
-    /// Nothing active or scheduled on the queue: every copy sent so far is settled.
-    async fn settled(&self) -> bool {
-        match self.broker.counts(&self.path).await {
-            Ok(c) => c.active == 0 && c.scheduled == 0,
-            Err(_) => false,
-        }
-    }
-
-    /// Polls `cond` a millisecond apart, moving the clock 10 ms every 10 polls (for backoffs);
-    /// an error naming `what` when it never holds.
-    async fn until<F: Future<Output = bool>>(
-        &self,
-        what: &str,
-        mut cond: impl FnMut() -> F,
-    ) -> Result<(), String> {
-        for i in 0..POLLS {
-            if cond().await {
-                return Ok(());
-            }
-            if i % 10 == 9 {
-                self.clock.advance(Duration::from_millis(10));
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let counts = self.broker.counts(&self.path).await.map(|c| format!("{c:?}"));
-        Err(format!("gave up waiting for {what} (queue: {counts:?})"))
-    }
-
-    async fn until_settled(&self, what: &str) -> Result<(), String> {
-        self.until(what, || self.settled()).await
-    }
-}
-
 /// The derived seed of message `index` (SplitMix64 of the pair).
 fn mix(seed: u64, index: u64) -> u64 {
     Seeded::new(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
-}
-
-fn id_of(m: &Message) -> String {
-    m.message_id.as_ref().map(|i| i.as_str().to_owned()).unwrap_or_default()
 }
 
 impl<DB, H> Prove<DB, H>
@@ -124,7 +57,10 @@ where
             return report;
         }
         let inbox = match SqlxInbox::new(self.pool.clone(), self.inbox.clone()).await {
-            Ok(i) => Arc::new(i),
+            Ok(i) => Arc::new(match &self.outbox {
+                Some(outbox) => i.with_outbox(outbox.clone()),
+                None => i,
+            }),
             Err(e) => {
                 report.errors.push(format!("the inbox could not be created: {e}"));
                 return report;
@@ -137,6 +73,12 @@ where
             report.failures.extend(failures);
             report.errors.extend(errors.into_iter().map(|e| format!("scenario {scenario}: {e}")));
             report.scenarios.push(run);
+        }
+        if report.scenarios.iter().all(|s| s.not_applicable.is_some()) {
+            report.errors.push(format!(
+                "no scenario applies to this store ({}): nothing was proved",
+                DB::NAME
+            ));
         }
         if report.errors.is_empty()
             && let Some(first) = report.failures.first().cloned()
@@ -216,6 +158,8 @@ where
         let k = Scenario::ALL.iter().position(|s| *s == scenario).unwrap_or(0) as u64;
         let mut rng = Seeded::new(mix(seed, 1000 + k));
         let n = count.unwrap_or_else(|| rng.between(self.messages.0, self.messages.1));
+        // Out of order takes two messages.
+        let n = if scenario == Scenario::SessionOrder { n.max(2) } else { n };
         let generator = self.generator.as_ref().expect("checked in preflight");
         let messages: Vec<Message> = (0..n)
             .map(|j| {
@@ -224,8 +168,15 @@ where
                 generator(&mut own, usize::try_from(index).unwrap_or(usize::MAX))
             })
             .collect();
+        let messages = if scenario == Scenario::SessionOrder {
+            out_of_order(&mut rng, messages)
+        } else {
+            messages
+        };
+        // In a session, the one sent again must have one sent (and handled) after it.
+        let last = if scenario == Scenario::SessionOrder { messages.len() - 1 } else { usize::MAX };
         let candidates: Vec<usize> =
-            (0..messages.len()).filter(|i| !self.is_poison(&messages[*i])).collect();
+            (0..messages.len()).filter(|i| *i != last && !self.is_poison(&messages[*i])).collect();
         let target = if candidates.is_empty() {
             usize::MAX
         } else {
@@ -235,14 +186,16 @@ where
     }
 
     /// The fake services of the effects, with the effects' names.
-    fn services(&self) -> impl Iterator<Item = (&str, &Arc<super::FakeService>)> {
+    fn services(
+        &self,
+    ) -> impl Iterator<Item = (&str, &Arc<super::FakeService>, Option<&super::CallKey>)> {
         self.effects.iter().filter_map(|e| match &e.source {
-            Source::Service(s) => Some((e.name.as_str(), s)),
+            Source::Service { service, by } => Some((e.name.as_str(), service, by.as_ref())),
             Source::Sql(_) => None,
         })
     }
 
-    fn is_poison(&self, m: &Message) -> bool {
+    pub(super) fn is_poison(&self, m: &Message) -> bool {
         self.poison.as_ref().is_some_and(|p| p(m))
     }
 
@@ -268,7 +221,11 @@ where
                             // The query's failure is reported at the end of the scenario.
                             Err(_) => true,
                         },
-                        Source::Service(s) => s.effects_on(&key) > 0,
+                        Source::Service { service, by } => {
+                            Source::service_effects(service, by.as_ref())
+                                .get(&key)
+                                .is_some_and(|n| *n > 0)
+                        }
                     };
                     if !present {
                         missing.push((e.name.clone(), key));
@@ -289,31 +246,60 @@ where
             p,
             crashed: Arc::clone(&crashed),
         };
+        let inbox = Faulted {
+            inner: Arc::clone(&env.inbox),
+            probe: Arc::clone(&env.probe),
+            p,
+            crashed: Arc::clone(&crashed),
+        };
         let handler = Recorded { inner: (self.factory)(), probe: Arc::clone(&env.probe), p };
         let retry = RetryPolicy::new()
             .immediate_retries(0)
             .backoff(Duration::from_millis(10), Duration::from_millis(100));
-        let mut options = ProcessorOptions::new()
-            .mode(self.mode)
-            .retry(retry)
-            .clock(SharedClock::from(env.clock.clone()));
-        if !renewal {
-            options = options.max_auto_lock_renewal_duration(Duration::ZERO);
-        }
         let probe = Arc::clone(&env.probe);
-        let processor = Processor::from_arcs(
-            Arc::new(transport),
-            Arc::clone(&env.inbox),
-            Arc::new(handler),
-            options,
-        )
-        .on_error(move |e| probe.push(Event::Error { p, text: e.to_string() }))
-        .on_committed(commit_hook(Arc::clone(&env.probe), p, Arc::clone(&crashed)));
-        let counters = processor.counters();
+        let on_error =
+            move |e: &twice::ProcessError| probe.push(Event::Error { p, text: e.to_string() });
+        let on_committed = commit_hook(Arc::clone(&env.probe), p, Arc::clone(&crashed));
         let (stop, mut stopped) = watch::channel(false);
-        let task = tokio::spawn(processor.run(async move {
+        let stopped = async move {
             let _ = stopped.wait_for(|s| *s).await;
-        }));
+        };
+        let (counters, task) = if env.sessions {
+            let mut options = SessionProcessorOptions::new()
+                .max_concurrent_sessions(1)
+                .mode(self.mode)
+                .retry(retry)
+                .clock(SharedClock::from(env.clock.clone()));
+            if !renewal {
+                options = options.max_auto_lock_renewal_duration(Duration::ZERO);
+            }
+            let processor = SessionProcessor::from_arcs(
+                Arc::new(transport),
+                Arc::new(inbox),
+                Arc::new(handler),
+                options,
+            )
+            .on_error(on_error)
+            .on_committed(on_committed);
+            (processor.counters(), tokio::spawn(processor.run(stopped)))
+        } else {
+            let mut options = ProcessorOptions::new()
+                .mode(self.mode)
+                .retry(retry)
+                .clock(SharedClock::from(env.clock.clone()));
+            if !renewal {
+                options = options.max_auto_lock_renewal_duration(Duration::ZERO);
+            }
+            let processor = Processor::from_arcs(
+                Arc::new(transport),
+                Arc::new(inbox),
+                Arc::new(handler),
+                options,
+            )
+            .on_error(on_error)
+            .on_committed(on_committed);
+            (processor.counters(), tokio::spawn(processor.run(stopped)))
+        };
         env.probe.push(Event::ProcessorStarted { p, renewal });
         Ok(Running { p, task, stop, counters })
     }
@@ -381,26 +367,42 @@ where
     ) -> (ScenarioRun, Vec<super::Failure>, Vec<String>) {
         let probe = Arc::new(Probe::new(self.completion_check()));
         let clock = ManualClock::default();
-        let calls_before: Vec<usize> = self.services().map(|(_, s)| s.calls().len()).collect();
+        let calls_before: Vec<usize> = self.services().map(|(_, s, _)| s.calls().len()).collect();
         let mut run = ScenarioRun {
             scenario,
             messages: messages.iter().map(id_of).collect(),
             target: messages.get(target).map(id_of),
             exercised: false,
+            not_applicable: None,
             history: Vec::new(),
         };
         let mut errors = Vec::new();
+        // The commit-unknown scenario's processors reach the store through a proxy.
+        let mut cut = None;
+        let inbox = if scenario == Scenario::CommitUnknown {
+            match self.cut_inbox(&probe).await {
+                Ok(Ok(c)) => Arc::clone(&cut.insert(c).inbox),
+                Ok(Err(why)) => {
+                    run.not_applicable = Some(why);
+                    return (run, Vec::new(), Vec::new());
+                }
+                Err(e) => return (run, Vec::new(), vec![e]),
+            }
+        } else {
+            Arc::clone(inbox)
+        };
         let broker = match Broker::open(BrokerOptions::in_memory().clock(clock.clone())).await {
             Ok(b) => b,
             Err(e) => return (run, Vec::new(), vec![format!("the broker did not open: {e}")]),
         };
         let path = format!("prove-{}-{seed}", scenario.name());
-        if let Err(e) =
-            broker.create_queue(&path, QueueProperties::default().with_lock_duration(LOCK)).await
-        {
+        let sessions = scenario == Scenario::SessionOrder;
+        let queue =
+            QueueProperties::default().with_lock_duration(LOCK).with_requires_session(sessions);
+        if let Err(e) = broker.create_queue(&path, queue).await {
             return (run, Vec::new(), vec![format!("the queue could not be created: {e}")]);
         }
-        let env = Env { broker, clock, path, inbox: Arc::clone(inbox), probe: Arc::clone(&probe) };
+        let env = Env { broker, clock, path, inbox, probe: Arc::clone(&probe), sessions };
 
         let mut sent: Vec<Message> = Vec::new();
         match self.drive(&env, scenario, &messages, target, &mut sent).await {
@@ -446,11 +448,7 @@ where
                         HashMap::new()
                     }
                 },
-                Source::Service(s) => s
-                    .effects()
-                    .into_iter()
-                    .map(|(k, n)| (k, i64::try_from(n).unwrap_or(i64::MAX)))
-                    .collect(),
+                Source::Service { service, by } => Source::service_effects(service, by.as_ref()),
             });
         }
         let infos: Vec<EffectInfo> = self
@@ -472,10 +470,13 @@ where
         let seen = Observed { events: &events, dead_lettered: &dead_lettered, counts: &counts };
         let failures = check(scenario, &infos, &sent, &seen);
         run.history = events.iter().map(ToString::to_string).collect();
-        for ((name, service), before) in self.services().zip(calls_before) {
+        for ((name, service, by), before) in self.services().zip(calls_before) {
             for c in service.calls().iter().skip(before) {
+                // Where the path does not name the key, the key the call counts under.
+                let key =
+                    by.and_then(|by| by(c)).map(|k| format!(" for {k:?}")).unwrap_or_default();
                 run.history.push(format!(
-                    "{name:?} got POST {} with {} ({}{})",
+                    "{name:?} got POST {}{key} with {} ({}{})",
                     c.path,
                     c.idempotency_key
                         .as_deref()
@@ -486,6 +487,10 @@ where
             }
         }
         env.broker.shutdown().await;
+        if let Some(cut) = cut {
+            cut.pool.close().await;
+            drop(cut.proxy);
+        }
         (run, failures, errors)
     }
 
@@ -509,7 +514,15 @@ where
         } else {
             None
         };
+        if scenario == Scenario::SessionOrder {
+            let exercised = self.session_order(env, messages, target, sent).await?;
+            Self::stop(env, a).await?;
+            return Ok(exercised);
+        }
         let mut exercised = false;
+        // Commit-unknown: for each message whose COMMIT was cut, whether it is the target (the
+        // COMMIT reached the server) and whether the processor went on as the outcome asks.
+        let mut cuts: Vec<(bool, bool)> = Vec::new();
         for (j, m) in messages.iter().enumerate() {
             let id = id_of(m);
             sent.push(m.clone());
@@ -611,13 +624,50 @@ where
                             && (scenario == Scenario::CrashBeforeCommit || lock_lost);
                     }
                 }
+                Scenario::CrashBeforeClaim if j == target => {
+                    env.probe.arm_crash_before_claim(&id);
+                    env.send(m.clone()).await?;
+                    let died = |e: &Event| matches!(e, Event::Fault { id: c, what: "died before its claim", .. } if *c == id);
+                    env.until("the processor to die before its claim", || async {
+                        env.probe.saw(died) || env.settled().await
+                    })
+                    .await?;
+                    if env.probe.saw(died) {
+                        let dead = a.p;
+                        Self::kill(env, a).await;
+                        a = self.start(env, next_p, renewal).await?;
+                        next_p += 1;
+                        env.advance(LOCK + Duration::from_secs(1));
+                        env.until_settled("the redelivery after the crash to settle").await?;
+                        let ran = env.probe.saw(|e| {
+                            matches!(e, Event::HandlerStarted { p, id: c, .. } if *p == dead && *c == id)
+                        });
+                        let claimed_before = env.probe.saw(
+                            |e| matches!(e, Event::Claim { p, id: c, .. } if *p == dead && *c == id),
+                        );
+                        let redelivered = env.probe.saw(|e| {
+                            matches!(e, Event::Delivered { p, id: c, delivery } if *p != dead && *c == id && *delivery >= 2)
+                        });
+                        let claimed_after = env.probe.saw(|e| {
+                            matches!(e, Event::Claim { p, id: c, outcome: "claimed" } if *p != dead && *c == id)
+                        });
+                        let claims = matches!(self.mode, Mode::Claim | Mode::DedupOnly);
+                        exercised =
+                            !ran && !claimed_before && redelivered && (claimed_after || !claims);
+                    }
+                }
+                Scenario::CommitUnknown => {
+                    if let Some(followed) = self.commit_unknown(env, &a, m, j == target).await? {
+                        cuts.push((j == target, followed));
+                    }
+                }
                 Scenario::TransientError if j == target => {
                     let services: Vec<_> = self
                         .effects
                         .iter()
                         .filter(|e| (e.key_of)(m).is_some())
                         .filter_map(|e| match &e.source {
-                            Source::Service(s) => Some(Arc::clone(s)),
+                            Source::Service { service, .. } => Some(Arc::clone(service)),
                             Source::Sql(_) => None,
                         })
                         .collect();
@@ -674,6 +724,10 @@ where
         Self::stop(env, a).await?;
         if let Some(b) = b.take() {
             Self::stop(env, b).await?;
+        }
+        if scenario == Scenario::CommitUnknown {
+            // Every cut happened and was followed through, the target's among them.
+            exercised = cuts.iter().any(|(t, _)| *t) && cuts.iter().all(|(_, ok)| *ok);
         }
         Ok(exercised)
     }

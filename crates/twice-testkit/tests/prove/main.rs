@@ -158,7 +158,14 @@ async fn a_correct_twice_handler_passes_every_scenario() {
     let report = shop_kit(&shop, shipping(shop.payments.client(), Key::Business)).run(11).await;
     assert!(report.passed(), "{report}");
     assert_eq!(report.scenarios.len(), Scenario::ALL.len());
-    assert!(report.scenarios.iter().all(|s| s.exercised), "{report:?}");
+    // SQLite has no connection to cut: commit-unknown did not run, and says so.
+    let skipped: Vec<_> = report.not_applicable().map(|(s, _)| s).collect();
+    assert_eq!(skipped, [Scenario::CommitUnknown], "{report}");
+    assert!(report.to_string().contains("not applicable, not run: commit-unknown"), "{report}");
+    assert!(
+        report.scenarios.iter().all(|s| s.exercised || s.not_applicable.is_some()),
+        "{report:?}"
+    );
     println!("{report}");
 }
 
@@ -449,4 +456,84 @@ async fn a_fault_that_was_not_exercised_is_an_error_not_a_pass() {
     assert!(!report.passed());
     assert!(report.errors.iter().any(|e| e.contains("not exercised")), "{report}");
     assert!(report.scenarios.iter().all(|s| !s.exercised), "{report:?}");
+}
+
+/// The processor dies after receiving a message and before its claim: nothing of the message
+/// reached the store, and the redelivery after the lock's expiry claims it and runs it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crash_before_the_claim_leaves_nothing_and_the_redelivery_runs_once() {
+    let shop = shop().await;
+    let report = shop_kit(&shop, shipping(shop.payments.client(), Key::Business))
+        .scenarios(&[Scenario::CrashBeforeClaim])
+        .run(11)
+        .await;
+    assert!(report.passed(), "{report}");
+    let run = &report.scenarios[0];
+    assert!(run.exercised, "{report:?}");
+    let target = run.target.as_deref().expect("a target");
+    let history = run.history.join("\n");
+    let died = format!("p0 fault on {target}: died before its claim");
+    assert!(history.contains(&died), "{history}");
+    assert!(!history.contains(&format!("p0 claim of {target}")), "{history}");
+    assert!(!history.contains(&format!("p0 handler started on {target}")), "{history}");
+    assert!(history.contains(&format!("p1 received {target} (delivery 2)")), "{history}");
+    assert!(history.contains(&format!("p1 claim of {target}: claimed")), "{history}");
+}
+
+/// A handler that drops what it takes for an old message: an order whose id is below the last
+/// one shipped. In one session, sent out of order, the earlier order is taken for old and is
+/// completed with no shipment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_trusts_the_session_order_loses_a_message() {
+    let shop = shop().await;
+    let by_sequence = || {
+        handler_fn(|ctx, tx: &mut LiteTx| {
+            Box::pin(async move {
+                let order: Order = ctx.json()?;
+                if order.quantity < 0 {
+                    return Ok(Outcome::dead_letter("InvalidQuantity", "a negative quantity"));
+                }
+                let last: Option<i64> = sqlx::query_scalar("SELECT MAX(order_id) FROM shipments")
+                    .fetch_one(&mut **tx)
+                    .await?;
+                if last.is_some_and(|last| order.order_id <= last) {
+                    return Ok(Outcome::Complete); // "seen already": the session is in order
+                }
+                sqlx::query("INSERT INTO shipments (order_id, quantity) VALUES (?1, ?2)")
+                    .bind(order.order_id)
+                    .bind(order.quantity)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Outcome::Complete)
+            })
+        })
+    };
+    let report = Prove::new(by_sequence, shop.pool.clone())
+        .messages(order)
+        .poison(is_poison)
+        .effect_once("shipments per order", SHIPMENTS, order_key)
+        .scenarios(&[Scenario::SessionOrder])
+        .run(11)
+        .await;
+    let f = failure_of(&report, Invariant::LostMessage);
+    assert_eq!(f.effect.as_deref(), Some("shipments per order"), "{report}");
+    assert!(report.smallest.is_some(), "a shrunk schedule: {report}");
+    println!("{report}");
+}
+
+/// SQLite has no connection to cut: the commit-unknown scenario is not applicable, and a run
+/// of it alone proves nothing, which is no pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn commit_unknown_on_sqlite_is_not_applicable_and_alone_is_no_pass() {
+    let shop = shop().await;
+    let report = shop_kit(&shop, shipping(shop.payments.client(), Key::Business))
+        .scenarios(&[Scenario::CommitUnknown])
+        .run(1)
+        .await;
+    assert!(!report.passed(), "{report}");
+    let (scenario, why) = report.not_applicable().next().expect("not applicable");
+    assert_eq!(scenario, Scenario::CommitUnknown);
+    assert!(why.contains("SQLite"), "{why}");
+    assert!(report.errors.iter().any(|e| e.contains("nothing was proved")), "{report}");
+    assert!(report.to_string().contains("not applicable, not run: commit-unknown"), "{report}");
 }

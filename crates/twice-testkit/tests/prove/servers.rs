@@ -7,6 +7,7 @@
 //! - Check-then-insert instead of the claim: on SQLite the copies are serialised and the check
 //!   holds; under READ COMMITTED (or MariaDB's consistent reads) two copies at once both pass
 //!   it.
+//! - A COMMIT whose outcome is unknown: only a server connection can be cut during its COMMIT.
 
 use serde::Deserialize;
 use twice::{Message, Mode, Outcome, handler_fn};
@@ -75,10 +76,81 @@ macro_rules! server_store {
                         Scenario::CrashAfterCommit,
                         Scenario::CrashBeforeCommit,
                         Scenario::LockLoss,
+                        Scenario::CrashBeforeClaim,
+                        Scenario::CommitUnknown,
+                        Scenario::SessionOrder,
                     ])
                     .run(8)
                     .await;
                 assert!(report.passed(), "{report}");
+                assert!(report.scenarios.iter().all(|s| s.exercised), "{report:?}");
+            }
+
+            /// The connection is cut during each COMMIT: after the server got the target's
+            /// (it committed; its retry meets the claim), before it got the others' (they
+            /// rolled back; their retry claims and commits).
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_commit_of_unknown_outcome_meets_both_outcomes() {
+                let Some((_db, pool)) = store().await else { return };
+                let correct = || {
+                    handler_fn(|ctx, tx: &mut Tx| {
+                        Box::pin(async move {
+                            let o: Order = ctx.json()?;
+                            ship(tx, o.order_id).await?;
+                            Ok(Outcome::Complete)
+                        })
+                    })
+                };
+                let report = Prove::new(correct, pool.clone())
+                    .messages(order)
+                    .messages_per_scenario(3, 3)
+                    .effect_once("shipments per order", SHIPMENTS, order_key)
+                    .scenarios(&[Scenario::CommitUnknown])
+                    .run(2)
+                    .await;
+                assert!(report.passed(), "{report}");
+                let run = &report.scenarios[0];
+                assert!(run.exercised, "{report:?}");
+                let target = run.target.as_deref().expect("a target");
+                let history = run.history.join("\n");
+                let committed = format!("whether {target} committed");
+                assert!(history.contains(&committed), "{history}");
+                assert!(history.contains("got the COMMIT: committed"), "{history}");
+                assert!(history.contains("never got the COMMIT: rolled back"), "{history}");
+                assert!(history.contains(&format!("claim of {target}: a duplicate")), "{history}");
+            }
+
+            /// A handler whose insert is not idempotent, run without a claim: the retry after a
+            /// COMMIT the server got inserts again. Both rows committed: a double effect, not
+            /// work that survived a rollback.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_rerun_after_a_commit_of_unknown_outcome_is_a_double_effect() {
+                let Some((_db, pool)) = store().await else { return };
+                let plain_insert = || {
+                    handler_fn(|ctx, tx: &mut Tx| {
+                        Box::pin(async move {
+                            let o: Order = ctx.json()?;
+                            ship(tx, o.order_id).await?;
+                            Ok(Outcome::Complete)
+                        })
+                    })
+                };
+                let report = Prove::new(plain_insert, pool.clone())
+                    .mode(Mode::NaturallyIdempotent)
+                    .messages(order)
+                    .effect_once("shipments per order", SHIPMENTS, order_key)
+                    .scenarios(&[Scenario::CommitUnknown])
+                    .run(3)
+                    .await;
+                assert!(report.errors.is_empty(), "{report}");
+                let f = report
+                    .failures
+                    .iter()
+                    .find(|f| f.invariant == Invariant::DoubleEffect)
+                    .unwrap_or_else(|| panic!("not caught:\n{report}"));
+                assert_eq!(Some(f.message_id.as_str()), report.scenarios[0].target.as_deref());
+                assert!(!report.broke(Invariant::EffectOfRolledBackWork), "{report}");
+                println!("{report}");
             }
 
             /// The handler writes through the pool, not `tx`: its row commits at once and

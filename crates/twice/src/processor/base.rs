@@ -42,6 +42,8 @@ pub(crate) struct Settings<'a> {
     pub(crate) max_wait: Duration,
     pub(crate) retry: &'a RetryPolicy,
     pub(crate) clock: &'a SharedClock,
+    /// The oldest dead-lettered message resubmitted, when the application bounds it.
+    pub(crate) max_resubmit_age: Option<Duration>,
 }
 
 /// The parts a processor is built from, whatever it receives from.
@@ -101,13 +103,23 @@ impl<T: Transport, I: Inbox, H> Base<T, I, H> {
     pub(crate) fn check(&self, settings: &Settings<'_>) -> Result<(), ProcessorError> {
         let (concurrent, option) = settings.concurrency;
         check_connections(self.inbox.as_ref(), concurrent, option)?;
+        self.check_retention(settings).map(drop)
+    }
+
+    /// Checks the inbox retention against the redelivery horizon and the resubmits from the
+    /// dead-letter queue; returns the warning to log when nothing bounds the latter.
+    pub(crate) fn check_retention(
+        &self,
+        settings: &Settings<'_>,
+    ) -> Result<Option<String>, ProcessorError> {
         if settings.mode == Mode::NaturallyIdempotent {
-            return Ok(());
+            return Ok(None);
         }
         check_retention(
             self.transport.entity(),
             self.inbox.retention(),
             settings.max_auto_lock_renewal_duration,
+            settings.max_resubmit_age,
         )
     }
 
@@ -274,6 +286,10 @@ macro_rules! processor_type {
                     .await
                     .map_err($crate::ProcessorError::Transport)?;
                 self.check()?;
+                let settings = self.options.settings();
+                if let Ok(Some(warning)) = self.base.check_retention(&settings) {
+                    tracing::warn!(entity = %self.base.transport.entity().path, "{warning}");
+                }
                 let _running = self.base.activity.start();
                 let core = self.base.core(&self.options.settings());
                 Self::serve(self.base.transport, self.options, core, shutdown).await

@@ -179,6 +179,25 @@
 //!   consumer's retention, against the database's clock; choose a retention of at least
 //!   [`redelivery_horizon`] (time to live, duplicate-detection window, lock × deliveries).
 //!
+//! # Dead-lettered messages resubmitted
+//!
+//! A message in the dead-letter queue can be sent again with its own message id (`twice dlq
+//! resubmit`, the console, a resubmit of the application's own), and then meets the claim it
+//! may have made: a message whose work committed can still reach the dead-letter queue (its
+//! completion lost on its last delivery, a copy dead-lettered past MaxDeliveryCount). The
+//! resubmitted copy is a duplicate only while the inbox still holds that claim, so the
+//! retention must cover the age of the oldest message resubmitted, as well as the
+//! [`redelivery_horizon`]. The processor counts it at start: the application's
+//! [`ProcessorOptions::max_resubmit_age`] (the oldest message, from when it was first sent,
+//! anyone resubmits), else the dead-letter queue's time to live after the redelivery horizon
+//! where the transport reports it ([`EntityInfo::dead_letter_time_to_live`](crate::EntityInfo::dead_letter_time_to_live)),
+//! and refuses a shorter retention with the numbers
+//! ([`ProcessorError::RetentionTooShort`](crate::ProcessorError::RetentionTooShort)). When
+//! neither bounds it (Service Bus and the embedded broker keep dead-lettered messages until
+//! someone removes them) it starts, and logs a warning with the retention. The resubmit
+//! tools cannot see the inbox: a message older than the retention is better resubmitted
+//! after checking that its work was not done.
+//!
 //! # Modes
 //!
 //! [`Mode::Claim`] (the default) does the above. [`Mode::NaturallyIdempotent`] skips the claim,

@@ -108,6 +108,27 @@ macro_rules! shared_options {
             &self.clock
         }
 
+        /// The age of the oldest dead-lettered message anyone resubmits to the entity with its
+        /// own message id, counted from when it was first sent (default `None`: what the
+        /// transport reports of the dead-letter queue,
+        /// [`EntityInfo::dead_letter_time_to_live`](crate::EntityInfo::dead_letter_time_to_live),
+        /// if anything). A resubmitted message is redelivered with the id the inbox claimed, so
+        /// the inbox retention must cover it too: the processor refuses to start with a
+        /// retention shorter than this age, and warns, with the numbers, when neither this
+        /// option nor the transport bounds it. See
+        /// [Dead-lettered messages resubmitted](crate::processor#dead-lettered-messages-resubmitted).
+        #[must_use]
+        pub fn max_resubmit_age(mut self, age: Option<std::time::Duration>) -> Self {
+            self.max_resubmit_age = age;
+            self
+        }
+
+        /// The age of the oldest dead-lettered message resubmitted, if set; see
+        /// [`Self::max_resubmit_age`].
+        pub fn get_max_resubmit_age(&self) -> Option<std::time::Duration> {
+            self.max_resubmit_age
+        }
+
         pub(crate) fn settings(&self) -> $crate::processor::Settings<'_> {
             $crate::processor::Settings {
                 consumer: self.consumer.as_deref(),
@@ -117,6 +138,7 @@ macro_rules! shared_options {
                 max_wait: self.max_wait,
                 retry: &self.retry,
                 clock: &self.clock,
+                max_resubmit_age: self.max_resubmit_age,
             }
         }
     };
@@ -135,6 +157,7 @@ pub struct ProcessorOptions {
     mode: Mode,
     retry: RetryPolicy,
     clock: SharedClock,
+    max_resubmit_age: Option<Duration>,
 }
 
 impl Default for ProcessorOptions {
@@ -149,6 +172,7 @@ impl Default for ProcessorOptions {
             mode: Mode::Claim,
             retry: RetryPolicy::default(),
             clock: SharedClock::system(),
+            max_resubmit_age: None,
         }
     }
 }
@@ -233,13 +257,53 @@ pub fn redelivery_horizon(
     )
 }
 
-/// Refuses a retention shorter than the redelivery horizon, with the numbers in the error.
+/// How long after its claim a message can come back resubmitted from the dead-letter queue with
+/// its id, and how that was found: the application's `max_resubmit_age`, else the redelivery
+/// horizon (how late it can be dead-lettered) plus the dead-letter queue's time to live, as the
+/// transport reports it. `None` when neither bounds it.
+fn resubmit_horizon(
+    entity: &EntityInfo,
+    redelivery: Option<Duration>,
+    max_resubmit_age: Option<Duration>,
+) -> Option<(Duration, String)> {
+    match (max_resubmit_age, entity.dead_letter_time_to_live) {
+        (Some(age), _) => Some((
+            age,
+            format!(
+                "dead-lettered messages resubmitted from the dead-letter queue up to {} old \
+                 (max_resubmit_age)",
+                format_duration(age)
+            ),
+        )),
+        (None, Some(ttl)) => redelivery.map(|h| {
+            (
+                h.saturating_add(ttl),
+                format!(
+                    "dead-lettered messages kept {} in the dead-letter queue after the {} a \
+                     message can take to be dead-lettered",
+                    format_duration(ttl),
+                    format_duration(h)
+                ),
+            )
+        }),
+        (None, None) => None,
+    }
+}
+
+/// Refuses a retention shorter than the redelivery horizon, or than the age at which a
+/// dead-lettered message can still be resubmitted, with the numbers in the error. When nothing
+/// bounds that age (the dead-letter queue keeps messages until someone removes them, and no
+/// `max_resubmit_age` is set) the retention is not refused for it, and the warning to log is
+/// returned, with the numbers.
 pub(crate) fn check_retention(
     entity: &EntityInfo,
     retention: Option<Duration>,
     max_auto_lock_renewal: Duration,
-) -> Result<(), ProcessorError> {
-    let Some(retention) = retention else { return Ok(()) };
+    max_resubmit_age: Option<Duration>,
+) -> Result<Option<String>, ProcessorError> {
+    let Some(retention) = retention else { return Ok(None) };
+    let redelivery = redelivery_horizon(entity, max_auto_lock_renewal);
+    let resubmit = resubmit_horizon(entity, redelivery, max_resubmit_age);
     let explain = || {
         let mut s = match entity.max_delivery_count {
             Some(n) => format!(
@@ -255,10 +319,28 @@ pub(crate) fn check_retention(
         if let Some(ttl) = entity.message_time_to_live {
             s.push_str(&format!("; message time to live {}", format_duration(ttl)));
         }
+        if let Some((_, why)) = &resubmit {
+            s.push_str(&format!("; {why}"));
+        }
         s
     };
-    match redelivery_horizon(entity, max_auto_lock_renewal) {
-        Some(horizon) if retention >= horizon => Ok(()),
+    let horizon = match (redelivery, &resubmit) {
+        (Some(h), Some((age, _))) => Some(h.max(*age)),
+        (h, _) => h,
+    };
+    match horizon {
+        Some(horizon) if retention >= horizon => Ok(resubmit.is_none().then(|| {
+            format!(
+                "the inbox keeps processed message ids for {retention}, but nothing bounds how \
+                 long {entity}'s dead-letter queue keeps a message: one resubmitted from it \
+                 with its own id more than {retention} after it was processed would be \
+                 processed again; set the processor's max_resubmit_age to the age of the oldest \
+                 message you resubmit (it then refuses a shorter retention), or keep the inbox \
+                 retention at least that long",
+                retention = format_duration(retention),
+                entity = entity.path,
+            )
+        })),
         horizon => Err(ProcessorError::RetentionTooShort {
             entity: entity.path.clone(),
             retention: format_duration(retention),
@@ -299,7 +381,43 @@ mod tests {
         entity.message_time_to_live = Some(Duration::from_secs(14 * 24 * 3600));
         assert_eq!(redelivery_horizon(&entity, renewal), Some(Duration::from_secs(14 * 24 * 3600)));
         let week = Some(Duration::from_secs(7 * 24 * 3600));
-        let refused = check_retention(&entity, week, renewal).expect_err("a week is too short");
+        let refused =
+            check_retention(&entity, week, renewal, None).expect_err("a week is too short");
         assert!(refused.to_string().contains("time to live"), "{refused}");
+    }
+
+    #[test]
+    fn the_horizon_covers_resubmits_from_the_dead_letter_queue() {
+        let mut entity = EntityInfo::new("orders");
+        let renewal = Duration::from_secs(300);
+        let hour = Duration::from_secs(3600);
+        // 10 deliveries × 60 s + 5 min = 15 min; a resubmit can come a day later.
+        let warned = check_retention(&entity, Some(hour), renewal, None)
+            .expect("nothing bounds the resubmits: a warning, not a refusal")
+            .expect("a warning");
+        assert!(warned.contains("for 1 h") && warned.contains("max_resubmit_age"), "{warned}");
+        let refused = check_retention(&entity, Some(hour), renewal, Some(24 * hour))
+            .expect_err("an hour does not cover resubmits of a day")
+            .to_string();
+        assert!(refused.contains("for 1 d") && refused.contains("up to 1 d old"), "{refused}");
+        assert_eq!(
+            check_retention(&entity, Some(24 * hour), renewal, Some(24 * hour)).ok(),
+            Some(None)
+        );
+
+        // Where the transport knows how long the dead-letter queue keeps a message, that
+        // counts after the time a message can take to be dead-lettered: 15 min + 2 h.
+        entity.dead_letter_time_to_live = Some(2 * hour);
+        let refused = check_retention(&entity, Some(2 * hour), renewal, None)
+            .expect_err("2 h do not cover 2 h 15 min")
+            .to_string();
+        assert!(refused.contains("for 135 min"), "{refused}");
+        assert!(
+            refused.contains("kept 2 h in the dead-letter queue after the 15 min"),
+            "{refused}"
+        );
+        assert_eq!(check_retention(&entity, Some(3 * hour), renewal, None).ok(), Some(None));
+        // The application's bound replaces the transport's.
+        assert_eq!(check_retention(&entity, Some(hour), renewal, Some(hour)).ok(), Some(None));
     }
 }
