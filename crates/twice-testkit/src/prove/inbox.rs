@@ -97,7 +97,7 @@ impl<I: Inbox> Inbox for Faulted<I> {
         &'a self,
         tx: &'a mut I::Tx,
         messages: &'a [OutgoingMessage],
-    ) -> Result<(), I::Error> {
+    ) -> Result<twice::outbox::Staged, I::Error> {
         self.inner.stage(tx, messages).await
     }
 
@@ -136,10 +136,6 @@ impl<I: Inbox> Inbox for Faulted<I> {
         message_id: &'a MessageId,
     ) -> Result<(), I::Error> {
         self.inner.unclaim(tx, consumer, message_id).await
-    }
-
-    fn outbox_committed(&self) {
-        self.inner.outbox_committed();
     }
 
     /// Commits; when the message in flight is armed for a cut connection, arms the proxy's cut
