@@ -282,6 +282,9 @@ pub struct ScenarioRun {
 pub struct Report {
     /// The seed that replays this run.
     pub seed: u64,
+    /// The round of a [soak](Prove::soak) this run was (0 for [`Prove::run`]); with the seed,
+    /// what [`Prove::replay`] takes.
+    pub round: u64,
     /// Broken invariants, in the order found.
     pub failures: Vec<Failure>,
     /// Errors of the run itself: bad input (a panicking handler, an effect query that
@@ -342,7 +345,19 @@ impl fmt::Display for Report {
             }
             return Ok(());
         }
-        writeln!(f, "prove: FAILED with seed {} (replay it with .run({}))", self.seed, self.seed)?;
+        if self.round == 0 {
+            writeln!(
+                f,
+                "prove: FAILED with seed {} (replay it with .run({}))",
+                self.seed, self.seed
+            )?;
+        } else {
+            writeln!(
+                f,
+                "prove: FAILED with seed {} in round {} of a soak (replay it with .replay({}, {}))",
+                self.seed, self.round, self.seed, self.round
+            )?;
+        }
         for (scenario, why) in self.not_applicable() {
             writeln!(f, "  not applicable, not run: {scenario}: {why}")?;
         }

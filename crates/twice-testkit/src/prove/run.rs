@@ -45,8 +45,34 @@ where
     /// Runs every scenario with `seed` and checks the history; see the
     /// [module docs](super). Use a fresh store for each run: effects are counted by key.
     pub async fn run(&self, seed: u64) -> Report {
+        self.replay(seed, 0).await
+    }
+
+    /// The longer soak: `rounds` runs on the same store, with the seeds `first_seed`,
+    /// `first_seed + 1`, …, each round's messages apart from the others' (so one store serves
+    /// them all). Returns the report of the first round that fails, or of the last one; a
+    /// failing round is replayed with [`Prove::replay`] and its seed and round, on a fresh
+    /// store. Prints a line per round to standard error.
+    pub async fn soak(&self, first_seed: u64, rounds: u64) -> Report {
+        let mut last = None;
+        for round in 0..rounds.max(1) {
+            let seed = first_seed.wrapping_add(round);
+            let report = self.replay(seed, round).await;
+            let verdict = if report.passed() { "passed" } else { "FAILED" };
+            eprintln!("prove soak: round {}/{} (seed {seed}): {verdict}", round + 1, rounds.max(1));
+            if !report.passed() {
+                return report;
+            }
+            last = Some(report);
+        }
+        last.unwrap_or_else(|| unreachable!("at least one round runs"))
+    }
+
+    /// Replays round `round` of a [soak](Prove::soak) with `seed` (round 0 is [`Prove::run`]).
+    pub async fn replay(&self, seed: u64, round: u64) -> Report {
         let mut report = Report {
             seed,
+            round,
             failures: Vec::new(),
             errors: Vec::new(),
             scenarios: Vec::new(),
@@ -67,7 +93,7 @@ where
             }
         };
         for &scenario in &self.scenarios {
-            let (messages, target) = self.schedule(seed, scenario, 0, None);
+            let (messages, target) = self.schedule(seed, scenario, (round, 0), None);
             let (run, failures, errors) =
                 self.scenario(&inbox, seed, scenario, messages, target).await;
             report.failures.extend(failures);
@@ -91,7 +117,7 @@ where
                 .find(|s| s.scenario == first.scenario)
                 .map_or(1, |s| s.messages.len() as u64);
             for n in 1..failed_with.max(2) {
-                let (messages, target) = self.schedule(seed, first.scenario, n, Some(n));
+                let (messages, target) = self.schedule(seed, first.scenario, (round, n), Some(n));
                 let ids: Vec<String> = messages.iter().map(id_of).collect();
                 let (_, failures, errors) =
                     self.scenario(&inbox, seed, first.scenario, messages, target).await;
@@ -147,12 +173,13 @@ where
     }
 
     /// The messages of `scenario` and the index of the one to fault: decided by the seed.
-    /// `shrink` runs are numbered apart; `count` overrides how many messages.
+    /// The rounds of a soak and the `shrink` runs are numbered apart; `count` overrides how
+    /// many messages.
     fn schedule(
         &self,
         seed: u64,
         scenario: Scenario,
-        shrink: u64,
+        (round, shrink): (u64, u64),
         count: Option<u64>,
     ) -> (Vec<Message>, usize) {
         let k = Scenario::ALL.iter().position(|s| *s == scenario).unwrap_or(0) as u64;
@@ -163,7 +190,7 @@ where
         let generator = self.generator.as_ref().expect("checked in preflight");
         let messages: Vec<Message> = (0..n)
             .map(|j| {
-                let index = shrink * 1_000_000 + k * 1000 + j;
+                let index = round * 1_000_000_000 + shrink * 1_000_000 + k * 1000 + j;
                 let mut own = Seeded::new(mix(seed, index));
                 generator(&mut own, usize::try_from(index).unwrap_or(usize::MAX))
             })

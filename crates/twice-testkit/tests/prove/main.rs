@@ -222,6 +222,40 @@ async fn replaying_the_seed_reproduces_the_failure() {
     assert_eq!(firsts[0], firsts[1], "the same seed fails the same way");
 }
 
+/// The longer soak: several rounds on one store, each round's messages its own, so the
+/// correct handler passes them all; a planted bug fails in some round, and replaying that
+/// round's seed and round on a fresh store fails the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_soak_runs_rounds_on_one_store_and_a_failing_round_replays() {
+    let one = shop().await;
+    let kit = shop_kit(&one, shipping(one.payments.client(), Key::Business))
+        .scenarios(&[Scenario::ConcurrentCopies, Scenario::NewMessageId]);
+    let report = kit.soak(100, 4).await;
+    assert!(report.passed(), "{report}");
+    assert_eq!((report.seed, report.round), (103, 3), "the last round's report: {report}");
+
+    // A planted bug fails at once, in the first round.
+    let two = shop().await;
+    let report = shop_kit(&two, shipping(two.payments.client(), Key::None))
+        .scenarios(&[Scenario::TransientError])
+        .soak(7, 3)
+        .await;
+    failure_of(&report, Invariant::DoubleEffect);
+    assert_eq!((report.seed, report.round), (7, 0), "{report}");
+    // A later round, replayed on fresh stores, fails the same way each time.
+    let mut failures = Vec::new();
+    for _ in 0..2 {
+        let fresh = shop().await;
+        let again = shop_kit(&fresh, shipping(fresh.payments.client(), Key::None))
+            .scenarios(&[Scenario::TransientError])
+            .replay(9, 2)
+            .await;
+        assert!(again.to_string().contains("replay it with .replay(9, 2)"), "{again}");
+        failures.push(failure_of(&again, Invariant::DoubleEffect).clone());
+    }
+    assert_eq!(failures[0], failures[1]);
+}
+
 /// A handler that ignores a failed insert (the free sample's quantity 0 breaks no rule here,
 /// but a quantity check written as `> 0` does) and completes: the message is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
