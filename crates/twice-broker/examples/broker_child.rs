@@ -7,11 +7,14 @@
 //! completion, and abandons the others. With
 //! `TWICE_CHILD_RELAXED=1` the broker runs with relaxed delivery counts.
 //!
-//! `broker_child fill <dir> <count>`: queues `count` messages of 1 KiB, then prints
-//! `rss_kib <n>` (the process's resident memory) and `elapsed_ms <n>`.
+//! `broker_child fill <dir> <count> [--json]`: queues `count` messages of 1 KiB, then prints
+//! `active <n>`, `rss_kib <n>` (the process's resident memory) and `elapsed_ms <n>`.
 //!
-//! `broker_child reopen <dir>`: opens the directory, prints `active <n>`, `rss_kib <n>` and
-//! `elapsed_ms <n>`.
+//! `broker_child reopen <dir> [--json]`: opens the directory, prints `active <n>`, `rss_kib <n>`
+//! and `elapsed_ms <n>`.
+//!
+//! With `--json`, `fill` and `reopen` also print, last, the same numbers as one line of JSON
+//! (for `twice-bench`).
 //!
 //! `broker_child no-fds <dir>`: opens a broker with 4 KiB segments, then opens files until the
 //! process has no file descriptor left, then sends 300 messages of 512 bytes (enough to fill
@@ -43,6 +46,25 @@ fn rss_kib() -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Prints the numbers of `fill` and `reopen`, and their JSON line when `flag` is `--json`.
+fn report(mode: &str, active: impl Into<u64>, elapsed: Duration, flag: Option<&String>) {
+    let (active, rss) = (active.into(), rss_kib());
+    let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+    println!("active {active}");
+    println!("rss_kib {rss}");
+    println!("elapsed_ms {elapsed_ms}");
+    if flag.is_some_and(|f| f == "--json") {
+        let line = serde_json::json!({
+            "bench": "broker_child",
+            "mode": mode,
+            "active": active,
+            "rss_kib": rss,
+            "elapsed_ms": elapsed_ms,
+        });
+        println!("{line}");
+    }
 }
 
 async fn open_queue(dir: &str, queue: &str) -> Result<Broker, Error> {
@@ -250,18 +272,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 t.await??;
             }
             let counts = broker.counts("fill").await?;
-            println!("active {}", counts.active);
-            println!("rss_kib {}", rss_kib());
-            println!("elapsed_ms {}", watch.elapsed().as_millis());
+            report("fill", counts.active, watch.elapsed(), args.get(4));
             broker.shutdown().await;
         }
         "reopen" => {
             let watch = Stopwatch::start();
             let broker = open_queue(&arg(2)?, "fill").await?;
             let counts = broker.counts("fill").await?;
-            println!("active {}", counts.active);
-            println!("rss_kib {}", rss_kib());
-            println!("elapsed_ms {}", watch.elapsed().as_millis());
+            report("reopen", counts.active, watch.elapsed(), args.get(3));
             broker.shutdown().await;
         }
         other => return Err(format!("unknown mode {other}").into()),

@@ -13,8 +13,10 @@
 //! cargo build --release -p twice-cli
 //! cargo run --release -p twice-servicebus --example amqp_bench -- \
 //!     [--messages 50000] [--runs 3] [--twice target/release/twice | --in-process] \
-//!     [--rabbitmq amqp://guest:guest@127.0.0.1:5672/%2f | --no-rabbitmq]
+//!     [--rabbitmq amqp://guest:guest@127.0.0.1:5672/%2f | --no-rabbitmq] [--json]
 //! ```
+//!
+//! With `--json` it also prints, last, the table's rows as one line of JSON (for `twice-bench`).
 //!
 //! With `--in-process` (or when the binary is missing) the server runs inside this process on a
 //! runtime of its own, and its CPU time is that of its threads.
@@ -597,6 +599,7 @@ struct Args {
     runs: usize,
     twice: Option<PathBuf>,
     rabbitmq: Option<String>,
+    json: bool,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -606,6 +609,7 @@ fn args() -> anyhow::Result<Args> {
         runs: 3,
         twice: default_binary.exists().then_some(default_binary),
         rabbitmq: Some("amqp://guest:guest@127.0.0.1:5672/%2f".to_owned()),
+        json: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -616,6 +620,7 @@ fn args() -> anyhow::Result<Args> {
             "--in-process" => a.twice = None,
             "--rabbitmq" => a.rabbitmq = Some(it.next().context("--rabbitmq URI")?),
             "--no-rabbitmq" => a.rabbitmq = None,
+            "--json" => a.json = true,
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -641,6 +646,20 @@ fn row(what: &str, system: &str, p: &Phase) {
         p.server_us(),
         p.client_us()
     );
+}
+
+/// A row of the JSON line.
+fn json_row(phase: &str, system: &str, p: &Phase) -> serde_json::Value {
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+    serde_json::json!({
+        "phase": phase,
+        "system": system,
+        "rate": p.rate,
+        "p50_ms": ms(p.p50),
+        "p99_ms": ms(p.p99),
+        "server_cpu_us": p.server_us(),
+        "client_cpu_us": p.client_us(),
+    })
 }
 
 fn main() -> anyhow::Result<()> {
@@ -699,9 +718,12 @@ fn main() -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|---|---|");
     let (tp, tr) = (median(tw_pub), median(tw_recv));
+    let mut json_rows = vec![json_row("publish", "twice", &tp), json_row("receive", "twice", &tr)];
     row("publish, 256 in flight", "twice", &tp);
     if !rb_pub.is_empty() {
         let (rp, rr) = (median(rb_pub), median(rb_recv));
+        json_rows.push(json_row("publish", "rabbitmq", &rp));
+        json_rows.push(json_row("receive", "rabbitmq", &rr));
         row("publish, 256 in flight", "RabbitMQ quorum", &rp);
         row("receive + settle, 256 credit", "twice", &tr);
         row("receive + settle, 256 credit", "RabbitMQ quorum", &rr);
@@ -732,6 +754,15 @@ fn main() -> anyhow::Result<()> {
             idle_rss[0] as f64 / 1048576.0,
             idle_rss[idle_rss.len() - 1] as f64 / 1048576.0,
         );
+    }
+    if args.json {
+        let line = serde_json::json!({
+            "bench": "amqp_bench",
+            "messages": n,
+            "runs": args.runs,
+            "rows": json_rows,
+        });
+        println!("{line}");
     }
     Ok(())
 }

@@ -6,7 +6,8 @@
 //!
 //! Usage: `bench_claim_latency <samples> <sizes, comma separated>` against database `test` on
 //! 127.0.0.1:5432, e.g. `bench_claim_latency 5000 0,1000000,10000000`. The table is dropped at
-//! the end.
+//! the end. With `--json` it also prints, last, one line of JSON with every point (for
+//! `twice-bench`).
 
 use std::time::Duration;
 
@@ -20,12 +21,18 @@ async fn wal_lsn(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
         .await?)
 }
 
+/// One measurement: the human line and its JSON.
+struct Point {
+    line: String,
+    json: serde_json::Value,
+}
+
 async fn measure(
     inbox: &SqlxInbox<sqlx::Postgres>,
     pool: &sqlx::PgPool,
     samples: usize,
     ordered: bool,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Point> {
     let mut latencies = Vec::with_capacity(samples);
     let wal_before = wal_lsn(pool).await?;
     for _ in 0..samples {
@@ -41,21 +48,30 @@ async fn measure(
     let total: Duration = latencies.iter().sum();
     let n = u32::try_from(latencies.len()).unwrap_or(u32::MAX).max(1);
     let pick = |q: usize| latencies.get(latencies.len() * q / 100).copied().unwrap_or_default();
-    Ok(format!(
-        "ids={} mean_us={} p50_us={} p99_us={} wal_bytes_per_claim={}",
-        if ordered { "time-ordered" } else { "random" },
-        (total / n).as_micros(),
-        pick(50).as_micros(),
-        pick(99).as_micros(),
-        wal / i64::from(n),
-    ))
+    let ids = if ordered { "time-ordered" } else { "random" };
+    let (mean, p50, p99) = ((total / n).as_micros(), pick(50).as_micros(), pick(99).as_micros());
+    let wal_per_claim = wal / i64::from(n);
+    Ok(Point {
+        line: format!(
+            "ids={ids} mean_us={mean} p50_us={p50} p99_us={p99} wal_bytes_per_claim={wal_per_claim}"
+        ),
+        json: serde_json::json!({
+            "ids": ids,
+            "mean_us": u64::try_from(mean).unwrap_or(u64::MAX),
+            "p50_us": u64::try_from(p50).unwrap_or(u64::MAX),
+            "p99_us": u64::try_from(p99).unwrap_or(u64::MAX),
+            "wal_bytes_per_claim": wal_per_claim,
+        }),
+    })
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    args.retain(|a| a != "--json");
     let [_, samples, sizes] = args.as_slice() else {
-        anyhow::bail!("usage: bench_claim_latency <samples> <sizes, comma separated>");
+        anyhow::bail!("usage: bench_claim_latency <samples> <sizes, comma separated> [--json]");
     };
     let samples: usize = samples.parse()?;
     let sizes: Vec<i64> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
@@ -66,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
     let table = format!("bench_claims_{}", std::process::id());
     let inbox = SqlxInbox::new(pool.clone(), InboxOptions::new().table(&table)).await?;
     let mut rows: i64 = 0;
+    let mut points = Vec::new();
     for size in sizes {
         if size > rows {
             // Random-looking ids (md5), as a broker that assigns random ids produces.
@@ -89,13 +106,23 @@ async fn main() -> anyhow::Result<()> {
         let count: i64 =
             sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&pool).await?;
         for ordered in [false, true] {
-            let line = measure(&inbox, &pool, samples, ordered).await?;
-            println!("rows_before={count} samples={samples} {line}");
+            let mut point = measure(&inbox, &pool, samples, ordered).await?;
+            println!("rows_before={count} samples={samples} {}", point.line);
+            point.json["rows_before"] = count.into();
+            points.push(point.json);
         }
         rows =
             sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(&pool).await?;
     }
     sqlx::query(&format!("DROP TABLE {table}")).execute(&pool).await?;
     sqlx::query(&format!("DROP TABLE {table}_migrations")).execute(&pool).await?;
+    if json {
+        let line = serde_json::json!({
+            "bench": "bench_claim_latency",
+            "samples": samples,
+            "points": points,
+        });
+        println!("{line}");
+    }
     Ok(())
 }

@@ -7,7 +7,9 @@
 //! ```
 //!
 //! With a second argument `b`, each transport's processor also runs with batches of up to `b`
-//! messages per transaction (`ProcessorOptions::batch_size`), in a column of its own.
+//! messages per transaction (`ProcessorOptions::batch_size`), in a column of its own. With
+//! `--json` (anywhere among the arguments) it also prints, last, one line of JSON with every
+//! rate (for `twice-bench`).
 //!
 //! Needs PostgreSQL, RabbitMQ and NATS on their usual ports. Prints numbers; nothing passes or
 //! fails.
@@ -72,6 +74,17 @@ fn row(rates: &[f64]) -> String {
     rates.iter().map(|r| format!(" {r:.0} |")).collect()
 }
 
+/// Prints a transport's markdown row and keeps its rates for the JSON line.
+fn emit(json: &mut Vec<serde_json::Value>, transport: &str, rates: &[f64]) {
+    println!("| {transport} |{}", row(rates));
+    json.push(serde_json::json!({
+        "transport": transport,
+        "consume": rates.first(),
+        "processor": rates.get(1),
+        "batches": rates.get(2),
+    }));
+}
+
 fn rate(n: usize, clock: Stopwatch) -> f64 {
     #[allow(clippy::cast_precision_loss)] // reason: a count far below 2^52
     let n = n as f64;
@@ -109,8 +122,12 @@ async fn process<T: Transport>(t: T, n: usize, batch: usize) -> anyhow::Result<f
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let n: usize = std::env::args().nth(1).map_or(Ok(10_000), |s| s.parse())?;
-    let batch: usize = std::env::args().nth(2).map_or(Ok(1), |s| s.parse())?;
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let json = args.iter().any(|a| a == "--json");
+    args.retain(|a| a != "--json");
+    let n: usize = args.first().map_or(Ok(10_000), |s| s.parse())?;
+    let batch: usize = args.get(1).map_or(Ok(1), |s| s.parse())?;
+    let mut json_rows = Vec::new();
     println!(
         "{n} messages of 256 bytes; processor: PostgreSQL inbox, {CONCURRENCY} concurrent calls"
     );
@@ -148,7 +165,7 @@ async fn main() -> anyhow::Result<()> {
     if batch > 1 {
         rates.push(process(broker.receiver("batches").await?, n, batch).await?);
     }
-    println!("| embedded (durable) |{}", row(&rates));
+    emit(&mut json_rows, "embedded (durable)", &rates);
 
     // The Service Bus client against `twice serve` on the same durable broker.
     let mut rates = Vec::new();
@@ -185,7 +202,7 @@ async fn main() -> anyhow::Result<()> {
         let options = receiver_options().max_concurrent_calls(CONCURRENCY * batch);
         rates.push(process(client.receiver("sb-batches", options), n, batch).await?);
     }
-    println!("| Service Bus client → twice serve (durable) |{}", row(&rates));
+    emit(&mut json_rows, "Service Bus client → twice serve (durable)", &rates);
     client.close().await;
     broker.shutdown().await;
 
@@ -217,7 +234,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(t) = transports.next() {
         rates.push(process(t, n, batch).await?);
     }
-    println!("| RabbitMQ (quorum queue) |{}", row(&rates));
+    emit(&mut json_rows, "RabbitMQ (quorum queue)", &rates);
 
     // NATS JetStream, file storage.
     let mut rates = Vec::new();
@@ -243,15 +260,26 @@ async fn main() -> anyhow::Result<()> {
     if let Some(t) = transports.next() {
         rates.push(process(t, n, batch).await?);
     }
-    println!("| NATS JetStream (file) |{}", row(&rates));
+    emit(&mut json_rows, "NATS JetStream (file)", &rates);
 
     // pgbench with the processor's transaction (the claim alone: the handler only completes),
     // at the same concurrency, in the same run.
-    match pgbench_claim()? {
+    let pgbench = pgbench_claim()?;
+    match pgbench {
         Some(tps) => {
             println!("| pgbench, the claim's SQL, {CONCURRENCY} clients | | {tps:.0} tps |")
         }
         None => println!("| pgbench | | (not installed) |"),
+    }
+    if json {
+        let line = serde_json::json!({
+            "bench": "bench_transports",
+            "messages": n,
+            "batch": batch,
+            "rows": json_rows,
+            "pgbench_tps": pgbench,
+        });
+        println!("{line}");
     }
     Ok(())
 }
