@@ -449,7 +449,8 @@ mod tests {
         assert!(insert_sql::<sqlx::Sqlite>("o", 1, false).ends_with("(?1, ?2, ?3, ?4, ?5, ?6)"));
         let leased = insert_sql::<sqlx::Postgres>("o", 2, true);
         assert!(leased.contains("created_at_ms, lease_owner, lease_until_ms)"), "{leased}");
-        assert!(leased.contains("$8 + $16) RETURNING seq"), "{leased}");
+        assert!(leased.contains(", $7, (extract(epoch"), "{leased}");
+        assert!(leased.ends_with("::bigint + $16) RETURNING seq"), "{leased}");
         assert!(leased.contains("($9, $10, $11, $12, $13, $14, $15, "), "{leased}");
         assert_eq!(params::<sqlx::Postgres>(3, 2), "$3, $4");
     }
