@@ -68,7 +68,12 @@ fn check_orders(orders: u64, success: bool, json: &Value) {
         assert!(["rabbitmq", "serve", "servicebus"].contains(&json["broker"].as_str().unwrap()));
         assert_eq!(n(json, &["twice", "duplicates", "broker"]), 0, "{json:#}");
     }
-    assert!(n(json, &["twice", "duplicates", "inbox"]) > 0, "{json:#}");
+    // The inbox claim catches the redeliveries of completions lost after the commit; with
+    // batches the first delivery of an order planned for that fault is often not the one
+    // completed (a lock ran out while its batch waited), so the fault may not fire at all.
+    if n(json, &["faults", "completions_lost"]) > 0 {
+        assert!(n(json, &["twice", "duplicates", "inbox"]) > 0, "{json:#}");
+    }
     assert!(n(json, &["twice", "duplicates", "business_key"]) > 0, "{json:#}");
 
     // Its OrderShipped events: one per valid order reached the loyalty service, none for
