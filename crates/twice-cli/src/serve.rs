@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use twice::Stopwatch;
@@ -41,6 +42,25 @@ pub(crate) struct ServeArgs {
     /// Serve no HTTP port.
     #[arg(long, conflicts_with = "http")]
     no_http: bool,
+    /// The most HTTP requests answered at once; more wait for a slot.
+    #[arg(long, value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    http_max_answering: u32,
+    /// The most HTTP connections still sending their request; a new one evicts the oldest, so
+    /// idle sockets cannot lock out a client.
+    #[arg(long, value_name = "N", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    http_max_receiving: u32,
+    /// The largest HTTP request body accepted, in bytes (1 KiB to 64 MiB); a larger one gets
+    /// 413 before it is sent.
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024,
+          value_parser = clap::value_parser!(u32).range(1024..=64 * 1024 * 1024))]
+    http_max_body: u32,
+    /// Seconds an HTTP client has for its TLS handshake and its request, and the server for
+    /// its answer.
+    #[arg(long, value_name = "SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_timeout: u64,
     /// Where the broker keeps its data; it restarts with every acknowledged message.
     #[arg(long, value_name = "DIR", default_value = "twice-data", conflicts_with = "in_memory")]
     data_dir: PathBuf,
@@ -176,7 +196,12 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .max_pending_connections(max_pending)
         .max_frame_size(args.max_frame_size)
         .max_links_per_session(usize::try_from(args.max_links_per_session).unwrap_or(usize::MAX))
-        .max_unsettled_per_link(args.max_unsettled_per_link);
+        .max_unsettled_per_link(args.max_unsettled_per_link)
+        .max_http_answering(usize::try_from(args.http_max_answering).unwrap_or(usize::MAX))
+        .max_http_receiving(usize::try_from(args.http_max_receiving).unwrap_or(usize::MAX))
+        .max_http_body(usize::try_from(args.http_max_body).unwrap_or(usize::MAX))
+        .http_receive_timeout(Duration::from_secs(args.http_timeout))
+        .http_answer_timeout(Duration::from_secs(args.http_timeout));
     let server_options =
         args.allow_hosts.iter().fold(server_options, |o, name| o.allow_host(name.clone()));
     let server_options = match (&args.tls_cert, &args.tls_key) {

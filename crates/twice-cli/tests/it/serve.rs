@@ -150,6 +150,47 @@ fn serve_applies_its_limits_and_refuses_out_of_range_ones() {
     assert!(serve.terminate().status.success());
 }
 
+/// The HTTP port's limits are flags: out of range they are refused by name; a body over
+/// `--http-max-body` gets 413 before it is sent, while one within it is read.
+#[test]
+fn serve_applies_its_http_limits() {
+    for (flag, value) in [
+        ("--http-max-body", "0"),
+        ("--http-max-answering", "0"),
+        ("--http-max-receiving", "0"),
+        ("--http-timeout", "0"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_twice"))
+            .args(["serve", "--in-memory", flag, value])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value} refused");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("error: ") && stderr.contains(flag), "{flag}: {stderr}");
+    }
+    let serve = start(&["--in-memory", "--no-dev-https", "--http-max-body", "2048"]);
+    let ask = |length: usize| {
+        let mut s = TcpStream::connect(serve.http_addr()).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let head = format!(
+            "PUT /orders?api-version=2021-05 HTTP/1.1\r\nHost: localhost\r\n\
+             Content-Length: {length}\r\nConnection: close\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        if length <= 2048 {
+            s.write_all(&vec![b'x'; length]).unwrap();
+        }
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    };
+    let over = ask(4096);
+    assert!(over.contains(" 413 ") && over.contains("at most 2048 bytes"), "{over}");
+    let within = ask(1500);
+    assert!(!within.contains(" 413 ") && within.starts_with("HTTP/1.1 "), "{within}");
+    assert!(serve.terminate().status.success());
+}
+
 #[test]
 fn serve_prints_no_key_but_the_emulators_default() {
     let serve = start(&["--in-memory", "--no-http", "--sas-key", "mine=s3cr3t-k3y"]);
