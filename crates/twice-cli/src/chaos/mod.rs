@@ -261,13 +261,23 @@ fn parse_event(processor: usize, line: &str) -> Option<Observed> {
     Some(Observed { processor, at_millis, event })
 }
 
-/// Sends a signal with `kill(1)`: SIGSTOP and SIGCONT have no std API.
-async fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let status = Command::new("kill").args([sig, &pid.to_string()]).status().await?;
-    if !status.success() {
-        bail!("kill {sig} {pid} failed");
+/// Sends a signal with `kill(1)`: SIGSTOP and SIGCONT have no std API. Returns false when
+/// the process is gone: a processor may die on its own (an abort after its commit) and be
+/// reaped between the choice of it and the signal, or while it is held.
+async fn signal(pid: u32, sig: &str) -> anyhow::Result<bool> {
+    let pid = pid.to_string();
+    let kill = |args: [&str; 2]| {
+        let mut command = Command::new("kill");
+        command.args(args).stderr(std::process::Stdio::null());
+        command
+    };
+    if kill([sig, &pid]).status().await?.success() {
+        return Ok(true);
     }
-    Ok(())
+    if !kill(["-0", &pid]).status().await?.success() {
+        return Ok(false);
+    }
+    bail!("kill {sig} {pid} failed")
 }
 
 /// Sends every order, again and again until the broker acknowledges it, spread over `span`:
@@ -520,13 +530,16 @@ async fn run_in(
             // still has them in hand, then it goes on and commits or fails.
             let i = running[rng.random_range(0..running.len())];
             let Some(pid) = workers.pid(i) else { continue };
-            signal(pid, "-STOP").await?;
+            if !signal(pid, "-STOP").await? {
+                continue;
+            }
             paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(i);
             let (paused, hold) = (Arc::clone(&paused), LOCK + Duration::from_secs(3));
             let clock = clock.clone();
             resumes.spawn(async move {
                 clock.sleep(hold).await;
-                let r = signal(pid, "-CONT").await;
+                // Gone meanwhile (it died on its own and was reaped): nothing to resume.
+                let r = signal(pid, "-CONT").await.map(drop);
                 paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&i);
                 r
             });
@@ -731,6 +744,22 @@ fn render(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A processor chosen for a pause may die on its own and be reaped first: signalling it
+    /// is no failure of the run, while a live one is signalled.
+    #[tokio::test]
+    async fn a_signal_to_a_process_that_is_gone_is_no_error() {
+        let mut gone = std::process::Command::new("true").spawn().expect("spawn");
+        let pid = gone.id();
+        gone.wait().expect("reaped");
+        assert!(!signal(pid, "-CONT").await.expect("no error"));
+        assert!(!signal(pid, "-STOP").await.expect("no error"));
+        let mut live = std::process::Command::new("sleep").arg("30").spawn().expect("spawn");
+        assert!(signal(live.id(), "-STOP").await.expect("stopped"));
+        assert!(signal(live.id(), "-CONT").await.expect("resumed"));
+        live.kill().expect("kill");
+        live.wait().expect("reaped");
+    }
 
     #[test]
     fn event_lines_parse_and_anything_else_is_ignored() {
