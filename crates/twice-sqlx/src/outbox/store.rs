@@ -234,33 +234,17 @@ where
         // A candidate goes out only if no pending row of its key comes before it outside the
         // batch: one leased by another relay, locked by another lease under way, or waiting
         // out a backoff.
-        let mut keys: Vec<&str> = candidates.iter().map(|c| c.1.as_str()).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        let sql = format!(
-            "SELECT seq, ordering_key FROM {t} WHERE state = 0 AND seq <= {} \
-             AND ordering_key IN ({}) ORDER BY seq",
-            DB::param(1),
-            params::<DB>(2, keys.len())
-        );
-        let mut query = sqlx::query_as::<_, (i64, String)>(&sql).bind(last);
-        for key in &keys {
-            query = query.bind((*key).to_owned());
+        let (sql, keys) = pending_of_keys::<DB>(t, candidates.iter().map(|c| c.1.as_str()));
+        let mut query = sqlx::query_as::<_, Pending>(&sql).bind(last);
+        for key in keys {
+            query = query.bind(key);
         }
         let pending = query.fetch_all(&mut *tx).await?;
         let offered: HashSet<i64> = candidates.iter().map(|c| c.0).collect();
-        let mut blocked: HashSet<String> = HashSet::new();
-        let mut taken: HashSet<i64> = HashSet::new();
-        for (seq, key) in pending {
-            if blocked.contains(&key) {
-                continue;
-            }
-            if offered.contains(&seq) {
-                taken.insert(seq);
-            } else {
-                blocked.insert(key);
-            }
-        }
+        let taken = in_order(pending.into_iter().map(|(seq, key, _)| {
+            let goes = offered.contains(&seq);
+            (seq, key, goes)
+        }));
         let mut leased = Vec::new();
         let mut unreadable = Vec::new();
         for (seq, key, destination, headers, body, created, attempts) in candidates {
@@ -305,6 +289,46 @@ where
         tx.commit().await?;
         Ok(leased)
     }
+}
+
+/// An unsent row of an ordering key: seq, ordering key, lease owner.
+type Pending = (i64, String, Option<String>);
+
+/// The read of the unsent rows of `keys` up to a `seq` (parameter 1, then the keys), in order
+/// of `seq`, and the distinct keys to bind.
+fn pending_of_keys<'k, DB: OutboxDialect>(
+    table: &str,
+    keys: impl Iterator<Item = &'k str>,
+) -> (String, Vec<String>) {
+    let mut keys: Vec<String> = keys.map(str::to_owned).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let sql = format!(
+        "SELECT seq, ordering_key, lease_owner FROM {table} WHERE state = 0 AND seq <= {} \
+         AND ordering_key IN ({}) ORDER BY seq",
+        DB::param(1),
+        params::<DB>(2, keys.len())
+    );
+    (sql, keys)
+}
+
+/// The rows that may go out, in order per key: walking the unsent rows by `seq`, each
+/// `(seq, key, goes)`, a key's rows are taken until the first that does not go, which holds
+/// back the rest of its key.
+fn in_order(pending: impl IntoIterator<Item = (i64, String, bool)>) -> HashSet<i64> {
+    let mut blocked: HashSet<String> = HashSet::new();
+    let mut taken: HashSet<i64> = HashSet::new();
+    for (seq, key, goes) in pending {
+        if blocked.contains(&key) {
+            continue;
+        }
+        if goes {
+            taken.insert(seq);
+        } else {
+            blocked.insert(key);
+        }
+    }
+    taken
 }
 
 /// ` AND seq IN (...)` for `seqs` from parameter `from`, and the values to bind.
@@ -420,34 +444,18 @@ where
         rows.sort_unstable_by_key(|r| r.seq);
         // As a lease does: a row goes out only if every unsent row of its key before it is
         // among these and still leased to `owner`.
-        let mut keys: Vec<&str> = rows.iter().map(|r| r.ordering_key.as_str()).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        let sql = format!(
-            "SELECT seq, ordering_key, lease_owner FROM {} WHERE state = 0 AND seq <= {} \
-             AND ordering_key IN ({}) ORDER BY seq",
-            self.table(),
-            DB::param(1),
-            params::<DB>(2, keys.len())
-        );
-        let mut query = sqlx::query_as::<_, (i64, String, Option<String>)>(&sql).bind(last);
-        for key in &keys {
-            query = query.bind((*key).to_owned());
+        let (sql, keys) =
+            pending_of_keys::<DB>(self.table(), rows.iter().map(|r| r.ordering_key.as_str()));
+        let mut query = sqlx::query_as::<_, Pending>(&sql).bind(last);
+        for key in keys {
+            query = query.bind(key);
         }
         let pending = query.fetch_all(self.pool()).await?;
         let offered: HashSet<i64> = rows.iter().map(|r| r.seq).collect();
-        let mut blocked: HashSet<String> = HashSet::new();
-        let mut taken: HashSet<i64> = HashSet::new();
-        for (seq, key, lease_owner) in pending {
-            if blocked.contains(&key) {
-                continue;
-            }
-            if offered.contains(&seq) && lease_owner.as_deref() == Some(owner) {
-                taken.insert(seq);
-            } else {
-                blocked.insert(key);
-            }
-        }
+        let taken = in_order(pending.into_iter().map(|(seq, key, lease_owner)| {
+            let goes = offered.contains(&seq) && lease_owner.as_deref() == Some(owner);
+            (seq, key, goes)
+        }));
         let (ready, held): (Vec<LeasedMessage>, Vec<LeasedMessage>) =
             rows.into_iter().partition(|r| taken.contains(&r.seq));
         if !held.is_empty() {
