@@ -41,6 +41,9 @@ fn error(e: impl std::fmt::Display) -> anyhow::Error {
 pub struct Group {
     /// The label left of the group.
     pub label: String,
+    /// A second, smaller line under the label (what was durable before the
+    /// acknowledgement), if any.
+    pub detail: Option<String>,
     /// One value per series.
     pub values: Vec<Option<f64>>,
 }
@@ -126,12 +129,21 @@ pub fn bar_chart(
     // The groups' labels, left of the plotting area, level with the middle of each group.
     let style =
         TextStyle::from(("sans-serif", 14).into_font()).pos(Pos::new(HPos::Right, VPos::Center));
+    let detail_style = TextStyle::from(("sans-serif", 12).into_font())
+        .color(&RGBColor(90, 90, 90))
+        .pos(Pos::new(HPos::Right, VPos::Center));
     let not_run =
         TextStyle::from(("sans-serif", 14).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
     for (g, group) in groups.iter().enumerate() {
         let middle = slots as f64 - (g * per_group) as f64 - series.len() as f64 / 2.0;
         let (x, y) = chart.backend_coord(&(0.0, middle));
-        root.draw(&Text::new(group.label.clone(), (x - 8, y), style.clone())).map_err(error)?;
+        let (label_y, detail_y) = if group.detail.is_some() { (y - 8, y + 9) } else { (y, y) };
+        root.draw(&Text::new(group.label.clone(), (x - 8, label_y), style.clone()))
+            .map_err(error)?;
+        if let Some(detail) = &group.detail {
+            root.draw(&Text::new(detail.clone(), (x - 8, detail_y), detail_style.clone()))
+                .map_err(error)?;
+        }
         if group.values.iter().all(Option::is_none) {
             root.draw(&Text::new("not run", (x + 8, y), not_run.clone())).map_err(error)?;
         }
@@ -227,7 +239,11 @@ fn trim(x: f64) -> String {
 pub fn brokers(path: &Path, rows: &[BrokerRow]) -> anyhow::Result<()> {
     let groups: Vec<Group> = rows
         .iter()
-        .map(|r| Group { label: r.system.clone(), values: vec![r.publish, r.receive] })
+        .map(|r| Group {
+            label: r.system.clone(),
+            detail: Some(format!("acknowledged when {}", r.durability)),
+            values: vec![r.publish, r.receive],
+        })
         .collect();
     bar_chart(
         path,
@@ -249,12 +265,17 @@ pub fn transports(path: &Path, t: &TransportsBench) -> anyhow::Result<()> {
         .iter()
         .map(|r| Group {
             label: r.transport.clone(),
+            detail: Some(format!(
+                "completed when {}",
+                crate::results::transport_durability(&r.transport)
+            )),
             values: vec![Some(r.consume), Some(r.processor), r.batches],
         })
         .collect();
     if let Some(tps) = t.pgbench_tps {
         groups.push(Group {
             label: "pgbench, the claim alone (tps)".to_owned(),
+            detail: Some("each commit fsync'd".to_owned()),
             values: vec![None, Some(tps), None],
         });
     }
@@ -301,9 +322,14 @@ pub fn claim(path: &Path, c: &ClaimBench) -> anyhow::Result<()> {
 /// As [`bar_chart`].
 pub fn recovery(path: &Path, r: &Recovery) -> anyhow::Result<()> {
     let groups = vec![
-        Group { label: "fill".to_owned(), values: vec![Some(r.fill_s_per_million())] },
+        Group {
+            label: "fill".to_owned(),
+            detail: Some("each send fsync'd (group commit)".to_owned()),
+            values: vec![Some(r.fill_s_per_million())],
+        },
         Group {
             label: "reopen (recovery)".to_owned(),
+            detail: None,
             values: vec![Some(r.reopen_s_per_million())],
         },
     ];

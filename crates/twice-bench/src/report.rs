@@ -147,6 +147,17 @@ fn transports(md: &mut String, t: &TransportsBench) {
         "\npgbench, the claim's SQL alone, 16 clients: {}\n",
         t.pgbench_tps.map_or_else(|| "not installed".to_owned(), |t| format!("{t:.0} tps"))
     );
+    let durable: Vec<String> = t
+        .rows
+        .iter()
+        .map(|r| format!("{}: {}", r.transport, crate::results::transport_durability(&r.transport)))
+        .collect();
+    let _ = writeln!(
+        md,
+        "Durable before the acknowledgement: the processor's claim, committed in PostgreSQL \
+         (fsync'd) before each completion; the completion, per transport: {}.\n",
+        durable.join("; ")
+    );
 }
 
 fn claim(md: &mut String, c: &ClaimBench) {

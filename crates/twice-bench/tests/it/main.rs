@@ -228,3 +228,66 @@ fn empty_results_still_make_a_report_and_plots() -> anyhow::Result<()> {
     assert!(md.contains("| system | durable before the acknowledgement |"));
     Ok(())
 }
+
+/// The machine's `nats-server`, or `None` with the reason printed (a failure in CI).
+fn machine_nats_server() -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths).map(|d| d.join("nats-server")).find(|p| p.is_file())
+    });
+    assert!(
+        found.is_some() || std::env::var_os("CI").is_none(),
+        "nats-server is not on PATH (.ci/run installs it)"
+    );
+    if found.is_none() {
+        eprintln!("skipped: nats-server is not on PATH");
+    }
+    found
+}
+
+#[test]
+fn a_nats_server_the_suite_starts_is_measured_and_gone_when_dropped() -> anyhow::Result<()> {
+    use twice_bench::nats::{Server, Sync, run};
+    let Some(binary) = machine_nats_server() else { return Ok(()) };
+    let server = Server::start(&binary, Sync::Default)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rates = runtime.block_on(run(&server.url, 300, "TWICE_BENCH_TEST", Some(server.pid())))?;
+    assert!(rates.publish > 0.0 && rates.receive > 0.0, "{rates:?}");
+    assert!(rates.server_cpu_us.is_some(), "the started server's CPU is read from its pid");
+    assert!(!rates.server_version.is_empty());
+    let port = server.url.rsplit(':').next().unwrap_or_default().parse::<u16>()?;
+    drop(server);
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the server is stopped when dropped"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_nats_server_that_cannot_start_is_an_error_naming_it() {
+    let missing = Path::new("/nonexistent/nats-server");
+    let err = twice_bench::nats::Server::start(missing, twice_bench::nats::Sync::Always)
+        .expect_err("no such binary");
+    assert!(err.to_string().contains("/nonexistent/nats-server"), "{err}");
+}
+
+#[test]
+fn each_transport_row_says_what_was_durable_before_its_completion() -> anyhow::Result<()> {
+    use twice_bench::results::transport_durability;
+    assert_eq!(transport_durability("embedded (durable)"), "fsync'd (group commit)");
+    assert_eq!(
+        transport_durability("Service Bus client → twice serve (durable)"),
+        "fsync'd (group commit)"
+    );
+    assert!(transport_durability("RabbitMQ (quorum queue)").contains("Raft"));
+    assert!(transport_durability("NATS JetStream (file)").contains("not fsync'd"));
+    assert_eq!(transport_durability("carrier pigeon"), "not known");
+    let dir = tempfile::tempdir()?;
+    twice_bench::write_report(dir.path(), &machine(), &fixed_parts()?)?;
+    let md = std::fs::read_to_string(dir.path().join("report.md"))?;
+    assert!(
+        md.contains("the completion, per transport: embedded (durable): fsync'd (group commit)"),
+        "{md}"
+    );
+    Ok(())
+}
