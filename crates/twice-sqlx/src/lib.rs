@@ -110,6 +110,15 @@
 //!   1292, 1406, 4025, SQLite NOT NULL and CHECK) are permanent: dead-lettered at once.
 //! - **Pool size.** The processor refuses to start when the pool has fewer connections than
 //!   MaxConcurrentCalls ([`twice::Inbox::max_connections`]).
+//! - **Round trips per message.** A message handled alone costs PostgreSQL six round trips
+//!   through a default sqlx pool: the pool's ping of the connection it hands out
+//!   (`test_before_acquire`, on by default), `BEGIN` (with `SET LOCAL lock_timeout` in the same
+//!   round trip), the claim, the check that the transaction can still commit (`SELECT 1`; an
+//!   outbox insert takes its place), `COMMIT`, and the ping sqlx sends when the connection goes
+//!   back to the pool. `PoolOptions::test_before_acquire(false)` saves the first: a connection
+//!   that broke while idle then fails its `BEGIN` instead, which the processor retries without
+//!   spending a delivery (the pool drops the broken connection). Batches
+//!   ([`twice::ProcessorOptions::batch_size`]) pay these once per batch.
 //! - **Three or more copies at once (MariaDB).** While the first copy holds its uncommitted
 //!   claim, the others wait on the key's record lock. If the first commits, each waiter's
 //!   `INSERT IGNORE` finds the row and completes as a concurrent duplicate. If it rolls back,

@@ -95,7 +95,12 @@ fn rate(n: usize, clock: Stopwatch) -> f64 {
 /// messages are done; messages per second.
 async fn process<T: Transport>(t: T, n: usize, batch: usize) -> anyhow::Result<f64> {
     let db = PgDatabase::create("twice_bench").await?;
-    let inbox = SqlxInbox::<sqlx::Postgres>::new(db.pool(40).await?, InboxOptions::new()).await?;
+    let pool = if std::env::var_os("TWICE_BENCH_NO_PING").is_some() {
+        db.pool_without_ping(40).await?
+    } else {
+        db.pool(40).await?
+    };
+    let inbox = SqlxInbox::<sqlx::Postgres>::new(pool, InboxOptions::new()).await?;
     let handler = handler_fn::<sqlx::Transaction<'static, sqlx::Postgres>, _>(|_ctx, _tx| {
         Box::pin(async { Ok::<_, HandlerError>(Outcome::Complete) })
     });

@@ -136,6 +136,21 @@ impl<DB: Server> ServerDatabase<DB> {
             .connect_with(self.options())
             .await
     }
+
+    /// As [`pool`](Self::pool), but handing out connections without pinging each first
+    /// (`test_before_acquire(false)`): one round trip less per transaction.
+    ///
+    /// # Errors
+    ///
+    /// When the server is unreachable.
+    pub async fn pool_without_ping(&self, max: u32) -> Result<sqlx::Pool<DB>, sqlx::Error> {
+        sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(60))
+            .test_before_acquire(false)
+            .connect_with(self.options())
+            .await
+    }
 }
 
 impl<DB: Server> Drop for ServerDatabase<DB> {
