@@ -128,7 +128,7 @@ pub fn write_frame(out: &mut Vec<u8>, kind: u8, channel: u16, p: &Performative, 
     let start = out.len();
     out.extend_from_slice(&[0, 0, 0, 0, 2, kind]);
     out.extend_from_slice(&channel.to_be_bytes());
-    p.to_value().encode(out);
+    p.encode(out);
     out.extend_from_slice(payload);
     let size = u32::try_from(out.len() - start).unwrap_or(u32::MAX);
     out[start..start + 4].copy_from_slice(&size.to_be_bytes());
