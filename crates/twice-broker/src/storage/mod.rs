@@ -650,8 +650,9 @@ impl Log {
         let Some(seg) = self.segments.get(&loc.segment) else {
             return Err(StorageError::NotFound { segment: loc.segment, offset: loc.offset });
         };
-        let path = self.dir.join(format::segment_file_name(loc.segment));
-        read_record(seg.file.as_ref(), seg.salt, loc, &path)
+        read_record(seg.file.as_ref(), seg.salt, loc, || {
+            self.dir.join(format::segment_file_name(loc.segment))
+        })
     }
 
     /// Commits what is buffered, waits for it, and stops the writer thread.
@@ -716,11 +717,13 @@ impl WriterGate {
 }
 
 /// Reads the record at `loc` from `file` (whose salt is `salt`) and checks it.
+/// Reads the record at `loc`; `path` names the file in an error (it is made only then: a
+/// receive reads a record per message whose body is no longer cached).
 fn read_record(
     file: &dyn VFile,
     salt: u32,
     loc: Location,
-    path: &Path,
+    path: impl FnOnce() -> PathBuf,
 ) -> Result<Bytes, StorageError> {
     let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
     let mut buf = vec![0u8; len + 8];
@@ -728,7 +731,7 @@ fn read_record(
         if e.kind() == io::ErrorKind::UnexpectedEof {
             corrupt(loc)
         } else {
-            StorageError::Io { path: path.to_owned(), source: e }
+            StorageError::Io { path: path(), source: e }
         }
     })?;
     let mut h = [0u8; 8];
