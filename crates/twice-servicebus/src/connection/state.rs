@@ -239,7 +239,8 @@ impl Out {
             let t = Transfer {
                 handle: o.local_handle,
                 delivery_id: first.then_some(o.delivery_id),
-                delivery_tag: first.then(|| o.tag.clone()),
+                // The tag goes out once, with the first frame.
+                delivery_tag: first.then(|| std::mem::take(&mut o.tag)),
                 message_format: first.then_some(0),
                 settled: Some(o.settled),
                 more,
