@@ -148,13 +148,27 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
 /// Appends one frame (header, performative, payload) to `out`.
 pub fn write_frame(out: &mut Vec<u8>, kind: u8, channel: u16, p: &Performative, payload: &[u8]) {
+    write_frame_with(out, kind, channel, p, |out| out.extend_from_slice(payload));
+}
+
+/// Appends one frame whose payload `payload` writes straight into `out` (a message encoded in
+/// place, without a buffer of its own); returns the frame's size.
+pub fn write_frame_with(
+    out: &mut Vec<u8>,
+    kind: u8,
+    channel: u16,
+    p: &Performative,
+    payload: impl FnOnce(&mut Vec<u8>),
+) -> usize {
     let start = out.len();
     out.extend_from_slice(&[0, 0, 0, 0, 2, kind]);
     out.extend_from_slice(&channel.to_be_bytes());
     p.encode(out);
-    out.extend_from_slice(payload);
-    let size = u32::try_from(out.len() - start).unwrap_or(u32::MAX);
+    payload(out);
+    let len = out.len() - start;
+    let size = u32::try_from(len).unwrap_or(u32::MAX);
     out[start..start + 4].copy_from_slice(&size.to_be_bytes());
+    len
 }
 
 /// An empty frame: the heartbeat that keeps an idle connection open.

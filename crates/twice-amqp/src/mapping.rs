@@ -459,14 +459,20 @@ pub enum Presentation {
 }
 
 /// Encodes a received message as the SDKs expect it.
+pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
+    let mut out = Vec::with_capacity(r.message.body.len() + 256);
+    encode_received_into(&mut out, r, how);
+    out
+}
+
+/// Appends a received message, encoded as [`encode_received`] encodes it, to `out` (a frame
+/// being written, say).
 ///
 /// Every message a receiver gets goes through here, so the sections are written straight into
 /// the buffer rather than built as [`Value`]s first; the bytes are the same.
-pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
+pub fn encode_received_into(out: &mut Vec<u8>, r: &ReceivedMessage, how: Presentation) {
     let m = &r.message;
     let pass = PassThrough::of(m);
-    let mut buf = Vec::with_capacity(m.body.len() + 256);
-    let out = &mut buf;
     // The effective time to live, as Service Bus sends it: the message's own, else what its
     // entity's default made of it (when it fits the header's milliseconds).
     let effective = m.time_to_live.or_else(|| {
@@ -600,7 +606,6 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
     if !pass.footer.is_empty() {
         Value::described(section::FOOTER, Value::Map(pass.footer)).encode(out);
     }
-    buf
 }
 
 /// Writes an application property's value as [`from_twice_value`] makes it, without the copy.
