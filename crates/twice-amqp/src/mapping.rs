@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use twice::{Message, MessageId, MessageState, Properties, ReceivedMessage, SessionId, Timestamp};
 
+use crate::codec::encode::{self, ListWriter};
 use crate::codec::{DecodeError, Decoder, Value};
 use crate::performative::described_list;
 
@@ -459,9 +460,19 @@ pub enum Presentation {
 
 /// Encodes a received message as the SDKs expect it.
 pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
+    let mut out = Vec::with_capacity(r.message.body.len() + 256);
+    encode_received_into(&mut out, r, how);
+    out
+}
+
+/// Appends a received message, encoded as [`encode_received`] encodes it, to `out` (a frame
+/// being written, say).
+///
+/// Every message a receiver gets goes through here, so the sections are written straight into
+/// the buffer rather than built as [`Value`]s first; the bytes are the same.
+pub fn encode_received_into(out: &mut Vec<u8>, r: &ReceivedMessage, how: Presentation) {
     let m = &r.message;
     let pass = PassThrough::of(m);
-    let mut out = Vec::with_capacity(m.body.len() + 256);
     // The effective time to live, as Service Bus sends it: the message's own, else what its
     // entity's default made of it (when it fits the header's milliseconds).
     let effective = m.time_to_live.or_else(|| {
@@ -471,99 +482,140 @@ pub fn encode_received(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
     let ttl = effective
         .map_or(Value::Null, |d| Value::Uint(u32::try_from(d.as_millis()).unwrap_or(u32::MAX)));
     let wire_count = r.delivery_count.saturating_sub(1);
-    described_list(
-        section::HEADER,
-        vec![Value::Null, Value::Null, ttl, Value::Null, Value::Uint(wire_count)],
-    )
-    .encode(&mut out);
+    let mut header = ListWriter::begin(out, section::HEADER);
+    header.null(out);
+    header.null(out);
+    header.value(out, &ttl);
+    header.null(out);
+    header.value(out, &Value::Uint(wire_count));
+    header.end(out);
     let lock = match how {
         Presentation::Locked => r.lock_token,
         Presentation::Unlocked => None,
     };
     if let Some(lock) = lock {
-        Value::described(
-            section::DELIVERY_ANNOTATIONS,
-            Value::Map(vec![(Value::symbol("x-opt-lock-token"), Value::Uuid(*lock.as_uuid()))]),
-        )
-        .encode(&mut out);
+        encode::descriptor(out, section::DELIVERY_ANNOTATIONS);
+        let map = encode::begin_compound(out);
+        encode::symbol(out, "x-opt-lock-token");
+        Value::Uuid(*lock.as_uuid()).encode(out);
+        encode::end_compound(out, map, encode::MAP, 2);
     }
-    let mut ma = vec![
-        (Value::symbol("x-opt-sequence-number"), Value::Long(r.sequence_number.get())),
-        (Value::symbol("x-opt-enqueued-time"), Value::Timestamp(r.enqueued_time.as_millis())),
-    ];
+    encode::descriptor(out, section::MESSAGE_ANNOTATIONS);
+    let map = encode::begin_compound(out);
+    let annotation = |out: &mut Vec<u8>, key: &str, v: &Value| {
+        encode::symbol(out, key);
+        v.encode(out);
+    };
+    annotation(out, "x-opt-sequence-number", &Value::Long(r.sequence_number.get()));
+    annotation(out, "x-opt-enqueued-time", &Value::Timestamp(r.enqueued_time.as_millis()));
+    let mut entries = 2;
     if lock.is_some()
         && let Some(until) = r.locked_until
     {
-        ma.push((Value::symbol("x-opt-locked-until"), Value::Timestamp(until.as_millis())));
+        annotation(out, "x-opt-locked-until", &Value::Timestamp(until.as_millis()));
+        entries += 1;
     }
     if let Some(at) = m.scheduled_enqueue_time {
-        ma.push((Value::symbol("x-opt-scheduled-enqueue-time"), Value::Timestamp(at.as_millis())));
+        annotation(out, "x-opt-scheduled-enqueue-time", &Value::Timestamp(at.as_millis()));
+        entries += 1;
     }
     if let Some(pk) = &m.partition_key {
-        ma.push((Value::symbol("x-opt-partition-key"), Value::String(pk.clone())));
+        encode::symbol(out, "x-opt-partition-key");
+        encode::string(out, pk);
+        entries += 1;
     }
     if let Some(src) = &r.dead_letter_source {
-        ma.push((Value::symbol("x-opt-deadletter-source"), Value::String(src.clone())));
+        encode::symbol(out, "x-opt-deadletter-source");
+        encode::string(out, src);
+        entries += 1;
     }
-    match r.state {
-        MessageState::Active => {}
-        MessageState::Deferred => ma.push((Value::symbol("x-opt-message-state"), Value::Int(1))),
-        MessageState::Scheduled => ma.push((Value::symbol("x-opt-message-state"), Value::Int(2))),
+    let state = match r.state {
+        MessageState::Active => None,
+        MessageState::Deferred => Some(1),
+        MessageState::Scheduled => Some(2),
+    };
+    if let Some(state) = state {
+        annotation(out, "x-opt-message-state", &Value::Int(state));
+        entries += 1;
     }
-    ma.extend(pass.annotations);
-    Value::described(section::MESSAGE_ANNOTATIONS, Value::Map(ma)).encode(&mut out);
-    let s = |o: &Option<String>| o.clone().map_or(Value::Null, Value::String);
+    for (k, v) in &pass.annotations {
+        k.encode(out);
+        v.encode(out);
+        entries += 1;
+    }
+    encode::end_compound(out, map, encode::MAP, entries * 2);
     // The creation time is the sender's, else (as Service Bus sets it) the enqueued time.
     let created = pass.creation_time.unwrap_or(Value::Timestamp(r.enqueued_time.as_millis()));
-    described_list(
-        section::PROPERTIES,
-        vec![
-            m.message_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
-            pass.user_id.unwrap_or(Value::Null),
-            s(&m.to),
-            s(&m.subject),
-            s(&m.reply_to),
-            s(&m.correlation_id),
-            m.content_type.clone().map_or(Value::Null, Value::Symbol),
-            pass.content_encoding.unwrap_or(Value::Null),
-            r.expires_at.map_or(Value::Null, |t| Value::Timestamp(t.as_millis())),
-            created,
-            m.session_id.as_ref().map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
-            Value::Null,
-            s(&m.reply_to_session_id),
-        ],
-    )
-    .encode(&mut out);
+    let mut p = ListWriter::begin(out, section::PROPERTIES);
+    p.opt_string(out, m.message_id.as_ref().map(MessageId::as_str));
+    p.value(out, pass.user_id.as_ref().unwrap_or(&Value::Null));
+    p.opt_string(out, m.to.as_deref());
+    p.opt_string(out, m.subject.as_deref());
+    p.opt_string(out, m.reply_to.as_deref());
+    p.opt_string(out, m.correlation_id.as_deref());
+    p.opt_symbol(out, m.content_type.as_deref());
+    p.value(out, pass.content_encoding.as_ref().unwrap_or(&Value::Null));
+    p.value(out, &r.expires_at.map_or(Value::Null, |t| Value::Timestamp(t.as_millis())));
+    p.value(out, &created);
+    p.opt_string(out, m.session_id.as_ref().map(SessionId::as_str));
+    p.null(out);
+    p.opt_string(out, m.reply_to_session_id.as_deref());
+    p.end(out);
     let raw_body =
         matches!(m.application_properties.get(RAW_BODY_PROPERTY), Some(twice::Value::Bool(true)));
-    let mut ap: Vec<(Value, Value)> = m
-        .application_properties
-        .iter()
-        .filter(|(k, _)| k.as_str() != RAW_BODY_PROPERTY && k.as_str() != PASS_THROUGH_PROPERTY)
-        .map(|(k, v)| (Value::String(k.clone()), from_twice_value(v)))
-        .collect();
-    ap.extend(pass.application_properties);
-    let mut add = |key: &str, v: &Option<String>| {
+    let before = out.len();
+    encode::descriptor(out, section::APPLICATION_PROPERTIES);
+    let map = encode::begin_compound(out);
+    let mut entries = 0;
+    for (k, v) in &m.application_properties {
+        if k.as_str() == RAW_BODY_PROPERTY || k.as_str() == PASS_THROUGH_PROPERTY {
+            continue;
+        }
+        encode::string(out, k);
+        encode_twice_value(out, v);
+        entries += 1;
+    }
+    for (k, v) in &pass.application_properties {
+        k.encode(out);
+        v.encode(out);
+        entries += 1;
+    }
+    for (key, v) in [
+        ("DeadLetterReason", &r.dead_letter_reason),
+        ("DeadLetterErrorDescription", &r.dead_letter_error_description),
+    ] {
         if let Some(v) = v
             && !m.application_properties.contains_key(key)
         {
-            ap.push((Value::string(key), Value::String(v.clone())));
+            encode::string(out, key);
+            encode::string(out, v);
+            entries += 1;
         }
-    };
-    add("DeadLetterReason", &r.dead_letter_reason);
-    add("DeadLetterErrorDescription", &r.dead_letter_error_description);
-    if !ap.is_empty() {
-        Value::described(section::APPLICATION_PROPERTIES, Value::Map(ap)).encode(&mut out);
+    }
+    if entries == 0 {
+        out.truncate(before);
+    } else {
+        encode::end_compound(out, map, encode::MAP, entries * 2);
     }
     if raw_body {
         out.extend_from_slice(&m.body);
     } else {
-        Value::described(section::DATA, Value::Binary(m.body.clone())).encode(&mut out);
+        encode::descriptor(out, section::DATA);
+        encode::binary(out, &m.body);
     }
     if !pass.footer.is_empty() {
-        Value::described(section::FOOTER, Value::Map(pass.footer)).encode(&mut out);
+        Value::described(section::FOOTER, Value::Map(pass.footer)).encode(out);
     }
-    out
+}
+
+/// Writes an application property's value as [`from_twice_value`] makes it, without the copy.
+fn encode_twice_value(out: &mut Vec<u8>, v: &twice::Value) {
+    match v {
+        twice::Value::Binary(b) => encode::binary(out, b),
+        twice::Value::String(s) => encode::string(out, s),
+        twice::Value::Symbol(s) => encode::symbol(out, s),
+        other => from_twice_value(other).encode(out),
+    }
 }
 
 /// Encodes a message to send (used by tests and by the management reply for scheduled
@@ -627,6 +679,239 @@ pub fn encode_message(m: &Message) -> Vec<u8> {
 mod tests {
     use super::*;
     use twice::{LockToken, SequenceNumber};
+
+    /// A received message encoded by building its sections as values first: the reference
+    /// that the bytes of [`encode_received`] must equal.
+    fn encode_received_as_values(r: &ReceivedMessage, how: Presentation) -> Vec<u8> {
+        let m = &r.message;
+        let pass = PassThrough::of(m);
+        let mut out = Vec::with_capacity(m.body.len() + 256);
+        // The effective time to live, as Service Bus sends it: the message's own, else what its
+        // entity's default made of it (when it fits the header's milliseconds).
+        let effective = m.time_to_live.or_else(|| {
+            let ms = r.expires_at?.as_millis().checked_sub(r.enqueued_time.as_millis())?;
+            Some(Duration::from_millis(u64::try_from(ms).ok().filter(|&ms| ms > 0)?))
+        });
+        let ttl = effective
+            .map_or(Value::Null, |d| Value::Uint(u32::try_from(d.as_millis()).unwrap_or(u32::MAX)));
+        let wire_count = r.delivery_count.saturating_sub(1);
+        described_list(
+            section::HEADER,
+            vec![Value::Null, Value::Null, ttl, Value::Null, Value::Uint(wire_count)],
+        )
+        .encode(&mut out);
+        let lock = match how {
+            Presentation::Locked => r.lock_token,
+            Presentation::Unlocked => None,
+        };
+        if let Some(lock) = lock {
+            Value::described(
+                section::DELIVERY_ANNOTATIONS,
+                Value::Map(vec![(Value::symbol("x-opt-lock-token"), Value::Uuid(*lock.as_uuid()))]),
+            )
+            .encode(&mut out);
+        }
+        let mut ma = vec![
+            (Value::symbol("x-opt-sequence-number"), Value::Long(r.sequence_number.get())),
+            (Value::symbol("x-opt-enqueued-time"), Value::Timestamp(r.enqueued_time.as_millis())),
+        ];
+        if lock.is_some()
+            && let Some(until) = r.locked_until
+        {
+            ma.push((Value::symbol("x-opt-locked-until"), Value::Timestamp(until.as_millis())));
+        }
+        if let Some(at) = m.scheduled_enqueue_time {
+            ma.push((
+                Value::symbol("x-opt-scheduled-enqueue-time"),
+                Value::Timestamp(at.as_millis()),
+            ));
+        }
+        if let Some(pk) = &m.partition_key {
+            ma.push((Value::symbol("x-opt-partition-key"), Value::String(pk.clone())));
+        }
+        if let Some(src) = &r.dead_letter_source {
+            ma.push((Value::symbol("x-opt-deadletter-source"), Value::String(src.clone())));
+        }
+        match r.state {
+            MessageState::Active => {}
+            MessageState::Deferred => {
+                ma.push((Value::symbol("x-opt-message-state"), Value::Int(1)))
+            }
+            MessageState::Scheduled => {
+                ma.push((Value::symbol("x-opt-message-state"), Value::Int(2)))
+            }
+        }
+        ma.extend(pass.annotations);
+        Value::described(section::MESSAGE_ANNOTATIONS, Value::Map(ma)).encode(&mut out);
+        let s = |o: &Option<String>| o.clone().map_or(Value::Null, Value::String);
+        // The creation time is the sender's, else (as Service Bus sets it) the enqueued time.
+        let created = pass.creation_time.unwrap_or(Value::Timestamp(r.enqueued_time.as_millis()));
+        described_list(
+            section::PROPERTIES,
+            vec![
+                m.message_id
+                    .as_ref()
+                    .map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
+                pass.user_id.unwrap_or(Value::Null),
+                s(&m.to),
+                s(&m.subject),
+                s(&m.reply_to),
+                s(&m.correlation_id),
+                m.content_type.clone().map_or(Value::Null, Value::Symbol),
+                pass.content_encoding.unwrap_or(Value::Null),
+                r.expires_at.map_or(Value::Null, |t| Value::Timestamp(t.as_millis())),
+                created,
+                m.session_id
+                    .as_ref()
+                    .map_or(Value::Null, |id| Value::String(id.as_str().to_owned())),
+                Value::Null,
+                s(&m.reply_to_session_id),
+            ],
+        )
+        .encode(&mut out);
+        let raw_body = matches!(
+            m.application_properties.get(RAW_BODY_PROPERTY),
+            Some(twice::Value::Bool(true))
+        );
+        let mut ap: Vec<(Value, Value)> = m
+            .application_properties
+            .iter()
+            .filter(|(k, _)| k.as_str() != RAW_BODY_PROPERTY && k.as_str() != PASS_THROUGH_PROPERTY)
+            .map(|(k, v)| (Value::String(k.clone()), from_twice_value(v)))
+            .collect();
+        ap.extend(pass.application_properties);
+        let mut add = |key: &str, v: &Option<String>| {
+            if let Some(v) = v
+                && !m.application_properties.contains_key(key)
+            {
+                ap.push((Value::string(key), Value::String(v.clone())));
+            }
+        };
+        add("DeadLetterReason", &r.dead_letter_reason);
+        add("DeadLetterErrorDescription", &r.dead_letter_error_description);
+        if !ap.is_empty() {
+            Value::described(section::APPLICATION_PROPERTIES, Value::Map(ap)).encode(&mut out);
+        }
+        if raw_body {
+            out.extend_from_slice(&m.body);
+        } else {
+            Value::described(section::DATA, Value::Binary(m.body.clone())).encode(&mut out);
+        }
+        if !pass.footer.is_empty() {
+            Value::described(section::FOOTER, Value::Map(pass.footer)).encode(&mut out);
+        }
+        out
+    }
+
+    /// `encode_received` writes exactly the bytes of the sections built as values, for every
+    /// field a message and its delivery may carry, in both presentations, with lists and maps
+    /// of both widths.
+    #[test]
+    fn encode_received_writes_the_bytes_of_its_values() {
+        let bare = ReceivedMessage::new(
+            Message::new(""),
+            SequenceNumber::new(1),
+            Timestamp::from_millis(0),
+        );
+        let mut full = ReceivedMessage::new(
+            Message::new(vec![9u8; 1024])
+                .with_message_id("m-1")
+                .with_session_id("s")
+                .with_correlation_id("c")
+                .with_subject("subj")
+                .with_content_type("application/json")
+                .with_to("to")
+                .with_reply_to("reply")
+                .with_reply_to_session_id("rs")
+                .with_time_to_live(Duration::from_secs(60))
+                .with_scheduled_enqueue_time(Timestamp::from_millis(5_000))
+                .with_partition_key("pk")
+                .with_property("text", "v")
+                .with_property("n", 42i64)
+                .with_property("i", -7i32)
+                .with_property("yes", true)
+                .with_property("x", 1.5f64)
+                .with_property("bin", twice::Value::Binary(Bytes::from_static(b"\x00\x01")))
+                .with_property("sym", twice::Value::Symbol("s".into()))
+                .with_property("at", twice::Value::Timestamp(Timestamp::from_millis(77)))
+                .with_property("id", twice::Value::Uuid(uuid::Uuid::from_u128(5)))
+                .with_property("small", twice::Value::Ubyte(3))
+                .with_property("long", "p".repeat(300)),
+            SequenceNumber::new(1 << 40),
+            Timestamp::from_millis(1_700_000_000_000),
+        );
+        full.expires_at = Some(Timestamp::from_millis(1_700_000_060_000));
+        full.lock_token = Some(LockToken::random());
+        full.locked_until = Some(Timestamp::from_millis(1_700_000_030_000));
+        full.delivery_count = 4;
+        full.state = MessageState::Scheduled;
+        full.dead_letter_source = Some("q".into());
+        full.dead_letter_reason = Some("Poison".into());
+        full.dead_letter_error_description = Some("d".repeat(300));
+        // A time to live only from the entity's default, and a reason the sender set itself.
+        let mut derived = bare.clone();
+        derived.expires_at = Some(Timestamp::from_millis(90_000));
+        derived.state = MessageState::Deferred;
+        derived.message =
+            Message::new("b").with_property("DeadLetterReason", "own").with_message_id("m");
+        derived.dead_letter_reason = Some("Poison".into());
+        let mut many = bare.clone();
+        for i in 0..200 {
+            many.message = many.message.with_property(format!("k{i}"), i64::from(i));
+        }
+        // Pass-through fields (annotations, typed properties, footer) and a raw body.
+        let mut payload = Vec::new();
+        Value::described(
+            section::MESSAGE_ANNOTATIONS,
+            Value::Map(vec![(Value::symbol("custom"), Value::string("kept"))]),
+        )
+        .encode(&mut payload);
+        described_list(
+            section::PROPERTIES,
+            vec![
+                Value::Ulong(12),
+                Value::Binary(Bytes::from_static(b"alice")),
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::Null,
+                Value::symbol("gzip"),
+                Value::Null,
+                Value::Timestamp(1_700_000_000_000),
+            ],
+        )
+        .encode(&mut payload);
+        Value::described(
+            section::APPLICATION_PROPERTIES,
+            Value::Map(vec![(
+                Value::string("price"),
+                Value::Described(
+                    Box::new(Value::symbol("com.microsoft:decimal")),
+                    Box::new(Value::Binary(Bytes::from_static(&[1, 2, 3]))),
+                ),
+            )]),
+        )
+        .encode(&mut payload);
+        Value::described(0x77, Value::string("hello")).encode(&mut payload);
+        Value::described(
+            section::FOOTER,
+            Value::Map(vec![(Value::symbol("f"), Value::string("v"))]),
+        )
+        .encode(&mut payload);
+        let passed = ReceivedMessage::new(
+            Sections::parse(&payload).unwrap().to_message(),
+            SequenceNumber::new(3),
+            Timestamp::from_millis(1000),
+        );
+        for r in [bare, full, derived, many, passed] {
+            for how in [Presentation::Locked, Presentation::Unlocked] {
+                let want = encode_received_as_values(&r, how);
+                assert_eq!(encode_received(&r, how), want, "{how:?} {:?}", r.message.message_id);
+                Sections::parse(&want).unwrap();
+            }
+        }
+    }
 
     /// The first message of a batch the Python SDK sent, as bytes from its frame log.
     #[test]

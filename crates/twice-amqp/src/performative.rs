@@ -5,6 +5,7 @@
 
 use bytes::Bytes;
 
+use crate::codec::encode::{self, ListWriter};
 use crate::codec::{Array, DecodeError, Decoder, Value, code};
 
 /// Why a frame body is not a valid performative.
@@ -199,6 +200,82 @@ pub struct Disposition {
     pub state: Option<Value>,
 }
 
+impl Disposition {
+    /// A disposition in the shape clients settle messages with (numeric descriptor, two to five
+    /// fields: booleans and uints in any of their encodings, an outcome without fields), read
+    /// without building the list; `None` for anything else, valid or not, which
+    /// [`Performative::decode_values`] then reads (and judges) as it reads every performative.
+    fn decode_common(body: &[u8]) -> Option<(Self, &[u8])> {
+        let rest = body.strip_prefix(&[0x00, 0x53, 0x15])?;
+        let (&code, rest) = rest.split_first()?;
+        let (size, count, rest) = match code {
+            0xc0 => {
+                let (&[size, count], rest) = rest.split_first_chunk::<2>()?;
+                (usize::from(size).checked_sub(1)?, usize::from(count), rest)
+            }
+            0xd0 => {
+                let (&[s0, s1, s2, s3, c0, c1, c2, c3], rest) = rest.split_first_chunk::<8>()?;
+                let size = usize::try_from(u32::from_be_bytes([s0, s1, s2, s3])).ok()?;
+                let count = usize::try_from(u32::from_be_bytes([c0, c1, c2, c3])).ok()?;
+                (size.checked_sub(4)?, count, rest)
+            }
+            _ => return None,
+        };
+        if !(2..=5).contains(&count) || size > rest.len() {
+            return None;
+        }
+        let (mut list, payload) = rest.split_at(size);
+        let role = take_bool(&mut list)??;
+        let first = take_uint(&mut list)??;
+        let mut d = Disposition { role, first, ..Disposition::default() };
+        if count > 2 {
+            d.last = take_uint(&mut list)?;
+        }
+        if count > 3 {
+            d.settled = take_bool(&mut list)?.unwrap_or(false);
+        }
+        if count > 4 {
+            // An outcome without fields (accepted, released), or none.
+            d.state = match list {
+                [0x40] => None,
+                [0x00, 0x53, code, 0x45] | [0x00, 0x53, code, 0xc0, 0x01, 0x00] => {
+                    Some(Value::described(u64::from(*code), Value::List(Vec::new())))
+                }
+                _ => return None,
+            };
+            list = &[];
+        }
+        list.is_empty().then_some((d, payload))
+    }
+}
+
+/// A `boolean` field or null (`Some(None)`) from the start of `b`; `None` for another type.
+fn take_bool(b: &mut &[u8]) -> Option<Option<bool>> {
+    let (v, n) = match *b {
+        [0x40, ..] => (None, 1),
+        [0x41, ..] => (Some(true), 1),
+        [0x42, ..] => (Some(false), 1),
+        [0x56, 0, ..] => (Some(false), 2),
+        [0x56, 1, ..] => (Some(true), 2),
+        _ => return None,
+    };
+    *b = &b[n..];
+    Some(v)
+}
+
+/// A `uint` field or null (`Some(None)`) from the start of `b`; `None` for another type.
+fn take_uint(b: &mut &[u8]) -> Option<Option<u32>> {
+    let (v, n) = match *b {
+        [0x40, ..] => (None, 1),
+        [0x43, ..] => (Some(0), 1),
+        [0x52, x, ..] => (Some(u32::from(*x)), 2),
+        [0x70, a, b1, c, d, ..] => (Some(u32::from_be_bytes([*a, *b1, *c, *d])), 5),
+        _ => return None,
+    };
+    *b = &b[n..];
+    Some(v)
+}
+
 /// `detach`.
 #[derive(Clone, Debug, PartialEq, Default)]
 #[allow(missing_docs)] // reason: the field names are the specification's
@@ -357,6 +434,15 @@ impl Performative {
     /// Decodes the performative at the start of a frame body; returns it and the payload that
     /// follows (for `transfer`).
     pub fn decode(body: &[u8]) -> Result<(Self, &[u8]), FrameError> {
+        // A receiver settles message by message: its dispositions are read field by field.
+        if let Some((d, rest)) = Disposition::decode_common(body) {
+            return Ok((Performative::Disposition(d), rest));
+        }
+        Self::decode_values(body)
+    }
+
+    /// [`Performative::decode`] through a [`Value`] of the whole performative.
+    fn decode_values(body: &[u8]) -> Result<(Self, &[u8]), FrameError> {
         let mut d = Decoder::new(body);
         let v = d.value()?;
         let code = match v.descriptor_code() {
@@ -475,6 +561,60 @@ impl Performative {
             other => return Err(FrameError::Unknown(other)),
         };
         Ok((p, rest))
+    }
+
+    /// Appends the performative's encoding to `out`: the bytes of [`Performative::to_value`].
+    /// The performatives of every message (`transfer`, `disposition`, `flow`) are written
+    /// field by field, without building their values.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let flag = |b: bool| if b { Value::Bool(true) } else { Value::Null };
+        match self {
+            Performative::Transfer(t) => {
+                let mut l = ListWriter::begin(out, desc::TRANSFER);
+                l.value(out, &Value::Uint(t.handle));
+                l.value(out, &opt(t.delivery_id));
+                match &t.delivery_tag {
+                    Some(tag) => l.with(out, |out| encode::binary(out, tag)),
+                    None => l.null(out),
+                }
+                l.value(out, &opt(t.message_format));
+                l.value(out, &opt(t.settled));
+                l.value(out, &flag(t.more));
+                l.null(out);
+                l.value(out, t.state.as_ref().unwrap_or(&Value::Null));
+                l.null(out);
+                l.value(out, &flag(t.aborted));
+                l.end(out);
+            }
+            Performative::Disposition(d) => {
+                let mut l = ListWriter::begin(out, desc::DISPOSITION);
+                l.value(out, &Value::Bool(d.role));
+                l.value(out, &Value::Uint(d.first));
+                l.value(out, &opt(d.last));
+                l.value(out, &Value::Bool(d.settled));
+                l.value(out, d.state.as_ref().unwrap_or(&Value::Null));
+                l.end(out);
+            }
+            Performative::Flow(f) => {
+                let mut l = ListWriter::begin(out, desc::FLOW);
+                for v in [
+                    opt(f.next_incoming_id),
+                    Value::Uint(f.incoming_window),
+                    Value::Uint(f.next_outgoing_id),
+                    Value::Uint(f.outgoing_window),
+                    opt(f.handle),
+                    opt(f.delivery_count),
+                    opt(f.link_credit),
+                    opt(f.available),
+                    flag(f.drain),
+                    flag(f.echo),
+                ] {
+                    l.value(out, &v);
+                }
+                l.end(out);
+            }
+            other => other.to_value().encode(out),
+        }
     }
 
     /// The performative as a described list.
@@ -704,5 +844,156 @@ impl Terminus {
         let address = items.first().and_then(|a| a.as_str().map(str::to_owned));
         let filter = if is_source { items.get(7).filter(|f| !f.is_null()).cloned() } else { None };
         Self { address, filter }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `encode` writes the bytes of `to_value`, for the performatives it writes field by field
+    /// (with and without their optional fields, and a tag long enough for the long forms) and
+    /// for those it builds as values.
+    #[test]
+    fn encode_writes_the_bytes_of_to_value() {
+        let accepted = Some(Outcome::Accepted.to_value());
+        let performatives = [
+            Performative::Transfer(Transfer::default()),
+            Performative::Transfer(Transfer {
+                handle: 3,
+                delivery_id: Some(70_000),
+                delivery_tag: Some(Bytes::from_static(&[7; 16])),
+                message_format: Some(0),
+                settled: Some(false),
+                more: true,
+                state: accepted.clone(),
+                aborted: true,
+            }),
+            Performative::Transfer(Transfer {
+                handle: 1,
+                delivery_tag: Some(Bytes::from(vec![1u8; 300])),
+                settled: Some(true),
+                ..Transfer::default()
+            }),
+            Performative::Disposition(Disposition::default()),
+            Performative::Disposition(Disposition {
+                role: true,
+                first: 5,
+                last: Some(9),
+                settled: true,
+                state: Some(Outcome::Rejected(Some(AmqpError::new("c", "d"))).to_value()),
+            }),
+            Performative::Flow(Flow::default()),
+            Performative::Flow(Flow {
+                next_incoming_id: Some(1),
+                incoming_window: 5000,
+                next_outgoing_id: 2,
+                outgoing_window: u32::MAX,
+                handle: Some(0),
+                delivery_count: Some(10),
+                link_credit: Some(256),
+                available: Some(0),
+                drain: true,
+                echo: true,
+            }),
+            Performative::Flow(Flow { handle: Some(1), echo: true, ..Flow::default() }),
+            Performative::Close(None),
+            Performative::Detach(Detach { handle: 2, closed: true, error: None }),
+        ];
+        for p in performatives {
+            let mut direct = Vec::new();
+            p.encode(&mut direct);
+            assert_eq!(direct, p.to_value().to_bytes(), "{p:?}");
+            assert_eq!(Performative::decode(&direct).unwrap().0, p);
+        }
+    }
+
+    /// The dispositions read field by field decode as every performative does, whatever the
+    /// bytes: the common shapes, other valid encodings, every prefix and every one-byte change
+    /// of them, with a payload behind.
+    #[test]
+    fn dispositions_decode_as_their_values_do() {
+        let mut samples: Vec<Vec<u8>> = Vec::new();
+        for d in [
+            Disposition { role: true, first: 7, settled: true, ..Disposition::default() },
+            Disposition {
+                role: true,
+                first: 300,
+                last: Some(70_000),
+                settled: false,
+                state: Some(Outcome::Accepted.to_value()),
+            },
+            Disposition {
+                role: false,
+                first: 0,
+                last: None,
+                settled: true,
+                state: Some(Outcome::Released.to_value()),
+            },
+            Disposition {
+                role: true,
+                first: 1,
+                last: Some(1),
+                settled: true,
+                state: Some(Outcome::Rejected(Some(AmqpError::new("c", "d"))).to_value()),
+            },
+            Disposition {
+                role: true,
+                first: 2,
+                state: Some(
+                    Outcome::Modified {
+                        delivery_failed: true,
+                        undeliverable_here: false,
+                        message_annotations: None,
+                    }
+                    .to_value(),
+                ),
+                ..Disposition::default()
+            },
+        ] {
+            samples.push(Performative::Disposition(d).to_value().to_bytes());
+        }
+        // Other encodings of the same fields: 0x56 booleans, a 4-byte uint, a 32-bit list, an
+        // empty list in its short form, a sixth field, a symbolic descriptor.
+        samples.push(
+            b"\x00\x53\x15\xc0\x0f\x05\x56\x01\x70\x00\x00\x00\x09\x40\x56\x00\x00\x53\x24\x45"
+                .to_vec(),
+        );
+        samples.push(b"\x00\x53\x15\xd0\x00\x00\x00\x0e\x00\x00\x00\x05\x41\x43\x40\x41\x00\x53\x26\xc0\x01\x00".to_vec());
+        samples.push(b"\x00\x53\x15\xc0\x08\x06\x41\x52\x03\x40\x41\x40\x41".to_vec());
+        let mut symbolic = b"\x00\xa3\x15amqp:disposition:list".to_vec();
+        symbolic.extend_from_slice(b"\xc0\x04\x02\x41\x52\x05");
+        samples.push(symbolic);
+        for sample in &samples {
+            assert!(Performative::decode_values(sample).is_ok(), "{sample:02x?}");
+        }
+        // What the shortcut reads: the common shapes, in any encoding of their fields.
+        for i in [0, 1, 2, 5, 6] {
+            assert!(Disposition::decode_common(&samples[i]).is_some(), "{:02x?}", samples[i]);
+        }
+        let mut inputs = Vec::new();
+        for sample in &samples {
+            for end in 0..=sample.len() {
+                inputs.push(sample[..end].to_vec());
+            }
+            for i in 0..sample.len() {
+                for byte in [0x00, 0x01, 0x02, 0x05, 0x40, 0x41, 0x43, 0x45, 0x52, 0x56, 0x70, 0xff]
+                {
+                    let mut changed = sample.clone();
+                    changed[i] = byte;
+                    inputs.push(changed);
+                }
+            }
+            let mut with_payload = sample.clone();
+            with_payload.extend_from_slice(b"payload");
+            inputs.push(with_payload);
+        }
+        for input in inputs {
+            assert_eq!(
+                Performative::decode(&input),
+                Performative::decode_values(&input),
+                "{input:02x?}"
+            );
+        }
     }
 }

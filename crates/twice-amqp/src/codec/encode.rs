@@ -66,19 +66,19 @@ impl Value {
             Value::Symbol(s) => var(out, 0xa3, 0xb3, s.as_bytes()),
             Value::List(items) if items.is_empty() => out.push(0x45),
             Value::List(items) => {
-                let mut body = Vec::new();
+                let start = begin_compound(out);
                 for v in items {
-                    v.encode(&mut body);
+                    v.encode(out);
                 }
-                compound(out, 0xc0, 0xd0, items.len(), &body);
+                end_compound(out, start, LIST, items.len());
             }
             Value::Map(pairs) => {
-                let mut body = Vec::new();
+                let start = begin_compound(out);
                 for (k, v) in pairs {
-                    k.encode(&mut body);
-                    v.encode(&mut body);
+                    k.encode(out);
+                    v.encode(out);
                 }
-                compound(out, 0xc1, 0xd1, pairs.len() * 2, &body);
+                end_compound(out, start, MAP, pairs.len() * 2);
             }
             Value::Array(a) => {
                 let mut body = Vec::new();
@@ -133,6 +133,136 @@ fn var(out: &mut Vec<u8>, short: u8, long: u8, bytes: &[u8]) {
 /// smaller), so saturating is only a guard.
 fn len32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// The short and long constructors of a list.
+pub(crate) const LIST: (u8, u8) = (0xc0, 0xd0);
+/// The short and long constructors of a map.
+pub(crate) const MAP: (u8, u8) = (0xc1, 0xd1);
+
+/// Starts a list or map whose items are then encoded straight into `out`: reserves the short
+/// header and returns where it starts, for [`end_compound`].
+pub(crate) fn begin_compound(out: &mut Vec<u8>) -> usize {
+    let start = out.len();
+    out.extend_from_slice(&[0, 0, 0]);
+    start
+}
+
+/// Writes the header of the compound begun at `start` now that its `count` items follow it:
+/// the short form when it fits, else the long one (the items move up by the difference, which
+/// only compounds of more than 254 bytes pay). The bytes are those of [`compound`].
+pub(crate) fn end_compound(out: &mut Vec<u8>, start: usize, (short, long): (u8, u8), count: usize) {
+    let body = out.len() - start - 3;
+    if let (Ok(size), Ok(count)) = (u8::try_from(body + 1), u8::try_from(count)) {
+        out[start..start + 3].copy_from_slice(&[short, size, count]);
+        return;
+    }
+    out.extend_from_slice(&[0; 6]);
+    out.copy_within(start + 3..start + 3 + body, start + 9);
+    out[start] = long;
+    out[start + 1..start + 5].copy_from_slice(&len32(body + 4).to_be_bytes());
+    out[start + 5..start + 9].copy_from_slice(&len32(count).to_be_bytes());
+}
+
+/// Writes the descriptor of a described value: `0x00` and the numeric code.
+pub(crate) fn descriptor(out: &mut Vec<u8>, code: u64) {
+    out.push(0x00);
+    Value::Ulong(code).encode(out);
+}
+
+/// Writes a `string`.
+pub(crate) fn string(out: &mut Vec<u8>, s: &str) {
+    var(out, 0xa1, 0xb1, s.as_bytes());
+}
+
+/// Writes a `symbol`.
+pub(crate) fn symbol(out: &mut Vec<u8>, s: &str) {
+    var(out, 0xa3, 0xb3, s.as_bytes());
+}
+
+/// Writes a `binary`.
+pub(crate) fn binary(out: &mut Vec<u8>, b: &[u8]) {
+    var(out, 0xa0, 0xb0, b);
+}
+
+/// A described list written straight into a buffer, field by field, trailing nulls dropped:
+/// the bytes of [`crate::performative::described_list`] without building its values.
+#[derive(Debug)]
+pub(crate) struct ListWriter {
+    start: usize,
+    count: usize,
+    /// The length of the buffer after the last field that is not null, and its count.
+    kept: (usize, usize),
+}
+
+impl ListWriter {
+    /// Writes the descriptor and starts the list.
+    pub(crate) fn begin(out: &mut Vec<u8>, code: u64) -> Self {
+        descriptor(out, code);
+        let start = begin_compound(out);
+        Self { start, count: 0, kept: (out.len(), 0) }
+    }
+
+    /// A null field.
+    pub(crate) fn null(&mut self, out: &mut Vec<u8>) {
+        out.push(0x40);
+        self.count += 1;
+    }
+
+    /// A field (null or not).
+    pub(crate) fn value(&mut self, out: &mut Vec<u8>, v: &Value) {
+        if v.is_null() {
+            self.null(out);
+        } else {
+            v.encode(out);
+            self.kept(out);
+        }
+    }
+
+    /// A field that is not null, written by `write`.
+    pub(crate) fn with(&mut self, out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
+        write(out);
+        self.kept(out);
+    }
+
+    /// A field that is a `string`, or null.
+    pub(crate) fn opt_string(&mut self, out: &mut Vec<u8>, s: Option<&str>) {
+        match s {
+            Some(s) => {
+                string(out, s);
+                self.kept(out);
+            }
+            None => self.null(out),
+        }
+    }
+
+    /// A field that is a `symbol`, or null.
+    pub(crate) fn opt_symbol(&mut self, out: &mut Vec<u8>, s: Option<&str>) {
+        match s {
+            Some(s) => {
+                symbol(out, s);
+                self.kept(out);
+            }
+            None => self.null(out),
+        }
+    }
+
+    fn kept(&mut self, out: &[u8]) {
+        self.count += 1;
+        self.kept = (out.len(), self.count);
+    }
+
+    /// Ends the list: drops the trailing nulls and writes its header.
+    pub(crate) fn end(self, out: &mut Vec<u8>) {
+        let (len, count) = self.kept;
+        out.truncate(len);
+        if count == 0 {
+            out.truncate(self.start);
+            out.push(0x45);
+        } else {
+            end_compound(out, self.start, LIST, count);
+        }
+    }
 }
 
 /// Writes a list/map/array header and body; `size` counts the count field.

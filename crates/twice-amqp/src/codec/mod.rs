@@ -6,7 +6,7 @@
 //! heap. [`Value::encode`] writes the compact form of each value.
 
 mod decode;
-mod encode;
+pub(crate) mod encode;
 
 use bytes::Bytes;
 use uuid::Uuid;
@@ -397,6 +397,38 @@ mod tests {
             0xd0,
             vec![Value::List(vec![Value::Uint(1)]), Value::List(vec![])],
         )));
+    }
+
+    /// Lists and maps take the short form while their body and count fit a byte, the long form
+    /// past that, at every depth.
+    #[test]
+    fn compounds_take_the_short_form_while_it_fits() {
+        // A body of 254 bytes (the size byte counts the count byte too): short.
+        let fits = Value::List(vec![Value::Binary(Bytes::from(vec![1u8; 252]))]);
+        let bytes = fits.to_bytes();
+        assert_eq!(bytes[..5], [0xc0, 0xff, 0x01, 0xa0, 0xfc]);
+        assert_eq!(bytes.len(), 3 + 254);
+        // One byte more: long, with 4-byte size and count.
+        let over = Value::List(vec![Value::Binary(Bytes::from(vec![1u8; 253]))]);
+        let bytes = over.to_bytes();
+        assert_eq!(bytes[..11], [0xd0, 0, 0, 1, 3, 0, 0, 0, 1, 0xa0, 0xfd]);
+        assert_eq!(bytes.len(), 9 + 255);
+        // More than 255 items: long, whatever the size.
+        let many = Value::List(vec![Value::Null; 256]);
+        assert_eq!(many.to_bytes()[..9], [0xd0, 0, 0, 1, 4, 0, 0, 1, 0]);
+        // A long map inside a short list inside a long list.
+        let inner = Value::Map(vec![(Value::symbol("k"), Value::String("v".repeat(300)))]);
+        let nested = Value::List(vec![
+            Value::List(vec![Value::Uint(1)]),
+            inner.clone(),
+            Value::Binary(Bytes::from(vec![2u8; 10])),
+        ]);
+        let bytes = nested.to_bytes();
+        assert_eq!(bytes[0], 0xd0);
+        assert_eq!(bytes[9..13], [0xc0, 0x03, 0x01, 0x52]);
+        assert_eq!(bytes[14], 0xd1);
+        round_trip(&nested);
+        round_trip(&inner);
     }
 
     /// Values exactly as the SDKs put them on the wire (from the frame logs).

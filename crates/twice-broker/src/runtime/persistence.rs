@@ -104,21 +104,37 @@ impl Runtime {
     /// the bytes of the record holding it (from the read cache, or read from its segment),
     /// which the caller decodes: the broker's task does the least work per message.
     pub(super) fn materialize(&self, deliveries: Vec<Delivery>) -> Result<Vec<Delivered>, Error> {
+        let location = |loc: &engine::Location| storage::Location {
+            segment: u64::from(loc.segment),
+            offset: loc.offset,
+            len: loc.len,
+        };
+        let stored: Vec<storage::Location> = deliveries
+            .iter()
+            .filter_map(|d| match &d.body {
+                Body::Stored(loc) => Some(location(loc)),
+                Body::Memory(_) => None,
+            })
+            .collect();
+        let mut records = if stored.is_empty() {
+            Vec::new()
+        } else {
+            let log = self
+                .log
+                .as_ref()
+                .ok_or_else(|| Error::Corrupt("a stored body without a log".to_owned()))?;
+            log.read_many(&stored).map_err(storage_error)?
+        }
+        .into_iter()
+        .zip(stored);
         let mut out = Vec::with_capacity(deliveries.len());
         for d in deliveries {
             let body = match d.body {
                 Body::Memory(m) => DeliveredBody::Message(m),
-                Body::Stored(loc) => {
-                    let log = self
-                        .log
-                        .as_ref()
-                        .ok_or_else(|| Error::Corrupt("a stored body without a log".to_owned()))?;
-                    let location = storage::Location {
-                        segment: u64::from(loc.segment),
-                        offset: loc.offset,
-                        len: loc.len,
-                    };
-                    let record = log.read(location).map_err(storage_error)?;
+                Body::Stored(_) => {
+                    let (record, location) = records.next().ok_or_else(|| {
+                        Error::Corrupt("a stored body was not read back".to_owned())
+                    })?;
                     DeliveredBody::Record { record, location }
                 }
             };

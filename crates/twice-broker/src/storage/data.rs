@@ -445,9 +445,9 @@ pub fn export(dir: &Path, entity: &str, out: &mut dyn Write) -> Result<u64, Erro
                             offset: location.offset,
                         },
                     ))?;
-                    let path = dir.join(format::segment_file_name(location.segment));
-                    let bytes = read_record(file.as_ref(), *salt, location, &path)
-                        .map_err(storage_error)?;
+                    let path = || dir.join(format::segment_file_name(location.segment));
+                    let bytes =
+                        read_record(file.as_ref(), *salt, location, path).map_err(storage_error)?;
                     let record: Record = postcard::from_bytes(&bytes).map_err(|e| {
                         Error::Corrupt(format!("a log record cannot be decoded: {e}"))
                     })?;

@@ -49,6 +49,12 @@ use writer::{Chunk, DurableState, Job, Shared, Writer};
 
 /// The default size at which the log starts a new segment: 64 MiB.
 pub(crate) const DEFAULT_SEGMENT_SIZE: u64 = 64 << 20;
+/// The most bytes between two records that one read of both takes in (see
+/// [`Log::read_many`]).
+const MAX_READ_GAP: u64 = 16 << 10;
+/// The most bytes one read of many records takes in.
+const MAX_READ_SPAN: u64 = 1 << 20;
+
 /// The default bound of the read cache of recent records: 32 MiB.
 pub(crate) const DEFAULT_CACHE_BYTES: usize = 32 << 20;
 /// The size of the blocks records are encoded into. A block is freed once the writer has
@@ -650,8 +656,72 @@ impl Log {
         let Some(seg) = self.segments.get(&loc.segment) else {
             return Err(StorageError::NotFound { segment: loc.segment, offset: loc.offset });
         };
-        let path = self.dir.join(format::segment_file_name(loc.segment));
-        read_record(seg.file.as_ref(), seg.salt, loc, &path)
+        read_record(seg.file.as_ref(), seg.salt, loc, || {
+            self.dir.join(format::segment_file_name(loc.segment))
+        })
+    }
+
+    /// Reads records back, each as [`Log::read`] does, with one read for the records that lie
+    /// close together in a segment (a batch of messages stored together, received together
+    /// once the cache has let them go) instead of one read each.
+    pub(crate) fn read_many(&self, locs: &[Location]) -> Result<Vec<Bytes>, StorageError> {
+        let mut out = Vec::with_capacity(locs.len());
+        let mut i = 0;
+        while let Some(&first) = locs.get(i) {
+            if let Some(b) = self.cache.get(first.segment, first.offset) {
+                out.push(b.clone());
+                i += 1;
+                continue;
+            }
+            // The run of records after it, in order, that the cache does not hold.
+            let mut end = first.offset + u64::from(first.len) + 8;
+            let mut j = i + 1;
+            while let Some(&next) = locs.get(j) {
+                let next_end = next.offset + u64::from(next.len) + 8;
+                let close = next.segment == first.segment
+                    && next.offset >= end
+                    && next.offset - end <= MAX_READ_GAP
+                    && next_end - first.offset <= MAX_READ_SPAN;
+                if !close || self.cache.get(next.segment, next.offset).is_some() {
+                    break;
+                }
+                end = next_end;
+                j += 1;
+            }
+            let run = &locs[i..j];
+            match self.read_run(first, end, run) {
+                Some(records) => out.extend(records),
+                // One by one, for each record's own answer.
+                None => {
+                    for &loc in run {
+                        out.push(self.read(loc)?);
+                    }
+                }
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// The records of `run` (two or more, in order, from `first` to `end`) read with one
+    /// read; `None` if that read or any of the records fails.
+    fn read_run(&self, first: Location, end: u64, run: &[Location]) -> Option<Vec<Bytes>> {
+        if run.len() < 2 {
+            return None;
+        }
+        let seg = self.segments.get(&first.segment)?;
+        let mut buf = vec![0u8; usize::try_from(end - first.offset).ok()?];
+        vfs::read_exact_at(seg.file.as_ref(), &mut buf, first.offset).ok()?;
+        let buf = Bytes::from(buf);
+        run.iter()
+            .map(|loc| {
+                let start = usize::try_from(loc.offset - first.offset).ok()?;
+                let len = usize::try_from(loc.len).ok()?;
+                let frame = buf.get(start..start + len + 8)?;
+                check_frame(seg.salt, *loc, frame).ok()?;
+                Some(buf.slice(start + 8..start + 8 + len))
+            })
+            .collect()
     }
 
     /// Commits what is buffered, waits for it, and stops the writer thread.
@@ -716,11 +786,13 @@ impl WriterGate {
 }
 
 /// Reads the record at `loc` from `file` (whose salt is `salt`) and checks it.
+/// Reads the record at `loc`; `path` names the file in an error (it is made only then: a
+/// receive reads a record per message whose body is no longer cached).
 fn read_record(
     file: &dyn VFile,
     salt: u32,
     loc: Location,
-    path: &Path,
+    path: impl FnOnce() -> PathBuf,
 ) -> Result<Bytes, StorageError> {
     let len = usize::try_from(loc.len).map_err(|_| corrupt(loc))?;
     let mut buf = vec![0u8; len + 8];
@@ -728,17 +800,24 @@ fn read_record(
         if e.kind() == io::ErrorKind::UnexpectedEof {
             corrupt(loc)
         } else {
-            StorageError::Io { path: path.to_owned(), source: e }
+            StorageError::Io { path: path(), source: e }
         }
     })?;
-    let mut h = [0u8; 8];
-    h.copy_from_slice(&buf[..8]);
-    let (flen, crc) = frame_header(&h);
-    if flen != loc.len || frame_crc(salt, flen, &buf[8..]) != crc {
-        return Err(corrupt(loc));
-    }
+    check_frame(salt, loc, &buf)?;
     let mut b = Bytes::from(buf);
     Ok(b.split_off(8))
+}
+
+/// Checks that `frame` (header and payload) is the record `loc` says is there.
+fn check_frame(salt: u32, loc: Location, frame: &[u8]) -> Result<(), StorageError> {
+    let (Some(header), Some(payload)) = (frame.first_chunk::<8>(), frame.get(8..)) else {
+        return Err(corrupt(loc));
+    };
+    let (flen, crc) = frame_header(header);
+    if flen != loc.len || frame_crc(salt, flen, payload) != crc {
+        return Err(corrupt(loc));
+    }
+    Ok(())
 }
 
 /// A random salt for a new segment's checksums.

@@ -86,6 +86,41 @@ fn a_damaged_record_read_from_disk_is_corrupt() {
     );
 }
 
+/// Reading many records gives what reading each gives: records close together in a segment
+/// (read with one read), far apart, out of order, in other segments, cached or not, repeated;
+/// and a damaged record in a run is the same error.
+#[test]
+fn reading_many_records_reads_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let locs = write_records(dir.path(), 600, opts(16 << 10, 0));
+    assert!(locs.last().unwrap().segment > 2, "the log rolls");
+    let (mut log, replay) = Log::open(dir.path(), opts(16 << 10, 2000)).unwrap();
+    replay_all(replay).unwrap();
+    // A few recent records in the cache.
+    let mut cached = Vec::new();
+    for i in 600..610 {
+        cached.push(log.append(payload(i)).unwrap());
+    }
+    let mut picks: Vec<Location> = locs[10..300].to_vec();
+    picks.extend([locs[5], locs[5], locs[400], cached[0], locs[401], cached[9], locs[599]]);
+    picks.extend(locs.iter().step_by(97).copied());
+    picks.extend(locs[300..600].iter().rev().copied());
+    let want: Vec<Bytes> = picks.iter().map(|l| log.read(*l).unwrap()).collect();
+    assert_eq!(log.read_many(&picks).unwrap(), want);
+    assert!(log.read_many(&[]).unwrap().is_empty());
+
+    let damaged = locs[20];
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(segment_path(dir.path(), damaged.segment))
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"X", damaged.offset + 9).unwrap();
+    let corrupt = |e: StorageError| matches!(e, StorageError::Corrupt { segment, offset } if segment == damaged.segment && offset == damaged.offset);
+    assert!(corrupt(log.read(damaged).unwrap_err()));
+    assert!(corrupt(log.read_many(&locs[10..30]).unwrap_err()));
+    assert_eq!(log.read_many(&locs[21..30]).unwrap(), &want[11..20]);
+}
+
 #[test]
 fn torn_tail_at_every_byte_offset_is_truncated() {
     let src = tempfile::tempdir().unwrap();

@@ -156,9 +156,17 @@ impl<B: Backend> Conn<B> {
                 s.deliver(handle, tag, true, payload, Some(lock));
             } else {
                 l.unsettled += 1;
-                let payload = mapping::encode_received(&m, Presentation::Locked);
                 let tag = Bytes::copy_from_slice(&lock.as_uuid().to_bytes_le());
-                if let Some(id) = s.deliver(handle, tag, false, payload, Some(lock)) {
+                // Straight into the connection's buffer when it can go now, else queued.
+                let at_least = m.message.body.len() + 32;
+                let written = self.out.write_delivery(s, handle, tag, at_least, |out| {
+                    mapping::encode_received_into(out, &m, Presentation::Locked);
+                });
+                let id = written.or_else(|tag| {
+                    let payload = mapping::encode_received(&m, Presentation::Locked);
+                    s.deliver(handle, tag, false, payload, Some(lock)).ok_or(())
+                });
+                if let Ok(id) = id {
                     s.unsettled.insert(id, Unsettled { link, lock });
                 }
             }

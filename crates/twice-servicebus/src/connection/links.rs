@@ -150,11 +150,12 @@ pub(super) async fn settler<B: Backend>(
 ) {
     let mut jobs = Vec::with_capacity(SETTLE_BATCH);
     while rx.recv_many(&mut jobs, SETTLE_BATCH).await > 0 {
-        let mut echoes = Vec::new();
+        let mut echoes = Vec::with_capacity(jobs.len());
         let mut queue = jobs.drain(..).peekable();
         while let Some(job) = queue.next() {
             if job.completes().is_some() {
-                let mut run = vec![job];
+                let mut run = Vec::with_capacity(queue.len() + 1);
+                run.push(job);
                 while let Some(next) = queue.next_if(|j| j.completes().is_some()) {
                     run.push(next);
                 }

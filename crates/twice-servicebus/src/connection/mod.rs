@@ -216,17 +216,19 @@ pub(crate) async fn serve<B, IO>(
             f = reader.read_frame(), if reading => match f {
                 Ok(f) => {
                     conn.heard = true;
-                    conn.on_frame(&f)
+                    let mut step = conn.on_frame(&f);
+                    // The frames that arrived with it are handled before anything is written,
+                    // so one write answers them all.
+                    while step.is_ok() && conn.bytes_in_flight <= max_in_flight {
+                        match reader.buffered_frame() {
+                            Some(Ok(f)) => step = conn.on_frame(&f),
+                            Some(Err(e)) => step = Err(read_error(e)),
+                            None => break,
+                        }
+                    }
+                    step
                 }
-                Err(ReadError::TooLarge { size, max }) => Err(End::Close(Some(AmqpError::new(
-                    cond::FRAME_TOO_LARGE,
-                    format!("frame of {size} bytes exceeds the maximum frame size {max}"),
-                )))),
-                Err(ReadError::BadHeader { .. }) => Err(End::Close(Some(AmqpError::new(
-                    cond::FRAME_TOO_LARGE,
-                    "malformed frame header",
-                )))),
-                Err(_) => Err(End::Drop),
+                Err(e) => Err(read_error(e)),
             },
             Some(ev) = rx.recv() => {
                 conn.on_event(ev);
@@ -274,6 +276,20 @@ pub(crate) async fn serve<B, IO>(
         }
     };
     conn.finish(&mut wr, end).await;
+}
+
+/// How a connection ends when its frames cannot be read.
+fn read_error(e: ReadError) -> End {
+    match e {
+        ReadError::TooLarge { size, max } => End::Close(Some(AmqpError::new(
+            cond::FRAME_TOO_LARGE,
+            format!("frame of {size} bytes exceeds the maximum frame size {max}"),
+        ))),
+        ReadError::BadHeader { .. } => {
+            End::Close(Some(AmqpError::new(cond::FRAME_TOO_LARGE, "malformed frame header")))
+        }
+        _ => End::Drop,
+    }
 }
 
 impl<B: Backend> Conn<B> {

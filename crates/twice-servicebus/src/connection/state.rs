@@ -202,6 +202,62 @@ impl Out {
         frame::write_frame(&mut self.buf, frame::TYPE_AMQP, channel, p, &[]);
     }
 
+    /// Writes an unsettled delivery as one transfer frame whose payload `write` encodes in
+    /// place, when nothing waits in the session's queue before it, the peer's window has room
+    /// and the frame fits the peer's frame size; returns its delivery id. Otherwise writes
+    /// nothing and gives the tag back, for the delivery to be queued
+    /// ([`Session::deliver`]).
+    ///
+    /// `at_least` is a bound below the payload's size: a payload surely too large for one frame
+    /// is not encoded here only to be encoded again for the queue.
+    pub(super) fn write_delivery<S>(
+        &mut self,
+        s: &mut Session<S>,
+        remote_handle: u32,
+        tag: Bytes,
+        at_least: usize,
+        write: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<u32, Bytes> {
+        let max = usize::try_from(self.peer_max_frame).unwrap_or(usize::MAX);
+        let Some(l) = s.links.get(&remote_handle) else { return Err(tag) };
+        if !s.outgoing.is_empty() || s.remote_incoming_window == 0 || at_least > max {
+            return Err(tag);
+        }
+        let delivery_id = s.next_delivery_id;
+        let t = Transfer {
+            handle: l.local_handle,
+            delivery_id: Some(delivery_id),
+            delivery_tag: Some(tag),
+            message_format: Some(0),
+            settled: Some(false),
+            ..Transfer::default()
+        };
+        let start = self.buf.len();
+        let p = Performative::Transfer(t);
+        let size =
+            frame::write_frame_with(&mut self.buf, frame::TYPE_AMQP, s.local_channel, &p, write);
+        if size > max {
+            self.buf.truncate(start);
+            let tag = match p {
+                Performative::Transfer(t) => t.delivery_tag,
+                _ => None,
+            };
+            return Err(tag.unwrap_or_default());
+        }
+        tracing::trace!(
+            channel = s.local_channel,
+            handle = l.local_handle,
+            delivery_id,
+            settled = false,
+            bytes = size,
+            "send transfer"
+        );
+        s.next_delivery_id = s.next_delivery_id.wrapping_add(1);
+        s.next_outgoing_id = s.next_outgoing_id.wrapping_add(1);
+        s.remote_incoming_window -= 1;
+        Ok(delivery_id)
+    }
+
     /// Writes what a session has queued while the peer's window has room: deliveries split
     /// into frames that fit the peer's frame size, and the link flows between them.
     pub(super) fn flush<S>(&mut self, s: &mut Session<S>) {
@@ -239,7 +295,8 @@ impl Out {
             let t = Transfer {
                 handle: o.local_handle,
                 delivery_id: first.then_some(o.delivery_id),
-                delivery_tag: first.then(|| o.tag.clone()),
+                // The tag goes out once, with the first frame.
+                delivery_tag: first.then(|| std::mem::take(&mut o.tag)),
                 message_format: first.then_some(0),
                 settled: Some(o.settled),
                 more,

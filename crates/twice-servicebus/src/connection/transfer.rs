@@ -21,7 +21,7 @@ use crate::performative::{
 use crate::settle;
 
 use super::links::{request_task, sender_task};
-use super::state::{Echo, Job, Out, PendingSend, need_of, update_pump};
+use super::state::{Echo, Job, Out, PendingSend, Unsettled, need_of, update_pump};
 use super::{Conn, SENDER_CREDIT, SESSION_WINDOW};
 
 impl<B: Backend> Conn<B> {
@@ -296,6 +296,28 @@ impl<B: Backend> Conn<B> {
         };
         let last = d.last.unwrap_or(d.first);
         let Some(s) = self.sessions.get_mut(&ch) else { return };
+        let (how, echo) = settlement_of(&outcome);
+        let settle = |id: u32, u: Unsettled| {
+            let job = Job::Settle {
+                delivery_id: id,
+                lock: u.lock,
+                how: how.clone(),
+                echo: echo.clone(),
+                reply: !d.settled,
+            };
+            if let Some(&(_, handle)) = self.links.get(&u.link)
+                && let Some(l) = s.links.get(&handle)
+            {
+                l.job(job);
+            }
+        };
+        // A client settling message by message names one delivery.
+        if d.first == last {
+            if let Some(u) = s.unsettled.remove(&d.first) {
+                settle(d.first, u);
+            }
+            return;
+        }
         // Only the unsettled deliveries in the range are work, whatever its width (it may wrap
         // around the end of the id space).
         let ids: Vec<u32> = if d.first <= last {
@@ -308,13 +330,8 @@ impl<B: Backend> Conn<B> {
                 .collect()
         };
         for id in ids {
-            let Some(u) = s.unsettled.remove(&id) else { continue };
-            let (how, echo) = settlement_of(&outcome);
-            let job = Job::Settle { delivery_id: id, lock: u.lock, how, echo, reply: !d.settled };
-            if let Some(&(_, handle)) = self.links.get(&u.link)
-                && let Some(l) = s.links.get(&handle)
-            {
-                l.job(job);
+            if let Some(u) = s.unsettled.remove(&id) {
+                settle(id, u);
             }
         }
     }
