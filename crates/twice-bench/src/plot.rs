@@ -241,7 +241,12 @@ pub fn brokers(path: &Path, rows: &[BrokerRow]) -> anyhow::Result<()> {
         .iter()
         .map(|r| Group {
             label: r.system.clone(),
-            detail: Some(format!("acknowledged when {}", r.durability)),
+            // The table gives the whole of it; the figure has room for what comes before
+            // the parenthesis.
+            detail: Some(format!(
+                "acknowledged when {}",
+                r.durability.split(" (").next().unwrap_or(&r.durability)
+            )),
             values: vec![r.publish, r.receive],
         })
         .collect();
@@ -268,6 +273,9 @@ pub fn transports(path: &Path, t: &TransportsBench) -> anyhow::Result<()> {
             detail: Some(format!(
                 "completed when {}",
                 crate::results::transport_durability(&r.transport)
+                    .split(" (")
+                    .next()
+                    .unwrap_or_default()
             )),
             values: vec![Some(r.consume), Some(r.processor), r.batches],
         })
