@@ -32,6 +32,15 @@ const BASE_BYTES: usize = 64 * 1024;
 /// Measured decodes run one at a time, so the allocator's count is theirs.
 static MEASURING: Mutex<()> = Mutex::new(());
 
+/// Held by every test of this binary for its whole run: the allocator's limit is global, so
+/// while one test measures, no other may allocate (not even proptest drawing its next case).
+static ALONE: Mutex<()> = Mutex::new(());
+
+/// Waits until no other test of this binary runs.
+pub fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ALONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Runs `f` over `input` with allocation limited to what the input's size allows.
 fn within_linear_memory<T>(input: &[u8], f: impl FnOnce(&[u8]) -> T) -> T {
     let _turn = MEASURING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -89,6 +98,7 @@ fn sasl_init_with(value: &[u8]) -> Vec<u8> {
 
 #[test]
 fn decode_bombs_are_refused_within_linear_memory() {
+    let _alone = alone();
     let one = described_array(&zero_width_array());
     let nested = described_array(&one);
     let bombs = [
@@ -111,6 +121,7 @@ fn decode_bombs_are_refused_within_linear_memory() {
 
 #[test]
 fn ordinary_arrays_still_decode() {
+    let _alone = alone();
     // A described array of one-byte elements: the densest legitimate encoding.
     let mut b = vec![0xe0, 0, 100, 0x00, 0x53, 0x70, 0x50];
     b.extend(std::iter::repeat_n(7u8, 100));
@@ -132,11 +143,18 @@ fn structured_bytes() -> impl Strategy<Value = Vec<u8>> {
     prop::collection::vec(byte, 0..512)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
-
-    #[test]
-    fn random_frames_decode_within_linear_memory(bytes in structured_bytes()) {
-        within_linear_memory(&bytes, decode_everything);
-    }
+#[test]
+fn random_frames_decode_within_linear_memory() {
+    // The runner in the test's own hands, so that the whole run, the drawing of each case
+    // included, holds the binary alone.
+    let _alone = alone();
+    let config =
+        ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    runner
+        .run(&structured_bytes(), |bytes| {
+            within_linear_memory(&bytes, decode_everything);
+            Ok(())
+        })
+        .unwrap();
 }

@@ -108,6 +108,7 @@ fn through_the_wire(req: &ManagementRequest) -> ManagementRequest {
 
 #[test]
 fn every_operation_round_trips_from_client_to_server() {
+    let _alone = crate::alone();
     let all = requests();
     for op in Operation::ALL {
         assert!(all.iter().any(|r| r.operation() == *op), "no request of {op} is tested");
@@ -120,6 +121,7 @@ fn every_operation_round_trips_from_client_to_server() {
 
 #[test]
 fn each_operation_needs_its_claim() {
+    let _alone = crate::alone();
     let claim = |op: Operation| op.claim();
     assert_eq!(claim(Operation::ScheduleMessage), Claim::Send);
     assert_eq!(claim(Operation::CancelScheduledMessage), Claim::Send);
@@ -142,6 +144,7 @@ fn each_operation_needs_its_claim() {
 
 #[test]
 fn a_release_through_management_is_an_abandon() {
+    let _alone = crate::alone();
     let req = ManagementRequest::UpdateDisposition {
         lock_tokens: vec![LockToken::random()],
         settle: Settle::Release,
@@ -155,6 +158,7 @@ fn a_release_through_management_is_an_abandon() {
 
 #[test]
 fn bad_requests_are_named() {
+    let _alone = crate::alone();
     let mut req = Request::new("com.microsoft:renew-lock", Value::Map(vec![]));
     assert_eq!(
         ManagementRequest::parse(&req),
@@ -179,6 +183,7 @@ fn bad_requests_are_named() {
 
 #[test]
 fn every_settlement_round_trips_as_an_outcome() {
+    let _alone = crate::alone();
     for settle in settlements() {
         // As the client sends it on the link, and the server reads it.
         let bytes = settle.to_outcome().to_value().to_bytes();
@@ -197,6 +202,7 @@ fn every_settlement_round_trips_as_an_outcome() {
 
 #[test]
 fn a_rejection_that_is_no_dead_letter_is_an_error() {
+    let _alone = crate::alone();
     let refused = Outcome::Rejected(Some(twice_amqp::performative::AmqpError::new(
         Condition::MessageLockLost,
         "gone",
@@ -209,6 +215,7 @@ fn a_rejection_that_is_no_dead_letter_is_an_error() {
 
 #[test]
 fn every_reply_round_trips_from_server_to_client() {
+    let _alone = crate::alone();
     let lock = LockToken::random();
     let msg = Bytes::from_static(b"\x00\x53\x75\xa0\x01x");
     let cases = vec![
@@ -260,6 +267,7 @@ fn every_reply_round_trips_from_server_to_client() {
 
 #[test]
 fn a_cbs_reply_is_read_in_its_own_spelling() {
+    let _alone = crate::alone();
     let req = Request::new("put-token", Value::string("t"));
     let mut reply = Reply::to_request(&req, 202, "Accepted");
     reply.keys = StatusKeys::Cbs;
