@@ -260,6 +260,20 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
+/// Reads a request's head (up to its blank line) into `buf`, however the client's writes
+/// arrive; returns how many bytes it read (as many as fit when the head is longer, 0 on an
+/// error).
+async fn read_head(stream: &mut tokio::net::TcpStream, buf: &mut [u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf[n..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => n += read,
+        }
+    }
+    n
+}
+
 /// Answers `GET /health`: 200 while the processor receives and the database answers, 503
 /// otherwise, with what the processor and the relay did so far as JSON. A plain HTTP/1.1
 /// responder, one request per connection.
@@ -281,10 +295,10 @@ async fn serve_health(
         let (health, counters, relayed) = (health.clone(), counters.clone(), relayed.clone());
         tokio::spawn(async move {
             let mut request = [0_u8; 1024];
-            let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut request))
-                .await
-                .unwrap_or(Ok(0))
-                .unwrap_or(0);
+            let n =
+                tokio::time::timeout(Duration::from_secs(5), read_head(&mut stream, &mut request))
+                    .await
+                    .unwrap_or(0);
             let (status, content_type, body) = if request[..n].starts_with(b"GET /health ") {
                 let report = health.check().await;
                 let healthy = report.is_healthy();
