@@ -430,6 +430,23 @@ fn opt<T: Into<Value>>(v: Option<T>) -> Value {
     v.map_or(Value::Null, Into::into)
 }
 
+/// A `flow`'s fields in order, as its list holds them.
+fn flow_fields(f: &Flow) -> [Value; 10] {
+    let flag = |b: bool| if b { Value::Bool(true) } else { Value::Null };
+    [
+        opt(f.next_incoming_id),
+        Value::Uint(f.incoming_window),
+        Value::Uint(f.next_outgoing_id),
+        Value::Uint(f.outgoing_window),
+        opt(f.handle),
+        opt(f.delivery_count),
+        opt(f.link_credit),
+        opt(f.available),
+        flag(f.drain),
+        flag(f.echo),
+    ]
+}
+
 impl Performative {
     /// Decodes the performative at the start of a frame body; returns it and the payload that
     /// follows (for `transfer`).
@@ -597,18 +614,7 @@ impl Performative {
             }
             Performative::Flow(f) => {
                 let mut l = ListWriter::begin(out, desc::FLOW);
-                for v in [
-                    opt(f.next_incoming_id),
-                    Value::Uint(f.incoming_window),
-                    Value::Uint(f.next_outgoing_id),
-                    Value::Uint(f.outgoing_window),
-                    opt(f.handle),
-                    opt(f.delivery_count),
-                    opt(f.link_credit),
-                    opt(f.available),
-                    flag(f.drain),
-                    flag(f.echo),
-                ] {
+                for v in flow_fields(f) {
                     l.value(out, &v);
                 }
                 l.end(out);
@@ -664,21 +670,7 @@ impl Performative {
                     a.properties.clone().unwrap_or(Value::Null),
                 ],
             ),
-            Performative::Flow(f) => described_list(
-                desc::FLOW,
-                vec![
-                    opt(f.next_incoming_id),
-                    Value::Uint(f.incoming_window),
-                    Value::Uint(f.next_outgoing_id),
-                    Value::Uint(f.outgoing_window),
-                    opt(f.handle),
-                    opt(f.delivery_count),
-                    opt(f.link_credit),
-                    opt(f.available),
-                    if f.drain { Value::Bool(true) } else { Value::Null },
-                    if f.echo { Value::Bool(true) } else { Value::Null },
-                ],
-            ),
+            Performative::Flow(f) => described_list(desc::FLOW, flow_fields(f).into()),
             Performative::Transfer(t) => described_list(
                 desc::TRANSFER,
                 vec![
