@@ -145,7 +145,7 @@ use std::time::Duration;
 
 use sqlx::{Database, Pool};
 use twice::outbox::{Outgoing, Wake};
-use twice::{Message, MessageId, SharedClock, Timestamp};
+use twice::{Message, MessageId, Properties, SessionId, SharedClock, Timestamp};
 
 pub use dialect::OutboxDialect;
 
@@ -393,18 +393,90 @@ pub(crate) fn insert_sql<DB: OutboxDialect>(table: &str, rows: usize, leased: bo
 /// driver's limit).
 pub(crate) const INSERT_CHUNK: usize = 100;
 
-/// A message's fields other than its body, as the `headers` column holds them.
-pub(crate) fn headers_of(message: &Message) -> Result<String, StoreError> {
-    let mut fields = message.clone();
-    fields.body = Vec::<u8>::new().into();
-    serde_json::to_string(&fields).map_err(|e| StoreError::BadOutboxRow(e.to_string()))
+/// A message's fields other than its id and body, as the `headers` column holds them: only
+/// those set, so that a message with nothing but a body writes `{}`. Every byte of a row is
+/// written twice (its page and the write-ahead log) and read back by the relay.
+#[derive(serde::Serialize)]
+struct HeadersOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session_id: Option<&'a SessionId>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    correlation_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    subject: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content_type: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    to: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reply_to: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reply_to_session_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    time_to_live: Option<Duration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scheduled_enqueue_time: Option<Timestamp>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partition_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Properties::is_empty")]
+    application_properties: &'a Properties,
 }
 
-/// The message of a row, from its `headers` and `body`.
-pub(crate) fn message_of(headers: &str, body: Vec<u8>) -> Result<Message, StoreError> {
-    let mut message: Message =
+/// The `headers` column read back: a field absent is unset. Rows written whole (the message
+/// id and an empty body among their fields) read the same way.
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+struct HeadersIn {
+    message_id: Option<MessageId>,
+    session_id: Option<SessionId>,
+    correlation_id: Option<String>,
+    subject: Option<String>,
+    content_type: Option<String>,
+    to: Option<String>,
+    reply_to: Option<String>,
+    reply_to_session_id: Option<String>,
+    time_to_live: Option<Duration>,
+    scheduled_enqueue_time: Option<Timestamp>,
+    partition_key: Option<String>,
+    application_properties: Properties,
+}
+
+/// A message's fields other than its id (the `message_id` column) and body, as the `headers`
+/// column holds them.
+pub(crate) fn headers_of(m: &Message) -> Result<String, StoreError> {
+    let headers = HeadersOut {
+        session_id: m.session_id.as_ref(),
+        correlation_id: m.correlation_id.as_deref(),
+        subject: m.subject.as_deref(),
+        content_type: m.content_type.as_deref(),
+        to: m.to.as_deref(),
+        reply_to: m.reply_to.as_deref(),
+        reply_to_session_id: m.reply_to_session_id.as_deref(),
+        time_to_live: m.time_to_live,
+        scheduled_enqueue_time: m.scheduled_enqueue_time,
+        partition_key: m.partition_key.as_deref(),
+        application_properties: &m.application_properties,
+    };
+    serde_json::to_string(&headers).map_err(|e| StoreError::BadOutboxRow(e.to_string()))
+}
+
+/// The message of a row, from its `message_id` (empty for none), `headers` and `body`.
+pub(crate) fn message_of(id: &str, headers: &str, body: Vec<u8>) -> Result<Message, StoreError> {
+    let h: HeadersIn =
         serde_json::from_str(headers).map_err(|e| StoreError::BadOutboxRow(e.to_string()))?;
-    message.body = body.into();
+    let mut message = Message::new(body);
+    message.message_id = h.message_id.or_else(|| (!id.is_empty()).then(|| MessageId::new(id)));
+    message.session_id = h.session_id;
+    message.correlation_id = h.correlation_id;
+    message.subject = h.subject;
+    message.content_type = h.content_type;
+    message.to = h.to;
+    message.reply_to = h.reply_to;
+    message.reply_to_session_id = h.reply_to_session_id;
+    message.time_to_live = h.time_to_live;
+    message.scheduled_enqueue_time = h.scheduled_enqueue_time;
+    message.partition_key = h.partition_key;
+    message.application_properties = h.application_properties;
     Ok(message)
 }
 
@@ -433,8 +505,28 @@ mod tests {
             .with_scheduled_enqueue_time(Timestamp::from_millis(7));
         let headers = headers_of(&m).expect("serialises");
         assert!(!headers.contains("159"), "the body is not in the headers: {headers}");
-        assert_eq!(message_of(&headers, m.body.to_vec()).expect("parses"), m);
-        assert!(matches!(message_of("{", vec![]), Err(StoreError::BadOutboxRow(_))));
+        assert!(!headers.contains("m-1"), "the id has its own column: {headers}");
+        assert_eq!(message_of("m-1", &headers, m.body.to_vec()).expect("parses"), m);
+        assert!(matches!(message_of("m-1", "{", vec![]), Err(StoreError::BadOutboxRow(_))));
+        // A message with nothing but a body and an id writes nothing else.
+        let plain = Message::new(vec![1_u8]).with_message_id("m-2");
+        assert_eq!(headers_of(&plain).expect("serialises"), "{}");
+        assert_eq!(message_of("m-2", "{}", vec![1]).expect("parses"), plain);
+        assert_eq!(message_of("", "{}", vec![]).expect("parses").message_id, None);
+    }
+
+    #[test]
+    fn a_row_written_with_the_whole_message_as_its_headers_still_reads() {
+        // The form rows had before the headers held only the fields set.
+        let m = Message::new(vec![7_u8])
+            .with_message_id("m-1")
+            .with_subject("s")
+            .with_time_to_live(Duration::from_secs(3));
+        let mut whole = m.clone();
+        whole.body = Vec::<u8>::new().into();
+        let headers = serde_json::to_string(&whole).expect("serialises");
+        assert!(headers.contains("\"reply_to\":null"), "{headers}");
+        assert_eq!(message_of("m-1", &headers, vec![7]).expect("parses"), m);
     }
 
     #[cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -25,8 +25,13 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// A leased row as read: seq, ordering key, destination, headers, body, created at, attempts.
-type Candidate = (i64, String, String, String, Vec<u8>, i64, i64);
+/// The most rows one deletion of sent rows names (a power of two, see
+/// [`OutboxStore::sent`]).
+const MARK_CHUNK: usize = 512;
+
+/// A leased row as read: seq, ordering key, destination, message id, headers, body, created
+/// at, attempts.
+type Candidate = (i64, String, String, String, String, Vec<u8>, i64, i64);
 
 /// A row as listed: seq, state, destination, message id, ordering key, created at, attempts,
 /// last error, headers, body.
@@ -166,12 +171,12 @@ where
                     seq,
                     state: RowState::from_code(state),
                     destination,
-                    message_id: MessageId::new(id),
+                    message_id: MessageId::new(id.clone()),
                     ordering_key: key,
                     created_at: Timestamp::from_millis(created),
                     attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
                     last_error: error,
-                    message: message_of(&headers, body)?,
+                    message: message_of(&id, &headers, body)?,
                 })
             })
             .collect()
@@ -219,7 +224,7 @@ where
         let now = DB::DB_NOW_MS;
         let mut tx = begin_detached(self.pool(), Some(DB::LEASE_BEGIN.to_owned())).await?;
         let candidates: Vec<Candidate> = sqlx::query_as(&format!(
-            "SELECT seq, ordering_key, destination, headers, body, created_at_ms, attempts \
+            "SELECT seq, ordering_key, destination, message_id, headers, body, created_at_ms, attempts \
              FROM {t} WHERE state = 0 AND not_before_ms <= {now} \
              AND (lease_until_ms IS NULL OR lease_until_ms < {now}) \
              ORDER BY seq LIMIT {max}{}",
@@ -247,11 +252,11 @@ where
         }));
         let mut leased = Vec::new();
         let mut unreadable = Vec::new();
-        for (seq, key, destination, headers, body, created, attempts) in candidates {
+        for (seq, key, destination, id, headers, body, created, attempts) in candidates {
             if !taken.contains(&seq) {
                 continue;
             }
-            match message_of(&headers, body) {
+            match message_of(&id, &headers, body) {
                 Ok(message) => leased.push(LeasedMessage::new(
                     seq,
                     destination,
@@ -470,25 +475,32 @@ where
             return Ok(0);
         }
         let t = self.table();
-        let list = params::<DB>(2, seqs.len());
-        let sql = match self.options().get_sent_retention() {
-            None => format!(
-                "DELETE FROM {t} WHERE lease_owner = {} AND state = 0 AND seq IN ({list})",
-                DB::param(1)
-            ),
-            Some(_) => format!(
-                "UPDATE {t} SET state = 1, done_at_ms = {}, lease_owner = NULL, \
-                 lease_until_ms = NULL WHERE lease_owner = {} AND state = 0 AND seq IN ({list})",
-                DB::DB_NOW_MS,
-                DB::param(1)
-            ),
-        };
-        let mut query = sqlx::query(&sql).bind(owner.to_owned());
-        for seq in seqs {
-            query = query.bind(*seq);
-        }
         let mut conn = self.pool().acquire().await?;
-        Ok(DB::rows_affected(&query.execute(&mut *conn).await?))
+        let mut done = 0;
+        for chunk in seqs.chunks(MARK_CHUNK) {
+            // Lists padded to a power of two (the last seq repeated), so that a connection
+            // prepares a few statements rather than one per length.
+            let len = chunk.len().next_power_of_two();
+            let list = params::<DB>(2, len);
+            let sql = match self.options().get_sent_retention() {
+                None => format!(
+                    "DELETE FROM {t} WHERE lease_owner = {} AND state = 0 AND seq IN ({list})",
+                    DB::param(1)
+                ),
+                Some(_) => format!(
+                    "UPDATE {t} SET state = 1, done_at_ms = {}, lease_owner = NULL, \
+                     lease_until_ms = NULL WHERE lease_owner = {} AND state = 0 AND seq IN ({list})",
+                    DB::DB_NOW_MS,
+                    DB::param(1)
+                ),
+            };
+            let mut query = sqlx::query(&sql).bind(owner.to_owned());
+            for i in 0..len {
+                query = query.bind(chunk[i.min(chunk.len() - 1)]);
+            }
+            done += DB::rows_affected(&query.execute(&mut *conn).await?);
+        }
+        Ok(done)
     }
 
     async fn retry_later<'a>(
