@@ -15,6 +15,9 @@
 //! With `TWICE_BENCH_BATCH=N` the processor of part 1 handles up to `N` messages per
 //! transaction (`ProcessorOptions::batch_size`), with and without the outbox alike.
 //!
+//! With `TWICE_BENCH_ONLY=outbox` (or `plain`) only that side of part 1 runs, and not part 2:
+//! to profile one side.
+//!
 //! With `TWICE_BENCH_NO_RELAY=1` no relay runs in part 1 (the rows stay in the table): what
 //! the rows' writes alone cost. Needs PostgreSQL on its usual port. Prints numbers; nothing
 //! passes or fails.
@@ -226,6 +229,16 @@ fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1_000.0)
 }
 
+/// `TWICE_BENCH_ONLY`: `outbox` runs the side with the outbox alone, `plain` the other.
+fn only() -> anyhow::Result<Option<bool>> {
+    match std::env::var("TWICE_BENCH_ONLY").as_deref() {
+        Err(_) => Ok(None),
+        Ok("outbox") => Ok(Some(true)),
+        Ok("plain") => Ok(Some(false)),
+        Ok(other) => anyhow::bail!("TWICE_BENCH_ONLY is `outbox` or `plain`, not `{other}`"),
+    }
+}
+
 /// `TWICE_BENCH_BATCH`, or 1.
 fn batch_size() -> anyhow::Result<usize> {
     Ok(std::env::var("TWICE_BENCH_BATCH").map_or(Ok(1), |s| s.parse())?)
@@ -261,7 +274,16 @@ async fn main() -> anyhow::Result<()> {
             fill(&broker, q, n, round).await?;
         }
         // Which goes first alternates, so that neither always meets a busier machine.
-        let (a, b) = if round % 2 == 0 {
+        let (a, b) = if let Some(only) = only()? {
+            // One side alone, to profile it: the other's numbers are zeros.
+            let run = if only {
+                process(&broker, &sending, n, pool.clone(), Some(outbox)).await?
+            } else {
+                process(&broker, &plain, n, pool.clone(), None).await?
+            };
+            let none = Run { rate: 0.0, own_us: 0.0, postgres_us: 0.0 };
+            if only { (none, run) } else { (run, none) }
+        } else if round % 2 == 0 {
             let a = process(&broker, &plain, n, pool.clone(), None).await?;
             (a, process(&broker, &sending, n, pool.clone(), Some(outbox)).await?)
         } else {
@@ -291,6 +313,10 @@ async fn main() -> anyhow::Result<()> {
         100.0 * mean(&with) / mean(&without)
     );
 
+    if only()?.is_some() {
+        broker.shutdown().await;
+        return Ok(());
+    }
     let lag_n = 10_000.min(n);
     println!(
         "2. relay lag, write → broker acknowledgement, {lag_n} rows committed at 1,000 per second \

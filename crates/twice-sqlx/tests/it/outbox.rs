@@ -844,3 +844,58 @@ where
     assert_eq!(peek_all(&broker, "shipped").await.len(), 7);
 }
 on_all_stores!(sent_rows_are_kept_for_the_retention_then_purged);
+
+/// The rows the broker acknowledged wait for their deletion, so that one statement covers
+/// many turns: five rows sent in five turns are all still in the table (leased, so no other
+/// relay takes them) until the relay shuts down, which deletes them. A session's rows are
+/// deleted before the relay next reads the table, where they would hold back the session's
+/// later rows.
+async fn sent_rows_wait_for_their_deletion_across_turns<F: Fixture>(f: F)
+where
+    Outboxed<F>: OutboxStore<Error = StoreError>,
+{
+    let outbox = f.outbox(OutboxOptions::new().table("outbox_marks")).await.expect("outbox");
+    let broker = broker().await;
+    let hour = Duration::from_secs(3600);
+    let options = relay_options().lease_duration(hour).mark_delay(hour);
+    assert_eq!(options.get_mark_delay(), hour / 4, "within a quarter of the lease");
+    let relay = Relay::new(outbox.clone(), broker.clone(), options);
+    let counters = relay.counters();
+    let shutdown = Shutdown::default();
+    let task = tokio::spawn(relay.run(shutdown.wait()));
+    for i in 0..5 {
+        // Each row commits after the one before was acknowledged: a turn of its own.
+        f.write_all(&outbox, vec![("shipped", Message::new(format!("m-{i}")))]).await;
+        until_async("sent", || async { peek_all(&broker, "shipped").await.len() == i + 1 }).await;
+    }
+    assert_eq!(counters.snapshot().sent, 5, "{}", F::NAME);
+    let waiting = F::rows(&outbox, RowState::Pending).await;
+    assert_eq!(waiting.len(), 5, "{}: sent and not yet deleted", F::NAME);
+
+    // A session's row is deleted before the next read of the table.
+    let in_session =
+        |body: &'static str| vec![("shipped", Message::new(body).with_session_id("s-1"))];
+    f.write_all(&outbox, in_session("first")).await;
+    until_async("sent", || async { peek_all(&broker, "shipped").await.len() == 6 }).await;
+    f.write_all(&outbox, in_session("second")).await;
+    until_async("sent", || async { peek_all(&broker, "shipped").await.len() == 7 }).await;
+    let left: Vec<String> = F::rows(&outbox, RowState::Pending)
+        .await
+        .iter()
+        .map(|r| String::from_utf8_lossy(&r.message.body).into_owned())
+        .collect();
+    assert!(!left.iter().any(|b| b == "first"), "{}: the session's first row is deleted", F::NAME);
+    assert!(left.iter().all(|b| b.starts_with("m-") || b == "second"), "{}: {left:?}", F::NAME);
+
+    shutdown.trigger();
+    task.await.expect("join");
+    assert!(
+        F::rows(&outbox, RowState::Pending).await.is_empty(),
+        "{}: deleted at shutdown",
+        F::NAME
+    );
+    let shipped = peek_all(&broker, "shipped").await;
+    let distinct: HashSet<&MessageId> = shipped.iter().map(|m| m.message_id()).collect();
+    assert_eq!((shipped.len(), distinct.len()), (7, 7), "{}: each sent once", F::NAME);
+}
+on_all_stores!(sent_rows_wait_for_their_deletion_across_turns);

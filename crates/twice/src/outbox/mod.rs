@@ -9,7 +9,7 @@
 //! claimed the incoming message and holds the handler's work, just before its commit. Work that
 //! rolls back leaves no row; work that commits always has its rows. A [`Relay`] then sends the
 //! committed rows on a broker ([`Publish`]) and deletes them once the broker has acknowledged
-//! them.
+//! them (within [`RelayOptions::mark_delay`], many turns' rows in one statement).
 //!
 //! Outside a handler (an HTTP request that writes an order and publishes `OrderPlaced`), the
 //! store's own API writes the same rows into the caller's transaction (`twice-sqlx`:
@@ -60,11 +60,13 @@
 //! memory once the transaction has committed ([`Wake`]). The relay sends them at once, without
 //! reading the table; rows written elsewhere, and rows whose hand-over was lost, it leases.
 
+mod marks;
 mod relay;
 mod store;
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -359,6 +361,9 @@ pub struct Wake(Arc<WakeInner>);
 #[derive(Debug, Default)]
 struct WakeInner {
     notify: Notify,
+    /// Set by a wake for rows the relay must lease (written unleased); a hand-over alone
+    /// does not set it, since the relay sends those rows without reading the table.
+    lease_wanted: AtomicBool,
     local: Mutex<Local>,
 }
 
@@ -386,9 +391,16 @@ impl Wake {
         Self::default()
     }
 
-    /// Wakes the relay; a wake given while it is busy is kept for its next wait.
+    /// Wakes the relay to read the table (rows were written that it must lease); a wake
+    /// given while it is busy is kept for its next wait.
     pub fn wake(&self) {
+        self.0.lease_wanted.store(true, Ordering::Release);
         self.0.notify.notify_one();
+    }
+
+    /// Whether a wake asked for a read of the table since the last call.
+    pub(crate) fn take_lease_wanted(&self) -> bool {
+        self.0.lease_wanted.swap(false, Ordering::AcqRel)
     }
 
     /// Resolves at the next wake (or at once for a wake kept from before).
@@ -425,12 +437,15 @@ impl Wake {
         Attachment { wake: Some(self.clone()), attachment }
     }
 
-    /// Hands `rows`, leased to `owner`, to the attached relay if it is still `owner`.
+    /// Hands `rows`, leased to `owner`, to the attached relay if it is still `owner`, and
+    /// wakes it; a relay that is gone leaves them to the end of their leases.
     fn hand(&self, owner: &str, rows: Vec<LeasedMessage>) {
         let mut local = self.local();
         if local.relay.as_ref().is_some_and(|r| r.owner == owner) {
             local.handed.extend(rows);
         }
+        drop(local);
+        self.0.notify.notify_one();
     }
 }
 
@@ -499,13 +514,15 @@ impl Staged {
         self.wake.is_some()
     }
 
-    /// The transaction committed: the relay is woken, and handed the rows leased to it.
+    /// The transaction committed: the relay is handed the rows leased to it, or woken to
+    /// lease the rows written unleased.
     pub fn committed(self) {
         if let Some(wake) = self.wake {
-            if !self.rows.is_empty() {
+            if self.rows.is_empty() {
+                wake.wake();
+            } else {
                 wake.hand(&self.owner, self.rows);
             }
-            wake.wake();
         }
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use tracing::Instrument as _;
 
+use super::marks::Marks;
 use super::store::{LeasedMessage, OutboxStats, OutboxStore};
 use super::{BatchError, Publish, is_permanent};
 use crate::clock::{SharedClock, Timestamp};
@@ -29,6 +30,7 @@ pub struct RelayOptions {
     initial_backoff: Duration,
     max_backoff: Duration,
     stats_interval: Duration,
+    mark_delay: Duration,
     owner: Option<String>,
     clock: SharedClock,
 }
@@ -44,6 +46,7 @@ impl Default for RelayOptions {
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(60),
             stats_interval: Duration::from_secs(10),
+            mark_delay: Duration::from_millis(100),
             owner: None,
             clock: SharedClock::system(),
         }
@@ -53,7 +56,7 @@ impl Default for RelayOptions {
 impl RelayOptions {
     /// The defaults: batches of 100 rows, leases of 30 s, a poll every second, 16 sends at
     /// once, broker batches of at most 192 KiB of bodies, backoff from 100 ms to 60 s, stats
-    /// every 10 s, a random owner name, the system clock.
+    /// every 10 s, sent rows deleted within 100 ms, a random owner name, the system clock.
     pub fn new() -> Self {
         Self::default()
     }
@@ -146,6 +149,27 @@ impl RelayOptions {
     /// How often the relay reads the table's stats.
     pub fn get_stats_interval(&self) -> Duration {
         self.stats_interval
+    }
+
+    /// How long rows the broker acknowledged may wait for their deletion (or, with a
+    /// retention, their marking as sent), so that one statement covers the rows of many turns
+    /// (default 100 ms). They are deleted sooner once ten batches of rows wait, when it
+    /// shuts down, and, for a session's rows, before the relay reads the table (which would
+    /// show them unsent, holding back the session's later rows); and never later than a
+    /// quarter of the lease, so that no other relay takes them meanwhile. A relay that dies in this window
+    /// leaves them to be sent again, with the same ids, once their leases end: what the
+    /// broker's duplicate detection or the receiver's inbox drops. `Duration::ZERO` deletes
+    /// them after every turn.
+    #[must_use]
+    pub fn mark_delay(mut self, d: Duration) -> Self {
+        self.mark_delay = d;
+        self
+    }
+
+    /// How long acknowledged rows wait for their deletion at most: the delay set, within a
+    /// quarter of the lease.
+    pub fn get_mark_delay(&self) -> Duration {
+        self.mark_delay.min(self.lease_duration / 4)
     }
 
     /// The name the relay's leases carry (default: random, per relay).
@@ -296,6 +320,9 @@ impl RelayCounters {
     }
 }
 
+/// How long a relay that shuts down waits for the deletion of the rows it sent.
+const FINAL_MARK_WAIT: Duration = Duration::from_secs(5);
+
 type SentHook = Arc<dyn Fn(&Sent) + Send + Sync>;
 type AckHook = Arc<dyn Fn(&[i64]) -> ControlFlow<()> + Send + Sync>;
 
@@ -310,10 +337,10 @@ enum Work {
 ///
 /// One turn: take the rows this process's commits handed over (written already leased to this
 /// relay, see [`Wake`](super::Wake)), or else lease a batch of due rows from the table; send
-/// each ordering key's rows in order (different keys concurrently), then delete the rows the
-/// broker acknowledged in one statement. A transient
-/// failure holds the rest of its key back and retries the row after a backoff; a permanent one
-/// parks the row. Between turns the relay sleeps until a local commit wakes it
+/// each ordering key's rows in order (different keys concurrently). The rows the broker
+/// acknowledged are deleted in one statement for many turns, within
+/// [`RelayOptions::mark_delay`] (100 ms by default). A transient failure holds the rest of its
+/// key back and retries the row after a backoff; a permanent one parks the row. Between turns the relay sleeps until a local commit wakes it
 /// ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
 /// processes and by relays that died.
 ///
@@ -405,11 +432,13 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
     /// Relays until `shutdown` resolves (or an [`on_acknowledged`](Relay::on_acknowledged)
     /// hook stops it). A turn under way when it does is cut off: its sends may have reached
     /// the broker, and its rows, still leased, are sent again (with the same ids) once their
-    /// leases end.
+    /// leases end. Rows acknowledged before are deleted first (waiting up to 5 s for the
+    /// store); a hook that stops the relay leaves them, as a crash would.
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe in the same sense: dropped, it leaves leases to expire.
+    /// Cancel safe in the same sense: dropped, it leaves leases to expire, those of rows
+    /// already sent and not yet deleted ([`RelayOptions::mark_delay`]) included.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
         let clock = self.options.clock.clone();
@@ -418,18 +447,31 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         let waker = self.store.waker().clone();
         let attached = waker.attach(&self.owner, self.options.lease_duration);
         // Rows this process's commits hand over are sent without a lease; the table itself is
-        // read when nothing is handed over, and at least once per poll interval while rows
-        // keep coming (rows of other processes, of relays that died, held back by order).
+        // read when a commit of rows written unleased wakes the relay, after a lease that
+        // brought rows, and at least once per poll interval (rows of other processes, of
+        // relays that died, held back by order).
         let mut next_lease = clock.now();
         let mut leased_last = false;
+        // Acknowledged rows wait here for their deletion, which one statement does for many
+        // turns' rows.
+        let mut marks = Marks::<Sent>::default();
+        let mark_delay = self.options.get_mark_delay();
+        let mark_max = self.options.batch_size.saturating_mul(10);
         loop {
             if clock.now() >= next_stats {
                 tokio::select! {
                     biased;
-                    () = &mut shutdown => return,
+                    () = &mut shutdown => break,
                     () = self.housekeeping() => {}
                 }
                 next_stats = clock.now().saturating_add(self.options.stats_interval);
+            }
+            if marks.due(clock.now(), mark_delay, mark_max) {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = self.mark(&mut marks) => {}
+                }
             }
             // After a lease, what was handed over meanwhile goes first: a lease never returns
             // those rows (they are leased to this relay), and turns longer than the poll
@@ -440,6 +482,19 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 Vec::new()
             };
             let adopting = !handed.is_empty();
+            if !adopting && !leased_last && clock.now() < next_lease && !waker.take_lease_wanted() {
+                // Only hand-overs woke the relay since it last read the table, and none waits:
+                // the table is read when a commit of rows written unleased asks for it, or at
+                // the poll.
+                let wait = self.wait(next_lease, next_stats, marks.deadline(mark_delay));
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = waker.woken() => {}
+                    () = clock.sleep(wait) => {}
+                }
+                continue;
+            }
             leased_last = !adopting;
             let got = if adopting {
                 // Rows of a key only their own transaction writes go out as they are; a
@@ -456,9 +511,18 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 let adopted = if check.is_empty() {
                     Ok(Vec::new())
                 } else {
+                    // The check reads the table: rows of a session sent and not yet deleted
+                    // would hold back the session's later rows.
+                    if marks.holds_order() {
+                        tokio::select! {
+                            biased;
+                            () = &mut shutdown => break,
+                            () = self.mark(&mut marks) => {}
+                        }
+                    }
                     tokio::select! {
                         biased;
-                        () = &mut shutdown => return,
+                        () = &mut shutdown => break,
                         r = self.store.adopt(&self.owner, check) => r,
                     }
                 };
@@ -482,9 +546,16 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 }
             } else {
                 next_lease = clock.now().saturating_add(self.options.poll_interval);
+                if marks.holds_order() {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        () = self.mark(&mut marks) => {}
+                    }
+                }
                 tokio::select! {
                     biased;
-                    () = &mut shutdown => return,
+                    () = &mut shutdown => break,
                     r = self.store.lease(&self.owner, self.options.batch_size, self.options.lease_duration) => r,
                 }
             };
@@ -496,7 +567,7 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                     let wait = self.backoff(store_failures);
                     tokio::select! {
                         biased;
-                        () = &mut shutdown => return,
+                        () = &mut shutdown => break,
                         () = clock.sleep(wait) => {}
                     }
                 }
@@ -505,10 +576,11 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                     if adopting {
                         continue;
                     }
-                    let wait = self.options.poll_interval.min(self.until(next_stats));
+                    let poll = clock.now().saturating_add(self.options.poll_interval);
+                    let wait = self.wait(poll, next_stats, marks.deadline(mark_delay));
                     tokio::select! {
                         biased;
-                        () = &mut shutdown => return,
+                        () = &mut shutdown => break,
                         () = waker.woken() => {}
                         () = clock.sleep(wait) => {}
                     }
@@ -520,20 +592,68 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                     counter.fetch_add(1, Ordering::Relaxed);
                     let turned = tokio::select! {
                         biased;
-                        () = &mut shutdown => return,
+                        () = &mut shutdown => break,
                         turned = self.turn(batch) => turned,
                     };
-                    if turned.is_break() {
-                        return;
+                    match turned {
+                        ControlFlow::Continue((sent, holds_order)) => {
+                            marks.add(sent, holds_order, clock.now());
+                        }
+                        ControlFlow::Break(()) => return,
                     }
                 }
             }
         }
+        if !marks.is_empty() {
+            // What the broker acknowledged before the shutdown is deleted now, if the store
+            // answers in time; otherwise it goes out again once its leases end.
+            tokio::select! {
+                biased;
+                () = self.mark(&mut marks) => {}
+                () = clock.sleep(FINAL_MARK_WAIT) => tracing::warn!(
+                    owner = %self.owner,
+                    "the outbox store did not answer within {FINAL_MARK_WAIT:?} at shutdown; \
+                     rows already sent will be sent again with the same ids"
+                ),
+            }
+        }
     }
 
-    /// Sends the rows of one lease and deletes the acknowledged ones; breaks when the
-    /// acknowledgement hook stops the relay.
-    async fn turn(&self, batch: Vec<LeasedMessage>) -> ControlFlow<()> {
+    /// Deletes (or, with a retention, marks sent) the acknowledged rows waiting in `marks`,
+    /// then calls the `on_sent` hook for each.
+    async fn mark(&self, marks: &mut Marks<Sent>) {
+        let sent = marks.take();
+        if sent.is_empty() {
+            return;
+        }
+        let seqs: Vec<i64> = sent.iter().map(|s: &Sent| s.seq).collect();
+        match self.store.sent(&self.owner, &seqs).await {
+            Ok(n) if n < seqs.len() as u64 => tracing::debug!(
+                owner = %self.owner,
+                acknowledged = seqs.len(),
+                deleted = n,
+                "some acknowledged rows were no longer leased by this relay (their lease ended)"
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    owner = %self.owner,
+                    "deleting {} sent outbox rows failed; they will be sent again with the same ids: {e}",
+                    seqs.len()
+                );
+            }
+        }
+        if let Some(hook) = &self.on_sent {
+            sent.iter().for_each(|s| hook(s));
+        }
+    }
+
+    /// Sends the rows of one lease; returns the acknowledged ones and whether some rows were
+    /// of a key other transactions write too, or breaks when the acknowledgement hook stops
+    /// the relay.
+    async fn turn(&self, batch: Vec<LeasedMessage>) -> ControlFlow<(), (Vec<Sent>, bool)> {
+        let holds_order = batch.iter().any(|r| super::key_spans_transactions(&r.ordering_key));
         // Ordering keys in the order of their first row; each key's rows in `seq` order.
         let mut groups: Vec<Vec<LeasedMessage>> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
@@ -581,34 +701,13 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
             })
             .await;
         let sent = sent.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if sent.is_empty() {
-            return ControlFlow::Continue(());
-        }
-        let seqs: Vec<i64> = sent.iter().map(|s: &Sent| s.seq).collect();
-        if let Some(hook) = &self.on_acknowledged {
+        if !sent.is_empty()
+            && let Some(hook) = &self.on_acknowledged
+        {
+            let seqs: Vec<i64> = sent.iter().map(|s: &Sent| s.seq).collect();
             hook(&seqs)?;
         }
-        match self.store.sent(&self.owner, &seqs).await {
-            Ok(n) if n < seqs.len() as u64 => tracing::debug!(
-                owner = %self.owner,
-                acknowledged = seqs.len(),
-                deleted = n,
-                "some acknowledged rows were no longer leased by this relay (their lease ended)"
-            ),
-            Ok(_) => {}
-            Err(e) => {
-                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    owner = %self.owner,
-                    "deleting {} sent outbox rows failed; they will be sent again with the same ids: {e}",
-                    seqs.len()
-                );
-            }
-        }
-        if let Some(hook) = &self.on_sent {
-            sent.iter().for_each(|s| hook(s));
-        }
-        ControlFlow::Continue(())
+        ControlFlow::Continue((sent, holds_order))
     }
 
     /// Sends the rows for one destination in batches, in order; a key whose batch failed for
@@ -812,6 +911,13 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
         #[allow(clippy::cast_precision_loss)] // reason: 53-bit value, exact in an f64
         let fraction = (random_u64() >> 11) as f64 / (1_u64 << 53) as f64;
         full / 2 + full.mul_f64(fraction / 2.0)
+    }
+
+    /// How long to wait for a wake: until `at`, the next stats reading or the deadline of the
+    /// rows waiting for their deletion, whichever comes first.
+    fn wait(&self, at: Timestamp, next_stats: Timestamp, marks: Option<Timestamp>) -> Duration {
+        let wait = self.until(at).min(self.until(next_stats));
+        marks.map_or(wait, |m| wait.min(self.until(m)))
     }
 
     fn until(&self, at: Timestamp) -> Duration {
