@@ -124,8 +124,9 @@
 //! that no earlier pending row of their ordering key precedes outside the batch (that row is
 //! leased by another relay, or waiting out a backoff), and stamps them with its name and the
 //! lease's end. Sending happens after that transaction, so no database lock is held while the
-//! broker is called. Acknowledged rows are deleted in one statement per batch (or marked sent
-//! and purged later in bounded batches when [`OutboxOptions::sent_retention`] is set).
+//! broker is called. Acknowledged rows are deleted (or marked sent and purged later in bounded
+//! batches when [`OutboxOptions::sent_retention`] is set) within the relay's
+//! `RelayOptions::mark_delay`, the rows of many turns in one statement.
 //!
 //! # Parked rows
 //!
