@@ -156,10 +156,10 @@ impl RelayOptions {
     /// (default 100 ms). They are deleted sooner once ten batches of rows wait, when it
     /// shuts down, and, for a session's rows, before the relay reads the table (which would
     /// show them unsent, holding back the session's later rows); and never later than a
-    /// quarter of the lease, so that no other relay takes them meanwhile. A relay that dies in this window
-    /// leaves them to be sent again, with the same ids, once their leases end: what the
-    /// broker's duplicate detection or the receiver's inbox drops. `Duration::ZERO` deletes
-    /// them after every turn.
+    /// quarter of the lease, so that no other relay takes them meanwhile. A relay that dies in
+    /// this window leaves them to be sent again, with the same ids, once their leases end:
+    /// what the broker's duplicate detection or the receiver's inbox drops. `Duration::ZERO`
+    /// deletes them after every turn.
     #[must_use]
     pub fn mark_delay(mut self, d: Duration) -> Self {
         self.mark_delay = d;
@@ -340,9 +340,9 @@ enum Work {
 /// each ordering key's rows in order (different keys concurrently). The rows the broker
 /// acknowledged are deleted in one statement for many turns, within
 /// [`RelayOptions::mark_delay`] (100 ms by default). A transient failure holds the rest of its
-/// key back and retries the row after a backoff; a permanent one parks the row. Between turns the relay sleeps until a local commit wakes it
-/// ([`Wake`](super::Wake)) or the poll interval passes, which finds rows left by other
-/// processes and by relays that died.
+/// key back and retries the row after a backoff; a permanent one parks the row. Between turns
+/// the relay sleeps until a local commit wakes it ([`Wake`](super::Wake)) or the poll interval
+/// passes, which finds rows left by other processes and by relays that died.
 ///
 /// With the `metrics` cargo feature the relay records, labelled by `destination` where it says
 /// so:
