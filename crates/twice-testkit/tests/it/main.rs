@@ -88,10 +88,26 @@ fn nats_expected() -> Report {
 /// unset).
 async fn measure() -> [Option<Report>; 4] {
     let (rabbitmq, nats) = (RabbitMq::default(), Nats::default());
-    let (embedded, rabbitmq) =
-        tokio::join!(conformance::run(&Embedded), conformance::run(&rabbitmq));
-    let (servicebus, nats) = tokio::join!(conformance::run(&ServiceBus), conformance::run(&nats));
+    let (embedded, rabbitmq) = tokio::join!(
+        bounded("embedded", conformance::run(&Embedded)),
+        bounded("RabbitMQ", conformance::run(&rabbitmq))
+    );
+    let (servicebus, nats) = tokio::join!(
+        bounded("Service Bus client", conformance::run(&ServiceBus)),
+        bounded("NATS", conformance::run(&nats))
+    );
     [embedded, servicebus, rabbitmq, nats]
+}
+
+/// A transport's whole kit takes about a minute here: one still running after ten has hung
+/// (every scenario's own waits are bounded), and fails naming its transport rather than
+/// holding the run.
+async fn bounded<T>(transport: &str, kit: impl std::future::Future<Output = T>) -> T {
+    const WHOLE_KIT: std::time::Duration = std::time::Duration::from_secs(600);
+    match tokio::time::timeout(WHOLE_KIT, kit).await {
+        Ok(report) => report,
+        Err(_) => panic!("the kit on {transport} did not finish within {WHOLE_KIT:?}"),
+    }
 }
 
 /// Plays the kit on every transport, checks each report against what that transport is
