@@ -249,6 +249,7 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map_or(Ok(20_000), |s| s.parse())?;
     let rounds: usize = args.next().map_or(Ok(3), |s| s.parse())?;
+    let only = only()?;
 
     let dir = tempfile::tempdir()?;
     let broker = Broker::open(BrokerOptions::durable(dir.path())).await?;
@@ -274,7 +275,7 @@ async fn main() -> anyhow::Result<()> {
             fill(&broker, q, n, round).await?;
         }
         // Which goes first alternates, so that neither always meets a busier machine.
-        let (a, b) = if let Some(only) = only()? {
+        let (a, b) = if let Some(only) = only {
             // One side alone, to profile it: the other's numbers are zeros.
             let run = if only {
                 process(&broker, &sending, n, pool.clone(), Some(outbox)).await?
@@ -313,7 +314,7 @@ async fn main() -> anyhow::Result<()> {
         100.0 * mean(&with) / mean(&without)
     );
 
-    if only()?.is_some() {
+    if only.is_some() {
         broker.shutdown().await;
         return Ok(());
     }

@@ -496,30 +496,30 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 continue;
             }
             leased_last = !adopting;
+            // Rows handed over of a key only their own transaction writes go out as they are;
+            // a session's rows, and rows whose lease may be near its end, are checked against
+            // the table first.
+            let now = clock.now();
+            let fresh = self.options.lease_duration / 2;
+            let (mut ready, check): (Vec<LeasedMessage>, Vec<LeasedMessage>) =
+                handed.into_iter().partition(|r| {
+                    !super::key_spans_transactions(&r.ordering_key)
+                        && now.duration_since(r.created_at) < fresh
+                });
+            // A lease and a check read the table, where a session's rows sent and not yet
+            // deleted would hold back the session's later rows.
+            if (!adopting || !check.is_empty()) && marks.holds_order() {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = self.mark(&mut marks) => {}
+                }
+            }
             let got = if adopting {
-                // Rows of a key only their own transaction writes go out as they are; a
-                // session's rows, and rows whose lease may be near its end, are checked
-                // against the table first.
-                let now = clock.now();
-                let fresh = self.options.lease_duration / 2;
-                let (mut ready, check): (Vec<LeasedMessage>, Vec<LeasedMessage>) =
-                    handed.into_iter().partition(|r| {
-                        !super::key_spans_transactions(&r.ordering_key)
-                            && now.duration_since(r.created_at) < fresh
-                    });
                 let offered = check.len();
                 let adopted = if check.is_empty() {
                     Ok(Vec::new())
                 } else {
-                    // The check reads the table: rows of a session sent and not yet deleted
-                    // would hold back the session's later rows.
-                    if marks.holds_order() {
-                        tokio::select! {
-                            biased;
-                            () = &mut shutdown => break,
-                            () = self.mark(&mut marks) => {}
-                        }
-                    }
                     tokio::select! {
                         biased;
                         () = &mut shutdown => break,
@@ -546,13 +546,6 @@ impl<S: OutboxStore, P: Publish> Relay<S, P> {
                 }
             } else {
                 next_lease = clock.now().saturating_add(self.options.poll_interval);
-                if marks.holds_order() {
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => break,
-                        () = self.mark(&mut marks) => {}
-                    }
-                }
                 tokio::select! {
                     biased;
                     () = &mut shutdown => break,
